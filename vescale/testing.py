@@ -1,0 +1,86 @@
+"""Run a function on N real ranks (one process each, gloo backend) and collect what each returns.
+
+Tests and benchmarks use this to check behaviour that needs real collectives: the parent forks
+``world_size`` children, each initialises a gloo process group on a private localhost port, calls
+``fn(*args)`` and sends back its return value (or its traceback). A rank that hangs is killed after
+``timeout`` seconds and the call fails instead of blocking the suite.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["run_on_ranks"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, conn) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    # Each rank gets one intra-op thread: N ranks share this machine's few cores.
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(*args)
+        conn.send(("ok", result))
+    except BaseException:  # report everything, including assertion failures, to the parent
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        conn.close()
+
+
+def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0) -> list:
+    """Call ``fn(*args)`` on ``world_size`` gloo ranks and return the list of per-rank results.
+
+    ``fn`` runs after ``torch.distributed`` is initialised; ``dist.get_rank()`` tells it which rank
+    it is. Results must be picklable. Raises ``RuntimeError`` carrying the first failing rank's
+    traceback, or ``TimeoutError`` if any rank does not finish within ``timeout`` seconds.
+    """
+    ctx = mp.get_context("fork")  # fork: children inherit imports, so start-up costs milliseconds
+    port = _free_port()
+    pipes, procs = [], []
+    for rank in range(world_size):
+        parent_end, child_end = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_child, args=(rank, world_size, port, fn, args, child_end))
+        p.start()
+        child_end.close()
+        pipes.append(parent_end)
+        procs.append(p)
+    results, errors = [None] * world_size, []
+    try:
+        for rank, conn in enumerate(pipes):
+            if not conn.poll(timeout):
+                raise TimeoutError(f"rank {rank} did not finish within {timeout:.0f}s (hung collective?)")
+            status, payload = conn.recv()
+            if status == "error":
+                errors.append(f"--- rank {rank} ---\n{payload}")
+            else:
+                results[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise RuntimeError("failure on {} rank(s):\n{}".format(len(errors), "\n".join(errors)))
+    return results
