@@ -1,0 +1,121 @@
+"""Train a tiny LLaMA for a few AdamW steps on one device or on a DP x TP mesh; write the losses to JSON.
+
+The model is the same unchanged single-device model in both cases; only the plan differs:
+
+    python examples/train_llama.py --out single.json
+    torchrun --standalone --nproc-per-node 4 examples/train_llama.py --dp 2 --tp 2 --out dist.json
+    python examples/compare_losses.py single.json dist.json
+
+Every rank builds the full model from the same seed, exactly as the single-device run does, and
+``vescale.parallelize`` then keeps each rank's part: both runs start from identical weights and
+see identical global batches, so with single-device semantics their losses agree step by step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from tqdm import tqdm
+
+import vescale
+from vescale.zoo.data import synthetic_batches
+from vescale.zoo.hf import tiny_hf_llama, tiny_llama
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="JSON file for the per-step losses (written by rank 0)")
+    parser.add_argument("--model", choices=["llama", "hf-llama"], default="llama",
+                        help="vescale.zoo's LLaMA or HuggingFace transformers' LlamaForCausalLM (same sizes)")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel degree (mesh dimension 'DP')")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (mesh dimension 'TP')")
+    parser.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
+                        help="keep activations between TP regions replicated instead of sharded on sequence")
+    parser.add_argument("--no-zero3", dest="zero3", action="store_false",
+                        help="keep parameters replicated over DP instead of sharded at rest (ZeRO-3)")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--batch-size", type=int, default=8, help="global batch size")
+    parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--dropout", type=float, default=0.0,
+                        help="attention and residual dropout probability (HF's model has attention dropout only)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds weight initialisation and data")
+    return parser.parse_args(argv)
+
+
+def check_launch(args) -> None:
+    """Fail early, with the command to use, when the process count does not fit --dp x --tp."""
+    degree = args.dp * args.tp
+    launched = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun sets it; plain python does not
+    if launched != degree:
+        how = (
+            "run it with plain python (or torchrun --nproc-per-node 1)"
+            if degree == 1
+            else f"run it with torchrun --standalone --nproc-per-node {degree}"
+        )
+        raise SystemExit(
+            f"--dp {args.dp} --tp {args.tp} needs {degree} process(es) but this launch has {launched}; {how}"
+        )
+
+
+def build_model(args) -> torch.nn.Module:
+    torch.manual_seed(args.seed)  # same weights on every rank and in the single-device run
+    if args.model == "hf-llama":
+        return tiny_hf_llama(attention_dropout=args.dropout)
+    return tiny_llama(attention_dropout=args.dropout, hidden_dropout=args.dropout)
+
+
+def as_float(loss: torch.Tensor) -> float:
+    """The global loss as a Python float, whether the model returned a plain tensor or a DTensor."""
+    if isinstance(loss, DTensor):
+        loss = loss.full_tensor()
+    return loss.item()
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    check_launch(args)
+    model = build_model(args)
+    distributed = args.dp * args.tp > 1
+    if distributed:
+        mesh = vescale.init_mesh((args.dp, args.tp), ("DP", "TP"))
+        vescale.manual_seed(args.seed)
+        plan = vescale.zoo.llama_plan(mesh, sequence_parallel=args.sequence_parallel, zero3=args.zero3)
+        model = vescale.parallelize(model, plan, mesh)
+    rank = dist.get_rank() if distributed else 0
+    mode = (
+        f"DP={args.dp} x TP={args.tp} (sequence parallel {'on' if args.sequence_parallel else 'off'}, "
+        f"ZeRO-3 {'on' if args.zero3 else 'off'})"
+        if distributed
+        else "single device"
+    )
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    vocab_size = model.config.vocab_size
+    batches = synthetic_batches(args.steps, args.batch_size, args.seq_len, vocab_size, seed=args.seed)
+    losses = []
+    progress = tqdm(batches, desc=f"{args.model}, {mode}", unit="step", disable=rank != 0)
+    for input_ids, labels in progress:
+        loss = model(input_ids, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(as_float(loss))
+        progress.set_postfix(loss=f"{losses[-1]:.6f}", refresh=False)
+
+    if rank == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"mode": mode, "args": vars(args), "losses": losses}, f, indent=1)
+        print(f"wrote {len(losses)} losses to {args.out}")
+    if distributed:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
