@@ -1,6 +1,29 @@
 """vescale: train an unchanged single-device PyTorch model on many devices from a short plan.
 
+    mesh = vescale.init_mesh((2, 2), ("DP", "TP"))
+    vescale.manual_seed(0)
+    model = vescale.parallelize(MyModel(), plan, mesh)
+
 The public surface is small on purpose; everything else lives in one package per concept:
 ``plan`` (VescalePlan and its IR), ``parallel`` (parallelize), ``random`` (single-device-semantic
-distributed RNG), ``comm`` (gradient reduction), ``zoo`` (ready plans and models).
+distributed RNG), ``comm`` (gradient reduction), ``zoo`` (ready models and plans).
 """
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from .mesh import init_mesh
+from .parallel import explain, parallelize
+from .plan import INIT, RUN, PlanError, VescalePlan
+
+
+def manual_seed(seed: int) -> None:
+    """Seed vescale's distributed RNG on every rank (see ``vescale.random.manual_seed``)."""
+    from . import random
+
+    random.manual_seed(seed)
+
+
+__all__ = [
+    "init_mesh", "VescalePlan", "parallelize", "explain", "manual_seed",
+    "Shard", "Replicate", "Partial", "INIT", "RUN", "PlanError",
+]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import traceback
 from typing import Any, Callable
@@ -40,9 +41,11 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, con
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(*args)
-        conn.send(("ok", result))
+        # Plain pickle copies tensor data; multiprocessing's own pickler would pass storages by
+        # file descriptor, which dies with this process.
+        conn.send_bytes(pickle.dumps(("ok", result)))
     except BaseException:  # report everything, including assertion failures, to the parent
-        conn.send(("error", traceback.format_exc()))
+        conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -71,7 +74,7 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
         for rank, conn in enumerate(pipes):
             if not conn.poll(timeout):
                 raise TimeoutError(f"rank {rank} did not finish within {timeout:.0f}s (hung collective?)")
-            status, payload = conn.recv()
+            status, payload = pickle.loads(conn.recv_bytes())
             if status == "error":
                 errors.append(f"--- rank {rank} ---\n{payload}")
             else:

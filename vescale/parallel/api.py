@@ -1,0 +1,113 @@
+"""parallelize(): apply a plan to an unchanged model, in place.
+
+Steps: lower the plan to IR and optimise it (every error surfaces here, before anything changes);
+check that every rank holds the same initial weights; turn every parameter into a DTensor parameter
+with its INIT placements (planned buffers too); install the IR's hooks; attach gradient reduction.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+
+from ..comm.grad import attach_grad_reduction
+from ..plan import PlanIR, VescalePlan, lower
+from .hooks import install_module_hooks, root_scope_hooks
+
+__all__ = ["parallelize", "explain"]
+
+
+def explain(model: nn.Module, plan: VescalePlan, mesh: DeviceMesh) -> PlanIR:
+    """The lowered and optimised Plan IR for ``plan`` on ``model`` and ``mesh`` (printable).
+    Changes nothing; raises the same errors ``parallelize`` would."""
+    return lower(plan, model, mesh)
+
+
+def _weights_checksum(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Exact, order-independent integer checksums (two per tensor) of the raw bytes."""
+    sums = []
+    for t in tensors:
+        words = t.detach().contiguous().view(-1).view(torch.uint8)
+        words = words.to(torch.int64)
+        weights = torch.arange(1, words.numel() + 1, dtype=torch.int64) % 65521 + 1
+        sums += [words.sum(), (words * weights).sum()]
+    return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int64)
+
+
+def _check_same_weights(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Every rank must start from the single-device weights; if one rank built the model with another
+    seed, training would silently diverge from the single-device run."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    named = [(n, t) for n, t in [*model.named_parameters(), *model.named_buffers()] if not t.is_meta]
+    local = _weights_checksum([t.cpu() for _, t in named])
+    if local.numel() == 0:
+        return
+    device = mesh.device_type
+    hi, lo = local.to(device), local.to(device).neg()
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    dist.all_reduce(lo, op=dist.ReduceOp.MAX)
+    differ = (hi.cpu() != -lo.cpu()).view(-1, 2).any(dim=1)
+    if differ.any():
+        bad = [n for (n, _), d in zip(named, differ.tolist()) if d][:5]
+        raise RuntimeError(
+            f"model weights differ across ranks (e.g. {bad}); build the model after seeding every rank "
+            "identically (vescale.manual_seed(seed) or torch.manual_seed(seed)) so that all ranks start "
+            "from the single-device weights"
+        )
+
+
+def _distribute_tensors(model: nn.Module, ir: PlanIR, mesh: DeviceMesh) -> None:
+    """Parameters (all of them) and planned buffers become DTensors in their INIT placements."""
+    modules = dict(model.named_modules(remove_duplicate=False))
+    placements = {
+        (e.module, e.tensor): e.targets for e in ir.entries if e.hook == "param"
+    }
+    done: dict[int, nn.Parameter] = {}
+    for mpath, mod in modules.items():
+        for name, p in list(mod._parameters.items()):
+            if p is None or isinstance(p, DTensor):
+                continue
+            if id(p) not in done:  # a shared (tied) parameter is distributed once
+                target = placements.get((mpath, name), (Replicate(),) * mesh.ndim)
+                dt = DTensor.from_local(p.data, mesh, [Replicate()] * mesh.ndim, run_check=False)
+                dt = dt.redistribute(mesh, target)  # Replicate -> Shard is a local slice
+                done[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
+            mod._parameters[name] = done[id(p)]
+        for name, b in list(mod._buffers.items()):
+            if b is not None and (mpath, name) in placements and not isinstance(b, DTensor):
+                dt = DTensor.from_local(b, mesh, [Replicate()] * mesh.ndim, run_check=False)
+                mod._buffers[name] = dt.redistribute(mesh, placements[(mpath, name)])
+
+
+def parallelize(model: nn.Module, plan: VescalePlan, mesh: DeviceMesh) -> nn.Module:
+    """Parallelise ``model`` in place according to ``plan`` on ``mesh`` and return it.
+
+    After this call, parameters are DTensor parameters (use ``model.parameters()`` with any stock
+    torch.optim optimiser), forward inputs/outputs are redistributed as planned, tensors made inside
+    forward meet DTensors as Replicate (or as ``plan.factory`` says), and gradients arrive reduced to
+    their parameters' placements.
+    """
+    if getattr(model, "_vescale_ir", None) is not None:
+        raise RuntimeError("this model is already parallelized; build a fresh model to apply another plan")
+    ir = lower(plan, model, mesh)
+    _check_same_weights(model, mesh)
+    _distribute_tensors(model, ir, mesh)
+
+    handles = root_scope_hooks(model, mesh)
+    modules = dict(model.named_modules(remove_duplicate=False))
+    per_module: dict[str, dict[str, list]] = {}
+    for (mpath, hook), entries in ir.hooks().items():
+        if hook != "param":
+            per_module.setdefault(mpath, {})[hook] = entries
+    for mpath, hook_entries in per_module.items():
+        handles += install_module_hooks(modules[mpath], mpath, hook_entries, mesh)
+    handles += attach_grad_reduction(model.parameters())
+
+    model._vescale_ir = ir
+    model._vescale_mesh = mesh
+    model._vescale_handles = handles
+    return model

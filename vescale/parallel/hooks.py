@@ -1,0 +1,261 @@
+"""Module hooks built from the optimised Plan IR: one pre-hook and one post-hook per module at most.
+
+* forward_pre: RUN-phase gathers of the module's own parameters (ZeRO-3), then input redistribution.
+* forward: output redistribution, then the release of gathered parameters.
+* factory: a TorchFunctionMode, active only during the module's forward, that turns tensors made by
+  factory functions (torch.zeros, arange, ...) into DTensors with the planned placement.
+
+ZeRO-3 memory: a gathered parameter is a fresh DTensor ``W = P.redistribute(RUN)`` whose backward
+reduce-scatters the gradient to ``P``'s INIT layout. After the module's forward, W's storage is freed
+(``resize_(0)``; autograd keeps only the storage-less tensor). When the gradient reaches one of the
+module's outputs, W is gathered again into the same storage for the module's backward, and freed once
+more after ``P``'s gradient is accumulated. So between uses only the 1/DP shard of each parameter is
+resident, in forward and in backward.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+from ..plan.ir import Entry, PlanError
+from ..plan.lower import forward_arg_names
+from .placing import as_dtensor, place
+
+__all__ = ["install_module_hooks", "GatheredParam"]
+
+
+# ---------------------------------------------------------------------------------------------
+# ZeRO-3 gathers
+# ---------------------------------------------------------------------------------------------
+
+
+class GatheredParam:
+    """A parameter gathered to its RUN placements for one forward call of its module."""
+
+    def __init__(self, param: DTensor, mesh: DeviceMesh, run_placements):
+        self.param, self.mesh, self.run_placements = param, mesh, tuple(run_placements)
+        self.value: DTensor = param.redistribute(mesh, self.run_placements)
+        self.nbytes = self.value._local_tensor.untyped_storage().nbytes()
+
+    @property
+    def resident(self) -> bool:
+        return self.value._local_tensor.untyped_storage().nbytes() > 0
+
+    def free(self) -> None:
+        self.value._local_tensor.untyped_storage().resize_(0)
+
+    def refill(self) -> None:
+        """Gather again into the freed storage, without touching autograd's version counter."""
+        if self.resident:
+            return
+        with torch.no_grad():
+            fresh = self.param.redistribute(self.mesh, self.run_placements)._local_tensor
+        local = self.value._local_tensor
+        local.untyped_storage().resize_(self.nbytes)
+        # A new tensor over the same storage has its own version counter, so this copy does not
+        # invalidate the tensors autograd saved from `local`.
+        view = torch.empty(0, dtype=local.dtype, device=local.device)
+        view.set_(local.untyped_storage(), local.storage_offset(), local.size(), local.stride())
+        view.copy_(fresh)
+
+
+def _free_after_grad(param: nn.Parameter) -> None:
+    """Once the parameter's gradient is accumulated, its gathered copies are no longer needed."""
+    if getattr(param, "_vescale_free_hook", False):
+        return
+
+    def hook(p):
+        for g in p._vescale_gathered:
+            g.free()
+        p._vescale_gathered.clear()
+
+    param._vescale_gathered = []
+    param.register_post_accumulate_grad_hook(hook)
+    param._vescale_free_hook = True
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs and outputs
+# ---------------------------------------------------------------------------------------------
+
+
+def _place_inputs(module, args, kwargs, entries: list[Entry], mesh, path: str):
+    names, _ = forward_arg_names(module)
+    args = list(args)
+    for e in entries:
+        what = f"{path or '<root>'}.<in>[{e.key}]"
+        pos = names.index(e.key) if isinstance(e.key, str) else e.key
+        if isinstance(e.key, str) and e.key in kwargs:
+            kwargs[e.key] = place(kwargs[e.key], mesh, e.targets, what)
+        elif pos < len(args):
+            args[pos] = place(args[pos], mesh, e.targets, what)
+        # else: the argument was not passed; the module makes its own (a factory tensor)
+    return tuple(args), kwargs
+
+
+def _place_outputs(output, entries: list[Entry], mesh, path: str):
+    for e in entries:
+        what = f"{path or '<root>'}.<out>" + ("" if e.key is None else f"[{e.key}]")
+        if isinstance(output, torch.Tensor):
+            if e.key not in (None, 0):
+                raise PlanError(f"{what}: the module returns a single tensor; use <out>")
+            output = place(output, mesh, e.targets, what)
+        elif isinstance(output, (tuple, list)):
+            i = 0 if e.key is None else e.key
+            if not isinstance(i, int) or not -len(output) <= i < len(output):
+                raise PlanError(f"{what}: the module returns a {type(output).__name__} of {len(output)}; no element {i!r}")
+            items = list(output)
+            items[i] = place(items[i], mesh, e.targets, what)
+            output = type(output)(items) if type(output) in (tuple, list) else type(output)(*items)
+        elif isinstance(output, dict):
+            keys = [k for k, v in output.items() if v is not None]
+            k = keys[0] if e.key is None else (keys[e.key] if isinstance(e.key, int) else e.key)
+            if k not in output:
+                raise PlanError(f"{what}: the module's output has no field {k!r}; fields: {keys}")
+            output[k] = place(output[k], mesh, e.targets, what)
+        else:
+            raise PlanError(f"{what}: cannot place an output of type {type(output).__name__}")
+    return output
+
+
+# ---------------------------------------------------------------------------------------------
+# Factories
+# ---------------------------------------------------------------------------------------------
+
+_FACTORIES = {
+    torch.zeros, torch.ones, torch.full, torch.empty, torch.arange, torch.eye, torch.linspace,
+    torch.tensor, torch.as_tensor, torch.zeros_like, torch.ones_like, torch.full_like, torch.empty_like,
+}
+
+
+class _FactoryMode(TorchFunctionMode):
+    """Turns plain tensors made by factory functions into DTensors with planned placements."""
+
+    def __init__(self, mesh: DeviceMesh, targets, path: str):
+        super().__init__()
+        self.mesh, self.targets, self.path = mesh, targets, path
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _FACTORIES and isinstance(out, torch.Tensor) and not isinstance(out, DTensor):
+            out = place(out, self.mesh, self.targets, f"{self.path}.<factory> {func.__name__}")
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Installation
+# ---------------------------------------------------------------------------------------------
+
+
+def _register_once_on_grads(output, fn: Callable[[], None]) -> None:
+    """Call ``fn`` once, when backward first reaches any tensor of ``output``."""
+    tensors = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+    fired = [False]
+
+    def hook(grad):
+        if not fired[0]:
+            fired[0] = True
+            fn()
+        return grad
+
+    for t in tensors:
+        t.register_hook(hook)
+
+
+def install_module_hooks(module: nn.Module, path: str, hook_entries: dict[str, list[Entry]], mesh: DeviceMesh) -> list:
+    """Install the fused hooks of one module; returns the handles."""
+    gathers = [e for e in hook_entries.get("forward_pre", []) if e.action == "gather"]
+    inputs = [e for e in hook_entries.get("forward_pre", []) if e.action == "redist"]
+    outputs = hook_entries.get("forward", [])
+    factory = hook_entries.get("factory", [])
+    live: list[GatheredParam] = []  # gathered for the forward call in flight
+    modes: list[_FactoryMode] = []
+
+    def pre_hook(mod, args, kwargs):
+        for e in gathers:
+            param = mod._parameters[e.tensor]
+            g = GatheredParam(param, mesh, e.targets)
+            mod._parameters[e.tensor] = g.value  # the forward sees the gathered tensor
+            live.append(g)
+        if factory:
+            mode = _FactoryMode(mesh, factory[0].targets, path)
+            mode.__enter__()
+            modes.append(mode)
+        if inputs:
+            args, kwargs = _place_inputs(mod, args, kwargs, inputs, mesh, path)
+        return args, kwargs
+
+    def post_hook(mod, args, kwargs, output):
+        if modes:
+            modes.pop().__exit__(None, None, None)
+        if outputs:
+            output = _place_outputs(output, outputs, mesh, path)
+        if live:
+            gathered = list(live)
+            live.clear()
+            for e, g in zip(gathers, gathered):
+                mod._parameters[e.tensor] = g.param
+            if torch.is_grad_enabled() and any(g.value.requires_grad for g in gathered):
+                for g in gathered:
+                    _free_after_grad(g.param)
+                    g.param._vescale_gathered.append(g)
+                    g.free()
+                _register_once_on_grads(output, lambda: [g.refill() for g in gathered])
+        return output
+
+    handles = []
+    if gathers or inputs or factory:
+        handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+    if gathers or outputs or factory:
+        handles.append(module.register_forward_hook(post_hook, with_kwargs=True, always_call=True))
+    return handles
+
+
+def root_scope_hooks(root: nn.Module, mesh: DeviceMesh) -> list:
+    """Hooks on the root module that make the whole forward and backward single-device-like:
+
+    * plain tensors made inside forward (position ids, masks, rotary tables) meet DTensors as
+      Replicate (DTensor's implicit replication), during forward and during backward;
+    * Partial outputs (a loss reduced over a sharded batch) are resolved to Replicate, so that
+      ``loss.item()`` and ``loss.backward()`` mean what they mean on one device.
+    """
+    saved: list[bool] = []
+
+    def pre_hook(mod, args, kwargs):
+        saved.append(torch._C._get_dtensor_allow_implicit_replication())
+        torch._C._set_dtensor_allow_implicit_replication(True)
+
+    def post_hook(mod, args, kwargs, output):
+        torch._C._set_dtensor_allow_implicit_replication(saved.pop())
+        output = pytree.tree_map_only(DTensor, _resolve_partial, output)
+        _register_once_on_grads(output, _implicit_replication_for_backward)
+        return output
+
+    return [
+        root.register_forward_pre_hook(pre_hook, with_kwargs=True),
+        root.register_forward_hook(post_hook, with_kwargs=True, always_call=True),
+    ]
+
+
+def _resolve_partial(t: DTensor) -> DTensor:
+    if any(p.is_partial() for p in t.placements):
+        from torch.distributed.tensor import Replicate
+
+        return t.redistribute(t.device_mesh, [Replicate() if p.is_partial() else p for p in t.placements])
+    return t
+
+
+def _implicit_replication_for_backward() -> None:
+    # The flag is thread-local: set it on the thread running backward, restore it when backward ends.
+    prev = torch._C._get_dtensor_allow_implicit_replication()
+    torch._C._set_dtensor_allow_implicit_replication(True)
+    torch.autograd.Variable._execution_engine.queue_callback(
+        lambda: torch._C._set_dtensor_allow_implicit_replication(prev)
+    )

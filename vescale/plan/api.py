@@ -1,0 +1,156 @@
+"""The Plan API: a short, model-independent description of how to shard which tensor, and when.
+
+A plan is a list of statements. Each names tensors by a full-match regular expression over *tensor
+paths* — the module path from ``named_modules()`` plus a tensor name — and says how they are placed
+on a device mesh:
+
+    plan = VescalePlan()
+    plan.shard(r"layers\\.\\d+\\.attn\\.q_proj\\.weight", Shard(0), mesh="TP")    # a parameter
+    plan.shard(r"layers\\.\\d+\\.<in>", Shard(1), mesh="TP")                      # a forward input
+    plan.shard(r".*weight", Shard(0), mesh="DP", phase=INIT)                    # ZeRO-3 at rest ...
+    plan.shard(r".*weight", Replicate(), mesh="DP", phase=RUN)                  # ... gathered to run
+    plan.factory(r"model\\.rotary_emb", Replicate())                            # tensors made in forward
+
+Tensor names: a parameter or buffer name, ``<in>`` (first forward input), ``<in>[i]`` (positional
+input i), ``<in>[name]`` (input by argument name, positional or keyword), ``<out>`` (the output, or
+its first element), ``<out>[i]`` / ``<out>[name]`` (an element of a tuple / dict-like output).
+
+The plan holds no model and no mesh: ``vescale.plan.lower`` resolves it against both.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+__all__ = ["Phase", "INIT", "RUN", "Statement", "VescalePlan", "placement_str"]
+
+
+class Phase(enum.Enum):
+    """When a parameter placement applies: INIT is how it is stored between steps, RUN how forward
+    and backward need it. A statement without a phase applies to both."""
+
+    INIT = "INIT"
+    RUN = "RUN"
+
+    def __repr__(self) -> str:
+        return self.value
+
+
+INIT, RUN = Phase.INIT, Phase.RUN
+
+PlacementArg = Union[Placement, Sequence[Placement]]
+
+# `<in>`, `<in>[3]`, `<out>[logits]` at the end of a path: the activation part of a tensor path.
+_ACTIVATION = re.compile(r"(?:^|(?:\\?\.))<(in|out)>(?:\\?\[([^\]\\]+)\\?\])?$")
+
+
+@dataclass(frozen=True)
+class Statement:
+    """One call on a plan, kept verbatim so errors can quote it."""
+
+    kind: str  # "shard" or "factory"
+    path: str
+    placements: tuple[Placement, ...]
+    mesh_dim: str | None
+    phase: Phase | None
+    index: int  # position in the plan, for messages and stable ordering
+
+    @property
+    def activation(self) -> tuple[str, str | None] | None:
+        """("in" | "out", key or None) when the path names a forward input/output, else None."""
+        m = _ACTIVATION.search(self.path)
+        return (m.group(1), m.group(2)) if m else None
+
+    @property
+    def module_pattern(self) -> str:
+        """For activation and factory statements: the regex over module paths."""
+        if self.kind == "factory":
+            return self.path
+        m = _ACTIVATION.search(self.path)
+        return self.path[: m.start()] if m else self.path
+
+    def __str__(self) -> str:
+        where = f", mesh={self.mesh_dim!r}" if self.mesh_dim else ""
+        when = f", phase={self.phase.value}" if self.phase else ""
+        what = ", ".join(placement_str(p) for p in self.placements)
+        return f"#{self.index} plan.{self.kind}({self.path!r}, {what}{where}{when})"
+
+
+def placement_str(p: Placement) -> str:
+    """Short form used in IR dumps: R, S(0), P(sum)."""
+    if isinstance(p, Replicate):
+        return "R"
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    if isinstance(p, Partial):
+        return f"P({p.reduce_op})"
+    return repr(p)
+
+
+def _as_placements(placement: PlacementArg, path: str) -> tuple[Placement, ...]:
+    items = (placement,) if isinstance(placement, Placement) else tuple(placement)
+    if not items or not all(isinstance(p, Placement) for p in items):
+        raise TypeError(
+            f"plan path {path!r}: placement must be a Shard/Replicate/Partial or a list of them "
+            f"(one per mesh dimension), got {placement!r}"
+        )
+    return items
+
+
+class VescalePlan:
+    """An ordered list of sharding statements; see the module docstring for the path syntax."""
+
+    def __init__(self) -> None:
+        self.statements: list[Statement] = []
+
+    def shard(
+        self,
+        path: str,
+        placement: PlacementArg,
+        mesh: str | None = None,
+        phase: Phase | None = None,
+    ) -> "VescalePlan":
+        """Place the tensors matching ``path``.
+
+        ``placement`` is one placement applied on mesh dimension ``mesh`` (the other dimensions
+        stay Replicate), or a list with one placement per mesh dimension (``mesh`` omitted).
+        ``phase`` (INIT or RUN) applies to parameters only; omitted means both.
+        """
+        if phase is not None and not isinstance(phase, Phase):
+            raise TypeError(f"plan path {path!r}: phase must be vescale.INIT or vescale.RUN, got {phase!r}")
+        return self._add("shard", path, placement, mesh, phase)
+
+    def factory(self, path: str, placement: PlacementArg, mesh: str | None = None) -> "VescalePlan":
+        """Tensors created by factory functions (torch.zeros, arange, ...) inside the forward of the
+        modules matching ``path`` become DTensors with this placement (default: Replicate)."""
+        return self._add("factory", path, placement, mesh, None)
+
+    def _add(self, kind, path, placement, mesh, phase) -> "VescalePlan":
+        if not isinstance(path, str) or not path:
+            raise TypeError(f"plan.{kind}: path must be a non-empty regular expression string, got {path!r}")
+        try:
+            re.compile(path)
+        except re.error as e:
+            raise ValueError(f"plan.{kind}: path {path!r} is not a valid regular expression: {e}") from None
+        if mesh is not None and not isinstance(mesh, str):
+            raise TypeError(f"plan path {path!r}: mesh must name a mesh dimension (a string), got {mesh!r}")
+        placements = _as_placements(placement, path)
+        if mesh is not None and len(placements) != 1:
+            raise ValueError(
+                f"plan path {path!r}: with mesh={mesh!r} give one placement, not {len(placements)}; "
+                "omit mesh to give one placement per mesh dimension"
+            )
+        st = Statement(kind, path, placements, mesh, phase, len(self.statements))
+        if kind == "shard" and st.activation and phase is not None:
+            raise ValueError(f"{st}: phase applies to parameters and buffers, not to activations")
+        self.statements.append(st)
+        return self
+
+    def __repr__(self) -> str:
+        lines = "\n".join(f"  {s}" for s in self.statements)
+        return f"VescalePlan(\n{lines}\n)" if lines else "VescalePlan()"

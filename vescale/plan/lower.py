@@ -1,0 +1,195 @@
+"""Lowering: resolve a VescalePlan against a model and a mesh into Plan IR.
+
+Every regex is matched (full match) against the model's real tensor paths; every placement is checked
+against the tensor it targets and the mesh. Problems are reported here, before any hook exists, with
+the offending statement quoted and — for paths that match nothing — the closest real paths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import inspect
+import re
+from typing import Iterable
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Partial, Placement, Shard
+
+from .api import Phase, Statement, VescalePlan
+from .ir import PlanError, PlanIR, RawEntry, optimize
+
+__all__ = ["lower", "forward_arg_names"]
+
+
+def forward_arg_names(module: nn.Module) -> tuple[list[str], bool]:
+    """Names of ``module.forward``'s parameters in order, and whether it takes ``*args``."""
+    try:
+        sig = inspect.signature(module.forward)
+    except (TypeError, ValueError):
+        return [], True
+    kinds = inspect.Parameter
+    names = [p.name for p in sig.parameters.values() if p.kind not in (kinds.VAR_POSITIONAL, kinds.VAR_KEYWORD)]
+    varargs = any(p.kind is kinds.VAR_POSITIONAL for p in sig.parameters.values())
+    return names, varargs
+
+
+def _closest(path: str, candidates: Iterable[str]) -> str:
+    # Compare against a de-regexed path: users mostly escape dots and use \d+ for layer indices.
+    plain = re.sub(r"\\d\+|\\d\*|\[0-9\][+*]", "0", path).replace("\\.", ".").replace(".*", "")
+    close = difflib.get_close_matches(plain, list(candidates), n=3, cutoff=0.4)
+    return f"; closest real paths: {', '.join(close)}" if close else ""
+
+
+def _mesh_dims(st: Statement, mesh: DeviceMesh) -> list[tuple[int, Placement]]:
+    """(mesh dim index, placement) pairs a statement sets."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if st.mesh_dim is not None:
+        if st.mesh_dim not in names:
+            raise PlanError(
+                f"{st}: mesh dimension {st.mesh_dim!r} does not exist; this mesh has dimensions {names}"
+            )
+        return [(names.index(st.mesh_dim), st.placements[0])]
+    if len(st.placements) != mesh.ndim:
+        raise PlanError(
+            f"{st}: gives {len(st.placements)} placement(s) for a {mesh.ndim}-D mesh {names}; "
+            f"name the mesh dimension (mesh='{names[-1] if names else 'TP'}') or give one placement per dimension"
+        )
+    return list(enumerate(st.placements))
+
+
+def _check_fits(st: Statement, placement: Placement, name: str, ndim: int) -> Placement:
+    """A Shard dim must exist in the tensor; parameters cannot be Partial."""
+    if isinstance(placement, Partial):
+        raise PlanError(f"{st}: {name!r} is a parameter/buffer and cannot be Partial; use Shard or Replicate")
+    if isinstance(placement, Shard):
+        if not -ndim <= placement.dim < ndim:
+            raise PlanError(
+                f"{st}: Shard({placement.dim}) does not fit {name!r}, which has {ndim} dimension(s); "
+                f"use a dim in [0, {ndim})"
+            )
+        if placement.dim < 0:
+            return Shard(placement.dim + ndim)
+    return placement
+
+
+def _activation_key(st: Statement, module_path: str, module: nn.Module, key: str | None):
+    """Normalise ``<in>[...]`` to a forward argument name where possible, so that ``<in>``,
+    ``<in>[0]`` and ``<in>[hidden_states]`` name one tensor; outputs keep int/str keys."""
+    direction, _ = st.activation
+    if direction == "out":
+        if key is None:
+            return None
+        return int(key) if key.lstrip("-").isdigit() else key
+    names, varargs = forward_arg_names(module)
+    if key is None:
+        key = "0"
+    if key.lstrip("-").isdigit():
+        i = int(key)
+        if i < len(names):
+            return names[i]
+        if varargs or not names:
+            return i
+        raise PlanError(
+            f"{st}: module {module_path or '<root>'!r} ({type(module).__name__}.forward) has only "
+            f"{len(names)} input(s) {names}; <in>[{i}] does not exist"
+        )
+    if key in names:
+        return key
+    raise PlanError(
+        f"{st}: {type(module).__name__}.forward of {module_path or '<root>'!r} has no argument {key!r}; "
+        f"its arguments are {names}"
+    )
+
+
+def lower(plan: VescalePlan, model: nn.Module, mesh: DeviceMesh) -> PlanIR:
+    """Resolve ``plan`` against ``model`` and ``mesh`` and return the optimised Plan IR."""
+    if not isinstance(plan, VescalePlan):
+        raise TypeError(f"expected a vescale.VescalePlan, got {type(plan).__name__}")
+    if not isinstance(mesh, DeviceMesh) or not mesh.mesh_dim_names:
+        raise TypeError("mesh must be a DeviceMesh with named dimensions; build it with vescale.init_mesh(shape, names)")
+    modules = dict(model.named_modules(remove_duplicate=False))
+    tensors = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+    is_param = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    all_paths = list(tensors) + [f"{m}.<in>" if m else "<in>" for m in modules]
+
+    raw: list[RawEntry] = []
+    planned_buffers: set[str] = set()
+    for st in plan.statements:
+        dims = _mesh_dims(st, mesh)
+        if st.kind == "factory" or st.activation:
+            raw += _lower_module_statement(st, modules, dims, all_paths)
+            continue
+        pattern = re.compile(st.path)
+        matched = [n for n in tensors if pattern.fullmatch(n)]
+        if not matched:
+            raise PlanError(f"{st}: path matches no parameter or buffer{_closest(st.path, all_paths)}")
+        phases = [st.phase] if st.phase else [Phase.INIT, Phase.RUN]
+        for name in matched:
+            if name not in is_param:
+                planned_buffers.add(name)
+            module, _, tensor = name.rpartition(".")
+            for d, p in dims:
+                p = _check_fits(st, p, name, tensors[name].dim())
+                raw += [RawEntry(module, "param", tensor, None, d, p, ph, st) for ph in phases]
+
+    raw = _canonicalize_shared(model, raw)
+    names = [n for n, _ in model.named_parameters()] + sorted(planned_buffers)
+    order = {m: i for i, m in enumerate(modules)}
+    return optimize(raw, names, order, tuple(mesh.mesh_dim_names))
+
+
+def _lower_module_statement(st, modules, dims, all_paths) -> list[RawEntry]:
+    pattern = re.compile(st.module_pattern)
+    matched = [m for m in modules if pattern.fullmatch(m)]
+    if not matched:
+        raise PlanError(f"{st}: no module path matches {st.module_pattern!r}{_closest(st.path, all_paths)}")
+    out = []
+    for m in matched:
+        if st.kind == "factory":
+            hook, tensor, key = "factory", "<factory>", None
+        else:
+            direction, key = st.activation
+            hook = "forward_pre" if direction == "in" else "forward"
+            tensor = f"<{direction}>"
+            key = _activation_key(st, m, modules[m], key)
+        out += [RawEntry(m, hook, tensor, key, d, p, None, st) for d, p in dims]
+    return out
+
+
+def _canonicalize_shared(model: nn.Module, raw: list[RawEntry]) -> list[RawEntry]:
+    """A parameter shared by several modules (tied weights) is one tensor: its names must get the
+    same statements, and its entries are kept under its first name. RUN-phase gathers of shared
+    parameters are not supported yet; say so rather than mis-train."""
+    names_of: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(name)
+    canonical = {n: names[0] for names in names_of.values() if len(names) > 1 for n in names}
+    if not canonical:
+        return raw
+    seen: dict[str, set] = {}
+    for e in raw:
+        if e.hook == "param" and e.name in canonical:
+            seen.setdefault(e.name, set()).add((e.mesh_dim, e.phase, e.placement))
+    for names in names_of.values():
+        plans = [frozenset(seen.get(n, ())) for n in names]
+        if len(set(plans)) > 1:
+            raise PlanError(
+                f"parameters {names} are one shared (tied) tensor but the plan places them differently; "
+                "give every name of a shared parameter the same statements"
+            )
+        init = {(d, p) for d, ph, p in plans[0] if ph is Phase.INIT}
+        run = {(d, p) for d, ph, p in plans[0] if ph is Phase.RUN}
+        if init != run:
+            raise PlanError(
+                f"parameters {names} are one shared (tied) tensor; different INIT and RUN placements "
+                "(ZeRO-3) are not supported for shared parameters yet: exclude them from the ZeRO-3 statements"
+            )
+    out = []
+    for e in raw:
+        if e.hook == "param" and e.name in canonical and canonical[e.name] != e.name:
+            module, _, tensor = canonical[e.name].rpartition(".")
+            e = dataclasses.replace(e, module=module, tensor=tensor)
+        out.append(e)
+    return list(dict.fromkeys(out))
