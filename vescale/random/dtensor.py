@@ -1,0 +1,250 @@
+"""Random ops on DTensors with single-device semantics (the paper's Algorithm 1).
+
+Each rank fills only its own shard, but every element gets the value the element with the same
+*global* index gets on a single device: the rank computes, per tensor dimension, the global indices
+its shard holds (with DTensor's own sharding code, so uneven, empty and ``_StridedShard`` shards
+follow DTensor exactly) and asks the kernel for exactly those elements. Replicate and Partial mesh
+dimensions draw the same values on every rank; a Partial input of a random op becomes Replicate
+(its values are reduced first where the op reads them, as DTensor's own rules would do).
+
+Two entry points reach this code, both installed by :func:`install` (never at import):
+
+* handlers in ``DTensor._op_dispatcher._custom_op_handlers`` for every supported aten random op
+  (and raising ones for the unsupported distribution ops), and
+* :class:`VescaleRNGTracker`, installed as DTensor's RNG tracker, whose ``_distribute_region`` is
+  where ``torch.distributed.tensor.rand/randn`` build their local shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Sequence
+
+import torch
+import torch.distributed.tensor._random as dtensor_random
+from torch._prims_common import make_contiguous_strides_for
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor.placement_types import Partial, _is_shard_like
+
+from vescale.random import ops
+
+__all__ = ["VescaleRNGTracker", "install", "uninstall", "is_installed", "local_indices", "handle_random_op"]
+
+
+# ---- which global elements a rank holds ------------------------------------------------------------------
+
+
+def _placements_in_shard_order(spec: DTensorSpec):
+    # A spec may carry a non-default shard order (tensor dim sharded over mesh dims in another order);
+    # DTensor's own conversion expresses it as _StridedShard placements applied left to right.
+    if spec.use_strided_shard_as_shard_order:
+        return spec.placements
+    if spec.shard_order == DTensorSpec.compute_default_shard_order(spec.placements):
+        return spec.placements
+    return DTensorSpec._convert_shard_order_to_StridedShard(spec.shard_order, spec.placements, spec.mesh)
+
+
+def local_indices(spec: DTensorSpec, coordinate: Sequence[int] | None = None) -> list[torch.Tensor] | None:
+    """Per tensor dimension, the global indices (int64, in local order) of the block held at mesh
+    ``coordinate`` (default: this rank's), or None when this rank is not in the mesh.
+
+    Shards an ``arange`` per dimension with each placement's own ``_select_split_tensor``, in the
+    order ``distribute_tensor`` applies placements, so the result is DTensor's layout by construction.
+    """
+    coordinate = spec.mesh.get_coordinate() if coordinate is None else coordinate
+    if coordinate is None:
+        return None
+    placements = _placements_in_shard_order(spec)
+    ndim = len(spec.shape)
+    indices = []
+    for dim, size in enumerate(spec.shape):
+        view_shape = [1] * ndim
+        view_shape[dim] = size
+        index = torch.arange(size, dtype=torch.int64).view(view_shape)
+        for mesh_dim, placement in enumerate(placements):
+            if _is_shard_like(placement) and placement.dim == dim:
+                index = placement._select_split_tensor(
+                    index,
+                    spec.mesh.size(mesh_dim),
+                    coordinate[mesh_dim],
+                    with_padding=False,
+                    contiguous=False,
+                    clone=False,
+                )
+        indices.append(index.reshape(-1))
+    return indices
+
+
+def _result_spec(spec: DTensorSpec, dtype: torch.dtype, tensor_meta: TensorMeta | None = None) -> DTensorSpec:
+    """The spec of a random result drawn over ``spec``'s tensor: Partial mesh dims become Replicate
+    (every rank there holds the same values), the rest is kept. A new tensor is contiguous unless
+    ``tensor_meta`` (an in-place op's own) says otherwise."""
+    placements = tuple(Replicate() if p.is_partial() else p for p in spec.placements)
+    shape = spec.shape
+    return DTensorSpec(
+        spec.mesh,
+        placements,
+        tensor_meta=tensor_meta or TensorMeta(shape, make_contiguous_strides_for(shape), dtype),
+        shard_order=None if spec.use_strided_shard_as_shard_order else spec.shard_order,
+        use_strided_shard_as_shard_order=spec.use_strided_shard_as_shard_order,
+    )
+
+
+def _local_operand(tensor, spec: DTensorSpec, dim_indices) -> torch.Tensor:
+    """The values of ``tensor`` (broadcast to ``spec``'s shape) at this rank's block of ``spec``."""
+    shape = tuple(spec.shape)
+    if isinstance(tensor, DTensor):
+        if tuple(tensor.shape) == shape and tensor.device_mesh == spec.mesh:
+            return tensor.redistribute(spec.mesh, spec.placements).to_local()
+        tensor = tensor.full_tensor()  # broadcast operand or another mesh: rare, so simply gather it
+    return ops.select_block(tensor, shape, dim_indices)
+
+
+def _empty_local(dim_indices, dtype, device) -> torch.Tensor:
+    shape = [len(i) for i in dim_indices] if dim_indices is not None else [0]
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+# ---- the handlers -----------------------------------------------------------------------------------------
+
+
+def handle_random_op(op, args, kwargs):
+    """DTensor custom-op handler for every op in ``ops.SUPPORTED``: draws this rank's shard."""
+    call = ops.read_call(op, args, kwargs or {})
+    if call.generator is not None:
+        raise ValueError(
+            f"vescale.random: {op} on a DTensor was given generator={call.generator!r}. Random ops on "
+            "DTensors draw from vescale's generator (vescale.manual_seed) so that every rank agrees with a "
+            "single device; a torch.Generator cannot provide that. Remove the generator argument."
+        )
+    source = call.target if call.target is not None else call.like
+    if not isinstance(source, DTensor):
+        raise TypeError(f"vescale.random: {op} expected a DTensor self/input, got {type(source).__name__}")
+    spec = _result_spec(source._spec, call.dtype)
+    dim_indices = local_indices(spec)
+    device = source._local_tensor.device
+    if call.dropout_scale is not None:
+        return _dropout(call, spec, dim_indices)
+    prob = None if call.prob is None else _local_operand(call.prob, spec, dim_indices)
+    if call.target is not None:
+        ops.fill(source._local_tensor, call, spec.shape, dim_indices, prob)
+        if spec.placements != source._spec.placements:  # Partial dims now hold the same values: Replicate
+            source._spec = _result_spec(source._spec, source.dtype, source._spec.tensor_meta)
+        return source
+    local = _empty_local(dim_indices, call.dtype, call.device or device)
+    ops.fill(local, call, spec.shape, dim_indices, prob)
+    return DTensor(local, spec, requires_grad=False)
+
+
+def _dropout(call: ops.RandomCall, spec: DTensorSpec, dim_indices):
+    x = call.like
+    x_local = _local_operand(x, spec, dim_indices) if dim_indices is not None else x._local_tensor
+    if call.train:
+        mask = torch.empty(x_local.shape, dtype=torch.float32, device=x_local.device)
+        ops.fill(mask, call, spec.shape, dim_indices)
+        output, mask = ops.dropout_output(x_local, mask, call.dropout_scale)
+    else:
+        output, mask = x_local.clone(), torch.ones_like(x_local, dtype=torch.bool)
+    return (
+        DTensor(output, _result_spec(spec, x.dtype), requires_grad=False),
+        DTensor(mask, _result_spec(spec, torch.bool), requires_grad=False),
+    )
+
+
+def _refuse_unsupported(op, args, kwargs):
+    raise ops.unsupported_error(op)
+
+
+# ---- DTensor factories: torch.distributed.tensor.rand / randn --------------------------------------------
+
+
+class _ShardBlock:
+    """RandomOpMode block for a DTensor factory: the op's tensor is this rank's shard of ``spec``."""
+
+    def __init__(self, spec: DTensorSpec):
+        self.spec = spec
+        self.dim_indices = local_indices(spec)
+
+    def __call__(self, local_shape):
+        expected = [len(i) for i in self.dim_indices] if self.dim_indices is not None else [0]
+        if list(local_shape) != expected:
+            raise RuntimeError(
+                f"vescale.random: a random op inside a DTensor factory region built a tensor of shape "
+                f"{list(local_shape)}, but this rank's shard of {list(self.spec.shape)} with placements "
+                f"{self.spec.placements} has shape {expected}"
+            )
+        return tuple(self.spec.shape), self.dim_indices
+
+
+class VescaleRNGTracker(dtensor_random._RNGStateTracker):
+    """DTensor RNG tracker whose region draws the local shard of a factory from vescale's generator."""
+
+    def __init__(self):
+        # The tracker holds no device state (vescale's generator is device independent); "cpu" always
+        # satisfies the base class's device check.
+        super().__init__(torch.device("cpu"))
+
+    @contextlib.contextmanager
+    def _distribute_region(self, spec: DTensorSpec, generator: torch.Generator | None = None):
+        if generator is not None:
+            raise ValueError(
+                "vescale.random: DTensor random ops draw from vescale's generator; a torch.Generator "
+                f"({generator!r}) cannot give single-device semantics. Remove the generator argument."
+            )
+        if any(isinstance(p, Partial) for p in spec.placements):
+            raise ValueError(
+                f"vescale.random: a random DTensor factory with Partial placements {spec.placements} has no "
+                "single-device meaning (the ranks' values would be summed). Use Replicate() instead."
+            )
+        if not self.distribute_region_enabled:
+            yield
+            return
+        with ops.RandomOpMode(_ShardBlock(spec)):
+            yield
+
+    def _manual_seed(self, parallel_seed: int) -> None:
+        raise RuntimeError("vescale.random: seed vescale's generator with vescale.manual_seed(seed)")
+
+
+# ---- installation ------------------------------------------------------------------------------------------
+
+_saved: dict | None = None  # what install() replaced: the previous tracker and handlers, for uninstall()
+
+
+def _handlers() -> dict:
+    table = {op: handle_random_op for op in ops.SUPPORTED}
+    table.update({op: _refuse_unsupported for op in ops.UNSUPPORTED})
+    return table
+
+
+def install() -> None:
+    """Route DTensor random ops through vescale's generator (idempotent; vescale.manual_seed calls it)."""
+    global _saved
+    if _saved is not None:
+        return
+    custom = DTensor._op_dispatcher._custom_op_handlers
+    handlers = _handlers()
+    _saved = {
+        "tracker": dtensor_random._rng_tracker,
+        "handlers": {op: custom[op] for op in handlers if op in custom},
+    }
+    custom.update(handlers)
+    dtensor_random._rng_tracker = VescaleRNGTracker()
+
+
+def uninstall() -> None:
+    """Undo :func:`install`: DTensor random ops go back to PyTorch's own RNG handling."""
+    global _saved
+    if _saved is None:
+        return
+    custom = DTensor._op_dispatcher._custom_op_handlers
+    for op in _handlers():
+        custom.pop(op, None)
+    custom.update(_saved["handlers"])
+    dtensor_random._rng_tracker = _saved["tracker"]
+    _saved = None
+
+
+def is_installed() -> bool:
+    return _saved is not None

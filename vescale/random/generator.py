@@ -1,0 +1,168 @@
+"""vescale's one random-number generator state, shared by every rank and by the single-device run.
+
+The state is the triple a CUDA Philox generator has, plus the virtual device it pretends to run on:
+``seed`` (the 64-bit Philox key), ``offset`` (how far previous random ops have advanced the counter)
+and the :class:`DeviceProfile` whose thread count decides which Philox counter each element uses.
+Every random op reads the state, then advances ``offset`` by an amount that depends only on the op's
+*global* shape, so the state moves identically on every rank and in the single-device run.
+
+This module holds the state and its checkpoint form; ``dtensor.py`` and ``consistent.py`` draw from it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from vescale.random import kernel
+from vescale.random.kernel import DeviceProfile
+
+__all__ = ["manual_seed", "set_device_profile", "device_profile", "get_state", "set_state", "Draw", "reserve"]
+
+_UINT64_LIMIT = 1 << 64
+_STATE_LEN = 4  # get_state() layout: [seed (as int64 bits), offset, sm_count, max_threads_per_sm]
+
+
+@dataclass
+class _GeneratorState:
+    seed: int | None = None  # None until manual_seed: random ops then refuse to run
+    offset: int = 0
+    profile: DeviceProfile | None = None  # None: resolved to the default profile on first use
+
+
+_state = _GeneratorState()
+
+
+def default_profile() -> DeviceProfile:
+    """The local CUDA device's profile when there is one, else ``kernel.DEFAULT_PROFILE``."""
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return DeviceProfile(props.multi_processor_count, props.max_threads_per_multi_processor)
+    return kernel.DEFAULT_PROFILE
+
+
+def set_device_profile(sm_count: int, max_threads_per_sm: int) -> None:
+    """Set the virtual GPU that random numbers are computed for (call it with the same values on every rank).
+
+    The numbers a CUDA random op draws depend on the GPU's thread count once a tensor has more than
+    ``256 * sm_count * (max_threads_per_sm // 256)`` elements. Pin the profile to get the same numbers
+    on different hardware, e.g. a CPU single-device reference and a GPU cluster. Call it before
+    :func:`vescale.manual_seed`, which checks that all ranks agree on it.
+    """
+    for name, value in (("sm_count", sm_count), ("max_threads_per_sm", max_threads_per_sm)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"set_device_profile: {name} must be a positive int, got {value!r}")
+    if max_threads_per_sm < 256:
+        raise ValueError(
+            f"set_device_profile: max_threads_per_sm={max_threads_per_sm} is below one 256-thread block; "
+            "CUDA GPUs have 1024 to 2048 (torch.cuda.get_device_properties(i).max_threads_per_multi_processor)"
+        )
+    _state.profile = DeviceProfile(sm_count, max_threads_per_sm)
+
+
+def device_profile() -> DeviceProfile:
+    """The profile random ops use now (resolving the default on first use)."""
+    if _state.profile is None:
+        _state.profile = default_profile()
+    return _state.profile
+
+
+def manual_seed(seed: int) -> None:
+    """Seed the generator and reset its offset; when torch.distributed is initialised, check that
+    every rank passed the same seed and has the same device profile (one all-reduce)."""
+    if not isinstance(seed, int) or isinstance(seed, bool) or not -(1 << 63) <= seed < _UINT64_LIMIT:
+        raise ValueError(f"manual_seed: seed must be an int in [-2**63, 2**64), got {seed!r}")
+    seed %= _UINT64_LIMIT  # negative seeds wrap the way torch.manual_seed wraps them
+    profile = device_profile()
+    if dist.is_available() and dist.is_initialized():
+        _check_ranks_agree(seed, profile)
+    _state.seed, _state.offset = seed, 0
+
+
+def _check_ranks_agree(seed: int, profile: DeviceProfile) -> None:
+    # One all-reduce of [x, -x] with MAX gives every rank (max, -min); they agree iff max == min.
+    # The seed travels as two 32-bit halves so that no value overflows int64.
+    mine = [seed >> 32, seed & 0xFFFFFFFF, profile.sm_count, profile.max_threads_per_sm]
+    device = _collective_device()
+    both = torch.tensor(mine + [-v for v in mine], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    high, neg_low = both[:4].tolist(), both[4:].tolist()
+    low = [-v for v in neg_low]
+    if high[:2] != low[:2]:
+        lo_seed, hi_seed = (low[0] << 32) | low[1], (high[0] << 32) | high[1]
+        raise RuntimeError(
+            f"vescale.manual_seed: ranks passed different seeds (this rank {seed}; seeds range from "
+            f"{min(lo_seed, hi_seed)} to {max(lo_seed, hi_seed)}). Pass the same seed on every rank: "
+            "single-device semantics needs one generator for the whole job."
+        )
+    if high[2:] != low[2:]:
+        raise RuntimeError(
+            f"vescale.manual_seed: ranks have different device profiles (this rank {profile}; sm_count "
+            f"ranges {low[2]}..{high[2]}, max_threads_per_sm {low[3]}..{high[3]}). Call "
+            "vescale.random.set_device_profile(sm_count, max_threads_per_sm) with the same values on "
+            "every rank before manual_seed."
+        )
+
+
+def _collective_device() -> torch.device:
+    # NCCL only reduces CUDA tensors; every other backend (gloo, fake, mixed "cpu:gloo,cuda:nccl") takes CPU ones.
+    backend = str(dist.get_backend())
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class Draw:
+    """Where one random op reads the generator: the key, the offset before the op, and the profile."""
+
+    seed: int
+    offset: int
+    profile: DeviceProfile
+
+
+def reserve(kind: str, dtype: torch.dtype, global_shape, **params) -> Draw:
+    """Take the generator position for one random op over a tensor of ``global_shape`` and advance
+    the offset past it, exactly as a CUDA launch over the whole tensor would."""
+    if _state.seed is None:
+        raise RuntimeError(
+            "vescale.random: the generator is not seeded. Call vescale.manual_seed(seed) with the same "
+            "seed on every rank (and in the single-device reference run) before random ops on DTensors "
+            "or inside vescale.random.consistent()."
+        )
+    profile = device_profile()
+    draw = Draw(_state.seed, _state.offset, profile)
+    numel = math.prod(global_shape)
+    if numel > 0:  # CUDA returns early on empty tensors without touching the generator
+        _state.offset += kernel.offset_increment(kind, dtype, numel, profile, **params)
+    return draw
+
+
+def get_state() -> torch.Tensor:
+    """The generator state as a 4-element int64 CPU tensor: [seed, offset, sm_count, max_threads_per_sm].
+
+    The seed is stored as the int64 with the same 64 bits. The tensor is equal on every rank, so it can
+    go into ``torch.save`` or a ``torch.distributed.checkpoint`` state dict as it is.
+    """
+    if _state.seed is None:
+        raise RuntimeError("vescale.random.get_state: the generator is not seeded; call vescale.manual_seed first")
+    profile = device_profile()
+    seed_bits = _state.seed - _UINT64_LIMIT if _state.seed >= 1 << 63 else _state.seed
+    return torch.tensor([seed_bits, _state.offset, profile.sm_count, profile.max_threads_per_sm], dtype=torch.int64)
+
+
+def set_state(state: torch.Tensor) -> None:
+    """Restore a state returned by :func:`get_state` (seed, offset and device profile)."""
+    if not isinstance(state, torch.Tensor) or state.dtype != torch.int64 or tuple(state.shape) != (_STATE_LEN,):
+        got = f"{type(state).__name__} {getattr(state, 'dtype', '')} {tuple(getattr(state, 'shape', ()))}"
+        raise ValueError(
+            f"vescale.random.set_state: expected the 4-element int64 tensor from get_state(), got {got}"
+        )
+    seed_bits, offset, sm_count, max_threads = (int(v) for v in state.cpu().tolist())
+    if offset < 0 or offset % 4:
+        raise ValueError(f"vescale.random.set_state: offset must be a non-negative multiple of 4, got {offset}")
+    set_device_profile(sm_count, max_threads)
+    _state.seed, _state.offset = seed_bits % _UINT64_LIMIT, offset
