@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from ..comm.grad import attach_grad_reduction
 from ..plan import PlanIR, VescalePlan, lower
-from .hooks import install_module_hooks, root_scope_hooks
+from .hooks import enable_implicit_replication, install_module_hooks, root_hooks
 
 __all__ = ["parallelize", "explain"]
 
@@ -89,7 +89,8 @@ def parallelize(model: nn.Module, plan: VescalePlan, mesh: DeviceMesh) -> nn.Mod
     After this call, parameters are DTensor parameters (use ``model.parameters()`` with any stock
     torch.optim optimiser), forward inputs/outputs are redistributed as planned, tensors made inside
     forward meet DTensors as Replicate (or as ``plan.factory`` says), and gradients arrive reduced to
-    their parameters' placements.
+    their parameters' placements. Plain tensors are taken as global tensors from here on in this
+    thread (DTensor implicit replication), so a loss computed outside the model works unchanged.
     """
     if getattr(model, "_vescale_ir", None) is not None:
         raise RuntimeError("this model is already parallelized; build a fresh model to apply another plan")
@@ -97,7 +98,8 @@ def parallelize(model: nn.Module, plan: VescalePlan, mesh: DeviceMesh) -> nn.Mod
     _check_same_weights(model, mesh)
     _distribute_tensors(model, ir, mesh)
 
-    handles = root_scope_hooks(model, mesh)
+    enable_implicit_replication()
+    handles = root_hooks(model)
     modules = dict(model.named_modules(remove_duplicate=False))
     per_module: dict[str, dict[str, list]] = {}
     for (mpath, hook), entries in ir.hooks().items():

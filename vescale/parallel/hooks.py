@@ -15,14 +15,14 @@ resident, in forward and in backward.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.overrides import TorchFunctionMode
-from torch.utils import _pytree as pytree
 
 from ..plan.ir import Entry, PlanError
 from ..plan.lower import forward_arg_names
@@ -154,9 +154,32 @@ class _FactoryMode(TorchFunctionMode):
 # ---------------------------------------------------------------------------------------------
 
 
+def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj):
+    """Apply ``fn`` to every tensor in a module output: tensors, tuples/lists, dicts (incl. HF
+    ModelOutput) and dataclasses (the last two are updated in place, as their identity may matter)."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, (tuple, list)):
+        items = [_map_tensors(fn, v) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if isinstance(obj, dict):
+        for k, v in list(obj.items()):
+            obj[k] = _map_tensors(fn, v)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            object.__setattr__(obj, f.name, _map_tensors(fn, getattr(obj, f.name)))
+    return obj
+
+
+def _tensors_in(obj) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    _map_tensors(lambda t: found.append(t) or t, obj)
+    return found
+
+
 def _register_once_on_grads(output, fn: Callable[[], None]) -> None:
     """Call ``fn`` once, when backward first reaches any tensor of ``output``."""
-    tensors = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+    tensors = [t for t in _tensors_in(output) if t.requires_grad]
     fired = [False]
 
     def hook(grad):
@@ -179,10 +202,11 @@ def install_module_hooks(module: nn.Module, path: str, hook_entries: dict[str, l
     modes: list[_FactoryMode] = []
 
     def pre_hook(mod, args, kwargs):
+        live.clear()  # left over only if the previous forward raised
         for e in gathers:
-            param = mod._parameters[e.tensor]
-            g = GatheredParam(param, mesh, e.targets)
-            mod._parameters[e.tensor] = g.value  # the forward sees the gathered tensor
+            store = mod._parameters if e.tensor in mod._parameters else mod._buffers
+            g = GatheredParam(store[e.tensor], mesh, e.targets)
+            store[e.tensor] = g.value  # the forward sees the gathered tensor
             live.append(g)
         if factory:
             mode = _FactoryMode(mesh, factory[0].targets, path)
@@ -192,70 +216,62 @@ def install_module_hooks(module: nn.Module, path: str, hook_entries: dict[str, l
             args, kwargs = _place_inputs(mod, args, kwargs, inputs, mesh, path)
         return args, kwargs
 
-    def post_hook(mod, args, kwargs, output):
+    def cleanup_hook(mod, args, kwargs, output):
+        """Runs even when forward raised: the module must get its own parameters back."""
         if modes:
             modes.pop().__exit__(None, None, None)
+        for e, g in zip(gathers, live):
+            store = mod._parameters if e.tensor in mod._parameters else mod._buffers
+            store[e.tensor] = g.param
+
+    def post_hook(mod, args, kwargs, output):
         if outputs:
             output = _place_outputs(output, outputs, mesh, path)
-        if live:
-            gathered = list(live)
-            live.clear()
-            for e, g in zip(gathers, gathered):
-                mod._parameters[e.tensor] = g.param
-            if torch.is_grad_enabled() and any(g.value.requires_grad for g in gathered):
-                for g in gathered:
-                    _free_after_grad(g.param)
-                    g.param._vescale_gathered.append(g)
-                    g.free()
-                _register_once_on_grads(output, lambda: [g.refill() for g in gathered])
+        gathered = list(live)
+        live.clear()
+        if gathered and torch.is_grad_enabled() and any(g.value.requires_grad for g in gathered):
+            for g in gathered:
+                _free_after_grad(g.param)
+                g.param._vescale_gathered.append(g)
+                g.free()
+            _register_once_on_grads(output, lambda: [g.refill() for g in gathered])
         return output
 
     handles = []
     if gathers or inputs or factory:
         handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
-    if gathers or outputs or factory:
-        handles.append(module.register_forward_hook(post_hook, with_kwargs=True, always_call=True))
+    if gathers or factory:
+        handles.append(module.register_forward_hook(cleanup_hook, with_kwargs=True, always_call=True))
+    if gathers or outputs:
+        handles.append(module.register_forward_hook(post_hook, with_kwargs=True))
     return handles
 
 
-def root_scope_hooks(root: nn.Module, mesh: DeviceMesh) -> list:
-    """Hooks on the root module that make the whole forward and backward single-device-like:
-
-    * plain tensors made inside forward (position ids, masks, rotary tables) meet DTensors as
-      Replicate (DTensor's implicit replication), during forward and during backward;
-    * Partial outputs (a loss reduced over a sharded batch) are resolved to Replicate, so that
-      ``loss.item()`` and ``loss.backward()`` mean what they mean on one device.
-    """
-    saved: list[bool] = []
-
-    def pre_hook(mod, args, kwargs):
-        saved.append(torch._C._get_dtensor_allow_implicit_replication())
-        torch._C._set_dtensor_allow_implicit_replication(True)
-
-    def post_hook(mod, args, kwargs, output):
-        torch._C._set_dtensor_allow_implicit_replication(saved.pop())
-        output = pytree.tree_map_only(DTensor, _resolve_partial, output)
-        _register_once_on_grads(output, _implicit_replication_for_backward)
-        return output
-
-    return [
-        root.register_forward_pre_hook(pre_hook, with_kwargs=True),
-        root.register_forward_hook(post_hook, with_kwargs=True, always_call=True),
-    ]
+def enable_implicit_replication() -> None:
+    """Plain tensors meet DTensors as Replicate: position ids, masks and rotary tables made inside
+    forward, labels next to sharded logits in a loss outside the model. This is vescale's contract (a
+    plain tensor is the global tensor, the same on every rank) and DTensor's implicit replication.
+    The flag is thread-local, and autograd runs backward with the thread-local state captured when
+    ``backward()`` is called, so it must be on in the thread that drives training, not only inside
+    forward."""
+    torch._C._set_dtensor_allow_implicit_replication(True)
 
 
-def _resolve_partial(t: DTensor) -> DTensor:
-    if any(p.is_partial() for p in t.placements):
-        from torch.distributed.tensor import Replicate
+def root_hooks(root: nn.Module) -> list:
+    """Hooks on the root module: implicit replication for whichever thread runs forward, and Partial
+    outputs (a loss reduced over a sharded batch) resolved to Replicate, so that ``loss.item()`` and
+    ``loss.backward()`` mean what they mean on one device."""
 
+    def pre_hook(mod, args):
+        enable_implicit_replication()
+
+    def post_hook(mod, args, output):
+        return _map_tensors(_resolve_partial, output)
+
+    return [root.register_forward_pre_hook(pre_hook), root.register_forward_hook(post_hook)]
+
+
+def _resolve_partial(t: torch.Tensor) -> torch.Tensor:
+    if isinstance(t, DTensor) and any(p.is_partial() for p in t.placements):
         return t.redistribute(t.device_mesh, [Replicate() if p.is_partial() else p for p in t.placements])
     return t
-
-
-def _implicit_replication_for_backward() -> None:
-    # The flag is thread-local: set it on the thread running backward, restore it when backward ends.
-    prev = torch._C._get_dtensor_allow_implicit_replication()
-    torch._C._set_dtensor_allow_implicit_replication(True)
-    torch.autograd.Variable._execution_engine.queue_callback(
-        lambda: torch._C._set_dtensor_allow_implicit_replication(prev)
-    )

@@ -1,0 +1,16 @@
+"""Model zoo: plain single-device models and ready plans that parallelise them unchanged.
+
+    model = vescale.zoo.tiny_llama()                    # or tiny_hf_llama(): HF's LlamaForCausalLM
+    plan = vescale.zoo.llama_plan(mesh, zero3=True)     # TP + SP + DP + ZeRO-3, as the mesh allows
+    vescale.parallelize(model, plan, mesh)
+"""
+
+from .data import synthetic_batches
+from .hf import TINY_LLAMA_SIZES, tiny_hf_llama, tiny_hf_llama_config, tiny_llama, tiny_llama_config
+from .llama import LlamaConfig, LlamaForCausalLM
+from .plans import llama_plan
+
+__all__ = [
+    "LlamaConfig", "LlamaForCausalLM", "llama_plan", "synthetic_batches", "TINY_LLAMA_SIZES",
+    "tiny_llama", "tiny_llama_config", "tiny_hf_llama", "tiny_hf_llama_config",
+]

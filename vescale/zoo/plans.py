@@ -1,0 +1,85 @@
+"""Ready plans for LLaMA-style models (the zoo's own and HuggingFace's LlamaForCausalLM).
+
+Both models use the same module names, so one plan serves both. The plan is Megatron-style:
+
+* tensor parallel (TP): q/k/v and gate/up projections column-wise (``Shard(0)`` of the weight),
+  o/down projections row-wise (``Shard(1)``), vocabulary-parallel embedding and LM head;
+* sequence parallel (SP, on TP): between blocks the residual stream is split along the sequence
+  (``Shard(1)``), gathered before attention/MLP and reduce-scattered after them, so norms and
+  residual adds run on 1/TP of the tokens;
+* data parallel (DP): the batch (``input_ids``, ``labels``) is split along dim 0;
+* ZeRO-3 (on DP): every parameter is stored as ``Shard(0)`` on DP (INIT) and gathered to Replicate
+  only while its module runs (RUN).
+"""
+
+from __future__ import annotations
+
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..plan import INIT, RUN, VescalePlan
+from torch.distributed.tensor import Replicate, Shard
+
+__all__ = ["llama_plan"]
+
+_LAYER = r"model\.layers\.\d+"
+
+
+def _mesh_has(mesh: DeviceMesh | None, name: str | None) -> bool:
+    return name is not None and (mesh is None or name in (mesh.mesh_dim_names or ()))
+
+
+def llama_plan(
+    mesh: DeviceMesh | None = None,
+    config=None,
+    *,
+    tp: str | None = "TP",
+    dp: str | None = "DP",
+    sequence_parallel: bool = True,
+    zero3: bool = False,
+) -> VescalePlan:
+    """A plan for LLaMA-style causal LMs.
+
+    ``tp`` / ``dp`` name the mesh dimensions used for tensor and data parallelism; a name that is
+    ``None`` (or absent from ``mesh`` when a mesh is given) turns that parallelism off.
+    ``sequence_parallel`` and ``zero3`` need ``tp`` and ``dp`` respectively. ``config`` (the
+    model's config, ours or HF's) lets the plan replicate the key/value projections when the TP
+    size does not divide the number of key/value heads, as Megatron-LM does.
+    """
+    use_tp, use_dp = _mesh_has(mesh, tp), _mesh_has(mesh, dp)
+    if sequence_parallel and not use_tp:
+        sequence_parallel = False  # SP lives on the TP dimension; without TP there is nothing to split
+    if zero3 and not use_dp:
+        raise ValueError(f"llama_plan: zero3=True shards parameters over the DP dimension, but {dp!r} is not in the mesh")
+    plan = VescalePlan()
+    if use_tp:
+        kv_heads = getattr(config, "num_key_value_heads", None)
+        split_kv = kv_heads is None or mesh is None or kv_heads % mesh[tp].size() == 0
+        _tensor_parallel(plan, tp, sequence_parallel, split_kv)
+    if use_dp:
+        plan.shard(r"<in>\[input_ids\]", Shard(0), mesh=dp)
+        plan.shard(r"<in>\[labels\]", Shard(0), mesh=dp)
+        if zero3:
+            plan.shard(r".*weight", Shard(0), mesh=dp, phase=INIT)
+            plan.shard(r".*weight", Replicate(), mesh=dp, phase=RUN)
+    return plan
+
+
+def _tensor_parallel(plan: VescalePlan, tp: str, sequence_parallel: bool, split_kv: bool) -> None:
+    # Between blocks: sequence-sharded with SP, replicated without.
+    between = Shard(1) if sequence_parallel else Replicate()
+    # Vocabulary-parallel embedding with SP (its Partial output is reduce-scattered along the sequence).
+    # Without SP, split the hidden dim instead: DTensor cannot turn a Partial gradient back into the
+    # masked-partial layout of a vocabulary-parallel lookup whose output was all-reduced.
+    plan.shard(r"model\.embed_tokens\.weight", Shard(0) if sequence_parallel else Shard(1), mesh=tp)
+    plan.shard(r"model\.embed_tokens\.<out>", between, mesh=tp)
+    for block, col, row in (
+        ("self_attn", r"(q|k|v)_proj" if split_kv else "q_proj", "o_proj"),
+        ("mlp", r"(gate|up)_proj", "down_proj"),
+    ):
+        plan.shard(rf"{_LAYER}\.{block}\.<in>[hidden_states]" if block == "self_attn" else rf"{_LAYER}\.{block}\.<in>",
+                   Replicate(), mesh=tp)
+        plan.shard(rf"{_LAYER}\.{block}\.{col}\.weight", Shard(0), mesh=tp)
+        plan.shard(rf"{_LAYER}\.{block}\.{row}\.weight", Shard(1), mesh=tp)
+        plan.shard(rf"{_LAYER}\.{block}\.<out>", between, mesh=tp)
+    plan.shard(r"lm_head\.<in>", Replicate(), mesh=tp)
+    plan.shard(r"lm_head\.weight", Shard(0), mesh=tp)  # vocabulary-parallel logits
