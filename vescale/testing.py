@@ -74,7 +74,11 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
         for rank, conn in enumerate(pipes):
             if not conn.poll(timeout):
                 raise TimeoutError(f"rank {rank} did not finish within {timeout:.0f}s (hung collective?)")
-            status, payload = pickle.loads(conn.recv_bytes())
+            try:
+                status, payload = pickle.loads(conn.recv_bytes())
+            except EOFError:
+                procs[rank].join(timeout=5)
+                status, payload = "error", f"process died without reporting (exit code {procs[rank].exitcode})"
             if status == "error":
                 errors.append(f"--- rank {rank} ---\n{payload}")
             else:

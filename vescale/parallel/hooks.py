@@ -42,14 +42,19 @@ class GatheredParam:
     def __init__(self, param: DTensor, mesh: DeviceMesh, run_placements):
         self.param, self.mesh, self.run_placements = param, mesh, tuple(run_placements)
         self.value: DTensor = param.redistribute(mesh, self.run_placements)
-        self.nbytes = self.value._local_tensor.untyped_storage().nbytes()
+        storage = self.value._local_tensor.untyped_storage()
+        self.nbytes = storage.nbytes()
+        # A gather over mesh dims of size 1 is a no-op that returns the parameter's own storage:
+        # that one must never be freed.
+        self.owns_storage = storage.data_ptr() != param._local_tensor.untyped_storage().data_ptr()
 
     @property
     def resident(self) -> bool:
         return self.value._local_tensor.untyped_storage().nbytes() > 0
 
     def free(self) -> None:
-        self.value._local_tensor.untyped_storage().resize_(0)
+        if self.owns_storage:
+            self.value._local_tensor.untyped_storage().resize_(0)
 
     def refill(self) -> None:
         """Gather again into the freed storage, without touching autograd's version counter."""

@@ -1,0 +1,72 @@
+"""ZeRO-3 saves memory for real: state at rest falls as 1/DP, and gathered parameters are freed
+after forward and again after their gradient is accumulated."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import vescale
+from vescale.debug import bytes_at_rest
+from vescale.parallel.hooks import GatheredParam
+from vescale.testing import run_on_ranks
+from vescale.zoo import llama_plan, synthetic_batches, tiny_llama
+
+
+def _one_step(zero3: bool, spy: dict | None = None):
+    world = dist.get_world_size()
+    mesh = vescale.init_mesh((world,), ("DP",))
+    torch.manual_seed(0)
+    model = vescale.parallelize(tiny_llama(), llama_plan(mesh, zero3=zero3), mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    input_ids, labels = synthetic_batches(1, 4, 16, 128, seed=1)[0]
+    loss = model(input_ids=input_ids, labels=labels).loss
+    if spy is not None:
+        gathered = [g for p in model.parameters() for g in getattr(p, "_vescale_gathered", [])]
+        spy["weights"] = len(list(model.parameters()))  # the tiny LLaMA has only weights
+        spy["after_forward"] = (len(gathered), sum(g.resident for g in gathered))
+    loss.backward()
+    if spy is not None:
+        spy["after_backward"] = sum(len(getattr(p, "_vescale_gathered", [])) for p in model.parameters())
+    opt.step()
+    return bytes_at_rest(model, opt)
+
+
+def _measure():
+    calls = {"refill": 0}
+    original = GatheredParam.refill
+
+    def counting_refill(self):
+        calls["refill"] += 1
+        return original(self)
+
+    GatheredParam.refill = counting_refill  # test-local instrumentation of the forked rank
+    spy: dict = {}
+    sharded = _one_step(zero3=True, spy=spy)
+    replicated = _one_step(zero3=False)
+    return sharded, replicated, spy, calls["refill"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("world", [2, 4])
+def test_state_at_rest_falls_as_one_over_dp(world):
+    for sharded, replicated, spy, refills in run_on_ranks(_measure, world):
+        n_weights = spy["weights"]
+        # Every weight was gathered for its module's forward, and all gathers were freed right after.
+        assert spy["after_forward"] == (n_weights, 0)
+        # Backward gathered each one again, and freed them once their gradients were accumulated.
+        assert refills == n_weights
+        assert spy["after_backward"] == 0
+        for kind in ("params", "grads"):
+            assert sharded[kind] * world == replicated[kind], (kind, sharded, replicated)
+        # AdamW's scalar `step` tensors are not sharded: allow their few bytes.
+        assert sharded["optimizer"] * world <= replicated["optimizer"] + 8 * world * n_weights
+
+
+@pytest.mark.multiproc
+def test_zero3_on_one_rank_keeps_parameters():
+    """On DP=1 the RUN gather returns the parameter's own storage; it must not be freed."""
+    sharded, replicated, spy, _ = run_on_ranks(_measure, 1)[0]
+    assert spy["after_forward"] == (spy["weights"], spy["weights"])  # nothing freed
+    assert sharded == replicated
