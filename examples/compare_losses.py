@@ -14,8 +14,11 @@ import sys
 
 
 def load(path: str) -> dict:
-    with open(path) as f:
-        record = json.load(f)
+    try:
+        with open(path) as f:
+            record = json.load(f)
+    except FileNotFoundError:
+        raise SystemExit(f"{path} does not exist; did the training run that should write it fail?") from None
     if not isinstance(record.get("losses"), list):
         raise SystemExit(f"{path} has no 'losses' list; was it written by examples/train_llama.py --out?")
     return record
