@@ -13,6 +13,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
+from .. import random as vescale_random
 from ..comm.grad import attach_grad_reduction
 from ..plan import PlanIR, VescalePlan, lower
 from .hooks import enable_implicit_replication, install_module_hooks, root_hooks
@@ -99,6 +100,9 @@ def parallelize(model: nn.Module, plan: VescalePlan, mesh: DeviceMesh) -> nn.Mod
     _distribute_tensors(model, ir, mesh)
 
     enable_implicit_replication()
+    # Random ops on the model's DTensors draw single-device numbers (and refuse to run, with a
+    # message, until vescale.manual_seed is called) instead of the same numbers on every rank.
+    vescale_random.install()
     handles = root_hooks(model)
     modules = dict(model.named_modules(remove_duplicate=False))
     per_module: dict[str, dict[str, list]] = {}
