@@ -28,13 +28,14 @@ def explain(model: nn.Module, plan: VescalePlan, mesh: DeviceMesh) -> PlanIR:
 
 
 def _weights_checksum(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Exact, order-independent integer checksums (two per tensor) of the raw bytes."""
+    """Exact, order-independent integer checksums (two per tensor) of the raw bits."""
     sums = []
     for t in tensors:
-        words = t.detach().contiguous().view(-1).view(torch.uint8)
-        words = words.to(torch.int64)
-        weights = torch.arange(1, words.numel() + 1, dtype=torch.int64) % 65521 + 1
-        sums += [words.sum(), (words * weights).sum()]
+        raw = t.detach().contiguous().view(-1)
+        words = raw.view(torch.int32) if raw.numel() * raw.element_size() % 4 == 0 else raw.view(torch.uint8)
+        weights = torch.arange(words.numel(), dtype=torch.int64) % 65521 + 1
+        # int64 sums of 32-bit words cannot overflow below 2**31 words per tensor.
+        sums += [words.sum(dtype=torch.int64), (words * weights).sum()]
     return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int64)
 
 
