@@ -14,6 +14,7 @@ see identical global batches, so with single-device semantics their losses agree
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 
@@ -24,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 import vescale
+import vescale.random
 from vescale.zoo.data import synthetic_batches
 from vescale.zoo.hf import tiny_hf_llama, tiny_llama
 
@@ -80,15 +82,29 @@ def as_float(loss: torch.Tensor) -> float:
     return loss.item()
 
 
+def train(model, optimizer, progress) -> list[float]:
+    losses = []
+    for input_ids, labels in progress:
+        loss = model(input_ids, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(as_float(loss))
+        progress.set_postfix(loss=f"{losses[-1]:.6f}", refresh=False)
+    return losses
+
+
 @record  # under torchrun: the failing rank's traceback is shown in the launcher's summary
 def main(argv=None) -> None:
     args = parse_args(argv)
     check_launch(args)
-    model = build_model(args)
     distributed = args.dp * args.tp > 1
+    mesh = vescale.init_mesh((args.dp, args.tp), ("DP", "TP")) if distributed else None
+    # Both runs seed vescale's generator: dropout then draws the same numbers on one device
+    # (inside `consistent()`, below) as on any mesh, where parallelize routes it to vescale.
+    vescale.manual_seed(args.seed)
+    model = build_model(args)
     if distributed:
-        mesh = vescale.init_mesh((args.dp, args.tp), ("DP", "TP"))
-        vescale.manual_seed(args.seed)
         plan = vescale.zoo.llama_plan(mesh, sequence_parallel=args.sequence_parallel, zero3=args.zero3)
         model = vescale.parallelize(model, plan, mesh)
     rank = dist.get_rank() if distributed else 0
@@ -102,15 +118,10 @@ def main(argv=None) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     vocab_size = model.config.vocab_size
     batches = synthetic_batches(args.steps, args.batch_size, args.seq_len, vocab_size, seed=args.seed)
-    losses = []
     progress = tqdm(batches, desc=f"{args.model}, {mode}", unit="step", disable=rank != 0)
-    for input_ids, labels in progress:
-        loss = model(input_ids, labels=labels).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(as_float(loss))
-        progress.set_postfix(loss=f"{losses[-1]:.6f}", refresh=False)
+    single_device_rng = vescale.random.consistent() if not distributed else contextlib.nullcontext()
+    with single_device_rng:
+        losses = train(model, optimizer, progress)
 
     if rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
