@@ -80,7 +80,7 @@ def _random_params(dtype: torch.dtype, low: int | None, high: int | None) -> dic
     if low is None:
         _check_like_native(aten.random_.default, dtype)
         return {}
-    _check_like_native(aten.random_.__getattr__("from"), dtype, low, high)
+    _check_like_native(getattr(aten.random_, "from"), dtype, low, high)
     return {"low": low, "high": high}
 
 
@@ -193,10 +193,12 @@ SUPPORTED: dict[torch._ops.OpOverload, tuple[Callable, bool]] = {
     aten.bernoulli.default: (_bernoulli_tensor, False),
     aten.random_.default: (_random, True),
     aten.random_.to: (_random, True),
-    aten.random_.__getattr__("from"): (_random, True),
+    # "from" is a Python keyword. getattr (not packet.__getattr__, which builds a new overload object
+    # and replaces PyTorch's cached one) keeps the very object DTensor looks handlers up by.
+    getattr(aten.random_, "from"): (_random, True),
     aten.random.default: (_random, False),
     aten.random.to: (_random, False),
-    aten.random.__getattr__("from"): (_random, False),
+    getattr(aten.random, "from"): (_random, False),
     aten.rand_like.default: (_like("uniform", _UNIFORM01), False),
     aten.randn_like.default: (_like("normal", _NORMAL01), False),
     aten.randint_like.default: (_like("random", lambda b, d: _random_params(d, 0, _randint_high(b))), False),

@@ -1,0 +1,217 @@
+"""Random-op cases shared by the simulated-mesh and the multi-process tests of vescale.random.
+
+A case is one user-level random call (``x.uniform_``, ``nn.init.kaiming_normal_``, ``F.dropout``,
+``torch.distributed.tensor.rand``, ...) written once against an *environment*: :class:`Plain` runs it
+on ordinary tensors (the single-device reference, under ``consistent()``), :class:`Dist` on DTensors
+with given placements. :func:`compare` checks a distributed result against the reference, rank by
+rank: the local shard must equal (torch.equal) the slice DTensor's own ``distribute_tensor`` cuts
+from the reference for that rank, so over all ranks the gathered tensor equals the reference.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.tensor as dtensor_api
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+
+import vescale.random as vr
+from vescale.random import dtensor as vr_dtensor, generator as vr_generator
+
+
+# ---- environments --------------------------------------------------------------------------------------
+
+
+class Plain:
+    """The single-device reference: tensors are whole tensors."""
+
+    def empty(self, shape, dtype):
+        return torch.empty(shape, dtype=dtype)
+
+    def make(self, values: torch.Tensor):
+        return values.clone()
+
+    def factory(self, name: str, shape, dtype):
+        return getattr(torch, name)(shape, dtype=dtype)
+
+
+@dataclass
+class Dist:
+    """DTensors on ``mesh`` with ``placements``.
+
+    Value-carrying operands (dropout inputs, probabilities) with Partial placements: on real ranks a
+    Partial("sum") operand holds the values on coordinate 0 and zeros elsewhere, so the reduction is
+    exact. ``simulated`` (the fake process group, whose collectives do not communicate, so any
+    redistribution DTensor does downstream, e.g. in dropout's multiply, gives garbage) uses Replicate
+    for them instead; Partial random-op *targets* are still tested there."""
+
+    mesh: object
+    placements: tuple
+    simulated: bool
+
+    def empty(self, shape, dtype):
+        return self._distribute(torch.zeros(shape, dtype=dtype), self.placements)
+
+    def make(self, values: torch.Tensor):
+        placements = self.placements
+        if self.simulated:
+            placements = tuple(Replicate() if p.is_partial() else p for p in placements)
+        return self._distribute(values, placements)
+
+    def factory(self, name: str, shape, dtype):
+        return getattr(dtensor_api, name)(shape, dtype=dtype, device_mesh=self.mesh, placements=self.placements)
+
+    def _distribute(self, values, placements):
+        # Split with DTensor's own code (no scatter), then fill Partial dims so the reduction is exact.
+        replicated = tuple(Replicate() if p.is_partial() else p for p in placements)
+        local = distribute_tensor(values, self.mesh, replicated, src_data_rank=None).to_local().clone()
+        coordinate = self.mesh.get_coordinate()
+        for mesh_dim, p in enumerate(placements):
+            if p.is_partial() and p.reduce_op == "sum" and coordinate[mesh_dim] != 0:
+                local.zero_()
+        return DTensor.from_local(
+            local, self.mesh, placements, run_check=False, shape=values.shape, stride=values.stride()
+        )
+
+
+# ---- cases ---------------------------------------------------------------------------------------------
+
+
+def _values(shape, dtype):
+    """Deterministic input values (dropout inputs), exactly representable in every tested dtype."""
+    n = math.prod(shape)
+    return ((torch.arange(n, dtype=torch.float64) % 17) - 8).reshape(shape).to(dtype)
+
+
+def _probabilities(shape, dtype):
+    n = math.prod(shape)
+    return ((torch.arange(n, dtype=torch.float64) % 9) / 8).reshape(shape).to(dtype)
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    run: Callable  # run(env, shape, dtype) -> tensor or tuple of tensors
+    min_ndim: int = 1
+    factory: bool = False  # built by a DTensor factory: Partial placements are refused
+    needs_collectives: bool = False  # control flow depends on a global reduction (real ranks only)
+
+
+def _init(fn, *args, **kwargs):
+    return lambda env, shape, dtype: fn(env.empty(shape, dtype), *args, **kwargs)
+
+
+CASES = [
+    Case("Tensor.uniform_", lambda env, s, d: env.empty(s, d).uniform_(-2.0, 3.0)),
+    Case("Tensor.normal_", lambda env, s, d: env.empty(s, d).normal_(0.5, 2.0)),
+    Case("Tensor.bernoulli_(p)", lambda env, s, d: env.empty(s, d).bernoulli_(0.3)),
+    Case("Tensor.bernoulli_(tensor)", lambda env, s, d: env.empty(s, d).bernoulli_(env.make(_probabilities(s, d)))),
+    Case("torch.bernoulli", lambda env, s, d: torch.bernoulli(env.make(_probabilities(s, d)))),
+    Case("torch.bernoulli(x, p)", lambda env, s, d: torch.bernoulli(env.empty(s, d), 0.7)),
+    Case("Tensor.random_(from, to)", lambda env, s, d: env.empty(s, d).random_(-5, 17)),
+    Case("Tensor.random_(to)", lambda env, s, d: env.empty(s, d).random_(9)),
+    Case("Tensor.random_()", lambda env, s, d: env.empty(s, d).random_()),
+    Case("init.normal_", _init(torch.nn.init.normal_, 0.1, 0.02)),
+    Case("init.uniform_", _init(torch.nn.init.uniform_, -0.5, 0.5)),
+    Case("init.kaiming_uniform_", _init(torch.nn.init.kaiming_uniform_, a=math.sqrt(5)), min_ndim=2),
+    Case("init.kaiming_normal_", _init(torch.nn.init.kaiming_normal_), min_ndim=2),
+    Case("init.xavier_uniform_", _init(torch.nn.init.xavier_uniform_), min_ndim=2),
+    Case("init.xavier_normal_", _init(torch.nn.init.xavier_normal_), min_ndim=2),
+    # std 0.2 within [-2, 2]: no value is ever rejected; std 1 within [-1, 1]: the rejection loop runs
+    # until no rank has a value out of range, which takes collectives.
+    Case("init.trunc_normal_", _init(torch.nn.init.trunc_normal_, std=0.2)),
+    Case("init.trunc_normal_(rejecting)", _init(torch.nn.init.trunc_normal_, a=-1.0, b=1.0), needs_collectives=True),
+    Case("torch.rand_like", lambda env, s, d: torch.rand_like(env.empty(s, d))),
+    Case("torch.randn_like", lambda env, s, d: torch.randn_like(env.empty(s, d))),
+    Case("torch.randint_like(low, high)", lambda env, s, d: torch.randint_like(env.empty(s, d), 3, 11)),
+    Case("torch.randint_like(high)", lambda env, s, d: torch.randint_like(env.empty(s, d), 7)),
+    Case("F.dropout", lambda env, s, d: F.dropout(env.make(_values(s, d)), 0.3, training=True)),
+    Case("nn.Dropout", lambda env, s, d: torch.nn.Dropout(0.5)(env.make(_values(s, d)))),
+    Case("aten.native_dropout", lambda env, s, d: torch.ops.aten.native_dropout(env.make(_values(s, d)), 0.3, True)),
+    Case("uniform_ then randn_like", lambda env, s, d: (env.empty(s, d).uniform_(), torch.randn_like(env.empty(s, d)))),
+    Case("dtensor.rand", lambda env, s, d: env.factory("rand", s, d), factory=True),
+    Case("dtensor.randn", lambda env, s, d: env.factory("randn", s, d), factory=True),
+]
+CASES_BY_NAME = {case.name: case for case in CASES}
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+
+
+# ---- running and comparing --------------------------------------------------------------------------
+
+
+def _as_tuple(result):
+    return result if isinstance(result, tuple) else (result,)
+
+
+def reference(case: Case, shape, dtype, state: torch.Tensor):
+    """The single-device result and the generator state after it (or the exception it raised)."""
+    vr.set_state(state)
+    try:
+        with vr.consistent():
+            result = _as_tuple(case.run(Plain(), shape, dtype))
+    except Exception as error:  # the distributed run must then fail the same way ...
+        try:  # ... and only where PyTorch itself refuses the call
+            case.run(Plain(), shape, dtype)
+        except Exception:
+            return error, vr.get_state()
+        raise AssertionError(f"{case.name} {dtype} {shape}: vescale raised {error!r}, PyTorch does not") from error
+    return result, vr.get_state()
+
+
+def run_distributed(case: Case, env: Dist, shape, dtype, state: torch.Tensor):
+    vr.set_state(state)
+    try:
+        result = _as_tuple(case.run(env, shape, dtype))
+    except Exception as error:
+        return error, vr.get_state()
+    return result, vr.get_state()
+
+
+def compare(ref, ref_state, out, out_state, mesh) -> str | None:
+    """None if this rank's results equal their slices of the reference bit for bit and the generator
+    advanced exactly as in the single-device run; otherwise what differs."""
+    if isinstance(ref, Exception) or isinstance(out, Exception):
+        if type(ref) is type(out):
+            return None
+        return f"reference gave {ref!r}, distributed gave {out!r}"
+    if len(ref) != len(out):
+        return f"{len(ref)} results on one device, {len(out)} distributed"
+    for i, (r, o) in enumerate(zip(ref, out)):
+        if not isinstance(o, DTensor):
+            return f"result {i} is a {type(o).__name__}, not a DTensor"
+        if o.shape != r.shape or o.dtype != r.dtype:
+            return f"result {i}: {tuple(o.shape)} {o.dtype} distributed vs {tuple(r.shape)} {r.dtype}"
+        if r.numel() == 0:
+            continue  # nothing drawn (nn.init returns empty tensors untouched, Partial placements and all)
+        if any(p.is_partial() for p in o.placements):
+            return f"result {i} has Partial placements {o.placements}"
+        expected = distribute_tensor(r, mesh, o.placements, src_data_rank=None).to_local()
+        if not torch.equal(o.to_local(), expected):
+            return f"result {i} ({o.placements}): local shard differs from its slice of the reference"
+    if not torch.equal(out_state, ref_state):
+        return f"generator state {out_state.tolist()} != single-device {ref_state.tolist()}"
+    return None
+
+
+@pytest.fixture
+def fresh_rng():
+    """Seeded, installed vescale RNG for one test; afterwards the previous state is back and DTensor's
+    own RNG handling restored, so other test files see PyTorch's defaults."""
+    saved = (vr_generator._state.seed, vr_generator._state.offset, vr_generator._state.profile)
+    was_installed = vr_dtensor.is_installed()
+    vr.manual_seed(1234)
+    yield
+    vr_generator._state.seed, vr_generator._state.offset, vr_generator._state.profile = saved
+    if not was_installed:
+        vr.uninstall()
+
+
+def destroy_process_group_if_any():
+    if dist.is_initialized():
+        dist.destroy_process_group()
