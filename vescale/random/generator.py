@@ -52,14 +52,6 @@ def set_device_profile(sm_count: int, max_threads_per_sm: int) -> None:
     on different hardware, e.g. a CPU single-device reference and a GPU cluster. Call it before
     :func:`vescale.manual_seed`, which checks that all ranks agree on it.
     """
-    for name, value in (("sm_count", sm_count), ("max_threads_per_sm", max_threads_per_sm)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"set_device_profile: {name} must be a positive int, got {value!r}")
-    if max_threads_per_sm < 256:
-        raise ValueError(
-            f"set_device_profile: max_threads_per_sm={max_threads_per_sm} is below one 256-thread block; "
-            "CUDA GPUs have 1024 to 2048 (torch.cuda.get_device_properties(i).max_threads_per_multi_processor)"
-        )
     _state.profile = DeviceProfile(sm_count, max_threads_per_sm)
 
 
@@ -126,7 +118,8 @@ class Draw:
 
 def reserve(kind: str, dtype: torch.dtype, global_shape, **params) -> Draw:
     """Take the generator position for one random op over a tensor of ``global_shape`` and advance
-    the offset past it, exactly as a CUDA launch over the whole tensor would."""
+    the offset past it, exactly as a CUDA launch over the whole tensor would. ``params`` are the
+    kernel's (bernoulli's ``p`` may be a tensor: that kernel advances the offset differently)."""
     if _state.seed is None:
         raise RuntimeError(
             "vescale.random: the generator is not seeded. Call vescale.manual_seed(seed) with the same "
@@ -135,9 +128,8 @@ def reserve(kind: str, dtype: torch.dtype, global_shape, **params) -> Draw:
         )
     profile = device_profile()
     draw = Draw(_state.seed, _state.offset, profile)
-    numel = math.prod(global_shape)
-    if numel > 0:  # CUDA returns early on empty tensors without touching the generator
-        _state.offset += kernel.offset_increment(kind, dtype, numel, profile, **params)
+    # 0 for an empty tensor: CUDA returns early without touching the generator.
+    _state.offset += kernel.offset_increment(kind, dtype, math.prod(global_shape), profile, **params)
     return draw
 
 

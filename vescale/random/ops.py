@@ -271,15 +271,15 @@ def fill(
     """Fill ``out`` with the block ``dim_indices`` of the global random tensor ``call`` asks for, and
     advance the generator past the whole tensor. ``prob`` holds bernoulli's per-element probabilities
     for the block (out's shape)."""
-    draw = generator.reserve(call.kind, out.dtype, global_shape, **call.params)
+    params = dict(call.params)
+    if prob is not None:
+        params["p"] = prob
+    draw = generator.reserve(call.kind, out.dtype, global_shape, **params)
     if out.numel() == 0:
         return
     with _disable_current_modes():  # the kernel's own tensor ops are plain arithmetic, never ours to route
         direct = out.device.type == "cpu" and out.is_contiguous()
         buf = out if direct else torch.empty(out.shape, dtype=out.dtype)
-        params = dict(call.params)
-        if prob is not None:
-            params["p"] = prob.to(device="cpu").contiguous()
         kernel.generate(
             buf,
             call.kind,
