@@ -184,7 +184,7 @@ def test_planned_input_that_is_not_a_tensor(two_ranks):
 
 def test_shard_dim_that_does_not_fit_an_activation(two_ranks):
     assert two_ranks[0]["shard_dim"] == (
-        "PlanError", "fc.<out>: Shard(2) does not fit a tensor of shape (3, 4); use a dim in [0, 2)"
+        "PlanError", "fc.<out>[0]: Shard(2) does not fit a tensor of shape (3, 4); use a dim in [0, 2)"
     )
 
 
@@ -209,12 +209,6 @@ def test_loss_outside_the_model_full_tensor_is_the_global_loss(two_ranks):
         assert abs(full - expected) < 1e-6
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="parallelize's docstring says a loss computed outside the model 'works unchanged', but a mean "
-    "over a batch-sharded output is a Partial(avg) DTensor and loss.item() returns this rank's own "
-    "partial mean (different on each rank), not the single-device loss; loss.full_tensor().item() is right",
-)
 def test_loss_outside_the_model_item_is_the_global_loss(two_ranks):
     for r in two_ranks:
         expected, _, item = r["outside_loss"]

@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from .. import random as vescale_random
 from ..comm.grad import attach_grad_reduction
+from ..dispatch import install_semantic_handlers
 from ..plan import PlanIR, VescalePlan, lower
 from .hooks import enable_implicit_replication, install_module_hooks, root_hooks
 
@@ -45,10 +46,18 @@ def _check_same_weights(model: nn.Module, mesh: DeviceMesh) -> None:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     named = [(n, t) for n, t in [*model.named_parameters(), *model.named_buffers()] if not t.is_meta]
+    device = mesh.device_type
+    # Agree on the number of tensors first: a collective over different lengths would hang.
+    count = torch.tensor([len(named), -len(named)], device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    if count[0].item() != -count[1].item():
+        raise RuntimeError(
+            f"ranks built different models ({len(named)} parameters and buffers on rank {dist.get_rank()}, "
+            f"{count[0].item()} on another); build the same model on every rank"
+        )
     local = _weights_checksum([t.cpu() for _, t in named])
     if local.numel() == 0:
         return
-    device = mesh.device_type
     hi, lo = local.to(device), local.to(device).neg()
     dist.all_reduce(hi, op=dist.ReduceOp.MAX)
     dist.all_reduce(lo, op=dist.ReduceOp.MAX)
@@ -104,12 +113,12 @@ def parallelize(model: nn.Module, plan: VescalePlan, mesh: DeviceMesh) -> nn.Mod
     # Random ops on the model's DTensors draw single-device numbers (and refuse to run, with a
     # message, until vescale.manual_seed is called) instead of the same numbers on every rank.
     vescale_random.install()
+    install_semantic_handlers()  # loss.item() of a Partial loss is the global loss
     handles = root_hooks(model)
     modules = dict(model.named_modules(remove_duplicate=False))
     per_module: dict[str, dict[str, list]] = {}
     for (mpath, hook), entries in ir.hooks().items():
-        if hook != "param":
-            per_module.setdefault(mpath, {})[hook] = entries
+        per_module.setdefault(mpath, {})[hook] = entries
     for mpath, hook_entries in per_module.items():
         handles += install_module_hooks(modules[mpath], mpath, hook_entries, mesh)
     handles += attach_grad_reduction(model.parameters())

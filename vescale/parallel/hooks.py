@@ -92,14 +92,14 @@ def _free_after_grad(param: nn.Parameter) -> None:
 
 
 def _place_inputs(module, args, kwargs, entries: list[Entry], mesh, path: str):
-    names, _ = forward_arg_names(module)
+    names = forward_arg_names(module)[0]
     args = list(args)
     for e in entries:
         what = f"{path or '<root>'}.<in>[{e.key}]"
-        pos = names.index(e.key) if isinstance(e.key, str) else e.key
+        pos = names.index(e.key) if e.key in names else e.key  # a **kwargs name has no position
         if isinstance(e.key, str) and e.key in kwargs:
             kwargs[e.key] = place(kwargs[e.key], mesh, e.targets, what)
-        elif pos < len(args):
+        elif isinstance(pos, int) and pos < len(args):
             args[pos] = place(args[pos], mesh, e.targets, what)
         # else: the argument was not passed; the module makes its own (a factory tensor)
     return tuple(args), kwargs
@@ -107,13 +107,13 @@ def _place_inputs(module, args, kwargs, entries: list[Entry], mesh, path: str):
 
 def _place_outputs(output, entries: list[Entry], mesh, path: str):
     for e in entries:
-        what = f"{path or '<root>'}.<out>" + ("" if e.key is None else f"[{e.key}]")
+        what = f"{path or '<root>'}.<out>[{e.key}]"
         if isinstance(output, torch.Tensor):
-            if e.key not in (None, 0):
+            if e.key != 0:
                 raise PlanError(f"{what}: the module returns a single tensor; use <out>")
             output = place(output, mesh, e.targets, what)
         elif isinstance(output, (tuple, list)):
-            i = 0 if e.key is None else e.key
+            i = e.key
             if not isinstance(i, int) or not -len(output) <= i < len(output):
                 raise PlanError(f"{what}: the module returns a {type(output).__name__} of {len(output)}; no element {i!r}")
             items = list(output)
@@ -121,7 +121,7 @@ def _place_outputs(output, entries: list[Entry], mesh, path: str):
             output = type(output)(items) if type(output) in (tuple, list) else type(output)(*items)
         elif isinstance(output, dict):
             keys = [k for k, v in output.items() if v is not None]
-            k = keys[0] if e.key is None else (keys[e.key] if isinstance(e.key, int) else e.key)
+            k = keys[e.key] if isinstance(e.key, int) and e.key < len(keys) else e.key
             if k not in output:
                 raise PlanError(f"{what}: the module's output has no field {k!r}; fields: {keys}")
             output[k] = place(output[k], mesh, e.targets, what)

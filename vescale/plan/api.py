@@ -45,8 +45,8 @@ INIT, RUN = Phase.INIT, Phase.RUN
 
 PlacementArg = Union[Placement, Sequence[Placement]]
 
-# `<in>`, `<in>[3]`, `<out>[logits]` at the end of a path: the activation part of a tensor path.
-_ACTIVATION = re.compile(r"(?:^|(?:\\?\.))<(in|out)>(?:\\?\[([^\]\\]+)\\?\])?$")
+# `<in>`, `<in>[3]`, `<out>[logits]` (brackets escaped or not) ending a path: its activation token.
+_ACTIVATION = re.compile(r"<(in|out)>(?:\\?\[([^\]\\]+)\\?\])?$")
 
 
 @dataclass(frozen=True)
@@ -68,11 +68,11 @@ class Statement:
 
     @property
     def module_pattern(self) -> str:
-        """For activation and factory statements: the regex over module paths."""
-        if self.kind == "factory":
-            return self.path
-        m = _ACTIVATION.search(self.path)
-        return self.path[: m.start()] if m else self.path
+        """For factory statements: the regex over module paths. For activation statements: the
+        regex over activation paths ``<module>.<in>`` / ``<in>`` (root), the key left out — the
+        path is still one full-match regex, so ``.*\\.<in>`` does not match the root's ``<in>``."""
+        m = _ACTIVATION.search(self.path) if self.kind == "shard" else None
+        return self.path[: m.start()] + re.escape(f"<{m.group(1)}>") if m else self.path
 
     def __str__(self) -> str:
         where = f", mesh={self.mesh_dim!r}" if self.mesh_dim else ""
@@ -93,7 +93,12 @@ def placement_str(p: Placement) -> str:
 
 
 def _as_placements(placement: PlacementArg, path: str) -> tuple[Placement, ...]:
-    items = (placement,) if isinstance(placement, Placement) else tuple(placement)
+    if isinstance(placement, Placement):
+        items = (placement,)
+    elif isinstance(placement, (list, tuple)):
+        items = tuple(placement)
+    else:
+        items = ()
     if not items or not all(isinstance(p, Placement) for p in items):
         raise TypeError(
             f"plan path {path!r}: placement must be a Shard/Replicate/Partial or a list of them "
@@ -127,11 +132,12 @@ class VescalePlan:
 
     def factory(self, path: str, placement: PlacementArg, mesh: str | None = None) -> "VescalePlan":
         """Tensors created by factory functions (torch.zeros, arange, ...) inside the forward of the
-        modules matching ``path`` become DTensors with this placement (default: Replicate)."""
+        modules matching ``path`` (a module path; ``""`` is the root) become DTensors with this
+        placement. Unplanned factory tensors stay plain and meet DTensors as Replicate."""
         return self._add("factory", path, placement, mesh, None)
 
     def _add(self, kind, path, placement, mesh, phase) -> "VescalePlan":
-        if not isinstance(path, str) or not path:
+        if not isinstance(path, str) or not (path or kind == "factory"):
             raise TypeError(f"plan.{kind}: path must be a non-empty regular expression string, got {path!r}")
         try:
             re.compile(path)

@@ -97,10 +97,12 @@ class PlanIR:
     mesh_dim_names: tuple[str, ...]
 
     def hooks(self) -> dict[tuple[str, str], list[Entry]]:
-        """Entries grouped per (module, hook): each group becomes one installed hook."""
+        """Entries grouped per (module, hook); each group becomes one installed hook. "param"
+        entries are not hooks: parallelize applies them once."""
         grouped: dict[tuple[str, str], list[Entry]] = {}
         for e in self.entries:
-            grouped.setdefault((e.module, e.hook), []).append(e)
+            if e.hook != "param":
+                grouped.setdefault((e.module, e.hook), []).append(e)
         return grouped
 
     def __str__(self) -> str:
@@ -173,10 +175,11 @@ def optimize(
     for name, group in params.items():
         entries += _param_entries(name, group, ndim, mesh_dim_names)
     for (module, hook, tensor, key), group in acts.items():
-        what = f"{tensor}[{key}] of module {module or '<root>'!r}" if key is not None else tensor
+        what = f"{tensor}[{key}] of module {module or '<root>'!r}" if key is not None else f"{tensor} of module {module or '<root>'!r}"
         targets, stmts = _fuse(group, ndim, what)
         action = "factory" if hook == "factory" else "redist"
         entries.append(Entry(module, hook, tensor, key, action, targets, None, stmts, mesh_dim_names))
 
-    entries.sort(key=lambda e: (module_order.get(e.module, -1), HOOK_ORDER[e.hook], str(e.key), e.tensor))
+    # Stable: within a hook, parameters keep named_parameters() order and activations plan order.
+    entries.sort(key=lambda e: (module_order.get(e.module, -1), HOOK_ORDER[e.hook]))
     return PlanIR(raw=list(raw), entries=entries, mesh_dim_names=mesh_dim_names)

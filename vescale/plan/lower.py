@@ -23,16 +23,27 @@ from .ir import PlanError, PlanIR, RawEntry, optimize
 __all__ = ["lower", "forward_arg_names"]
 
 
-def forward_arg_names(module: nn.Module) -> tuple[list[str], bool]:
-    """Names of ``module.forward``'s parameters in order, and whether it takes ``*args``."""
+def forward_arg_names(module: nn.Module) -> tuple[list[str], bool, bool]:
+    """Names of ``module.forward``'s parameters in order, and whether it takes ``*args`` / ``**kwargs``."""
     try:
         sig = inspect.signature(module.forward)
     except (TypeError, ValueError):
-        return [], True
+        return [], True, True
     kinds = inspect.Parameter
-    names = [p.name for p in sig.parameters.values() if p.kind not in (kinds.VAR_POSITIONAL, kinds.VAR_KEYWORD)]
-    varargs = any(p.kind is kinds.VAR_POSITIONAL for p in sig.parameters.values())
-    return names, varargs
+    params = sig.parameters.values()
+    names = [p.name for p in params if p.kind not in (kinds.VAR_POSITIONAL, kinds.VAR_KEYWORD)]
+    varargs = any(p.kind is kinds.VAR_POSITIONAL for p in params)
+    varkw = any(p.kind is kinds.VAR_KEYWORD for p in params)
+    return names, varargs, varkw
+
+
+def runs_forward(module: nn.Module) -> bool:
+    """Containers (ModuleList, ModuleDict) are never called, so hooks on them would never run."""
+    return type(module).forward is not nn.Module.forward
+
+
+def activation_path(module_path: str, direction: str) -> str:
+    return f"{module_path}.<{direction}>" if module_path else f"<{direction}>"
 
 
 def _closest(path: str, candidates: Iterable[str]) -> str:
@@ -75,32 +86,29 @@ def _check_fits(st: Statement, placement: Placement, name: str, ndim: int) -> Pl
 
 
 def _activation_key(st: Statement, module_path: str, module: nn.Module, key: str | None):
-    """Normalise ``<in>[...]`` to a forward argument name where possible, so that ``<in>``,
-    ``<in>[0]`` and ``<in>[hidden_states]`` name one tensor; outputs keep int/str keys."""
+    """Normalise a key so that one tensor has one key: ``<out>`` is ``<out>[0]`` (the output, or
+    its first element), and ``<in>``, ``<in>[0]`` and ``<in>[hidden_states]`` name one input (by
+    its argument name where the signature knows it)."""
     direction, _ = st.activation
+    key = "0" if key is None else key
+    where = f"module {module_path or '<root>'!r} ({type(module).__name__}.forward)"
+    if key.startswith("-"):
+        raise PlanError(f"{st}: negative positions are ambiguous; use a position >= 0 or the argument name")
     if direction == "out":
-        if key is None:
-            return None
-        return int(key) if key.lstrip("-").isdigit() else key
-    names, varargs = forward_arg_names(module)
-    if key is None:
-        key = "0"
-    if key.lstrip("-").isdigit():
+        return int(key) if key.isdigit() else key
+    names, varargs, varkw = forward_arg_names(module)
+    if key.isdigit():
         i = int(key)
         if i < len(names):
             return names[i]
-        if varargs or not names:
+        if varargs:
             return i
-        raise PlanError(
-            f"{st}: module {module_path or '<root>'!r} ({type(module).__name__}.forward) has only "
-            f"{len(names)} input(s) {names}; <in>[{i}] does not exist"
-        )
-    if key in names:
+        if not names and varkw:
+            raise PlanError(f"{st}: {where} takes only **kwargs; name the input, e.g. <in>[input_ids]")
+        raise PlanError(f"{st}: {where} has only {len(names)} input(s) {names}; <in>[{i}] does not exist")
+    if key in names or varkw:
         return key
-    raise PlanError(
-        f"{st}: {type(module).__name__}.forward of {module_path or '<root>'!r} has no argument {key!r}; "
-        f"its arguments are {names}"
-    )
+    raise PlanError(f"{st}: {where} has no argument {key!r}; its arguments are {names}")
 
 
 def lower(plan: VescalePlan, model: nn.Module, mesh: DeviceMesh) -> PlanIR:
@@ -112,7 +120,7 @@ def lower(plan: VescalePlan, model: nn.Module, mesh: DeviceMesh) -> PlanIR:
     modules = dict(model.named_modules(remove_duplicate=False))
     tensors = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
     is_param = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    all_paths = list(tensors) + [f"{m}.<in>" if m else "<in>" for m in modules]
+    all_paths = list(tensors) + [activation_path(m, "in") for m, mod in modules.items() if runs_forward(mod)]
 
     raw: list[RawEntry] = []
     planned_buffers: set[str] = set()
@@ -141,12 +149,27 @@ def lower(plan: VescalePlan, model: nn.Module, mesh: DeviceMesh) -> PlanIR:
 
 
 def _lower_module_statement(st, modules, dims, all_paths) -> list[RawEntry]:
+    """Activation and factory statements: one raw entry per matched (running) module and mesh dim."""
     pattern = re.compile(st.module_pattern)
-    matched = [m for m in modules if pattern.fullmatch(m)]
-    if not matched:
-        raise PlanError(f"{st}: no module path matches {st.module_pattern!r}{_closest(st.path, all_paths)}")
+    if st.kind == "factory":
+        def candidate(m): return m
+        suggestions = [m for m, mod in modules.items() if runs_forward(mod)]
+    else:
+        direction = st.activation[0]
+        def candidate(m): return activation_path(m, direction)
+        suggestions = all_paths
+    matched = [m for m in modules if pattern.fullmatch(candidate(m))]
+    running = [m for m in matched if runs_forward(modules[m])]
+    if matched and not running:
+        kinds = sorted({type(modules[m]).__name__ for m in matched})
+        raise PlanError(
+            f"{st}: matches only {', '.join(kinds)} container(s) {matched[:3]}, which are never called, so "
+            "nothing would be placed; name the modules inside, e.g. a layer of the list"
+        )
+    if not running:
+        raise PlanError(f"{st}: no module path matches{_closest(st.path, suggestions)}")
     out = []
-    for m in matched:
+    for m in running:
         if st.kind == "factory":
             hook, tensor, key = "factory", "<factory>", None
         else:
