@@ -14,8 +14,10 @@ Two entry points reach this code, both installed by :func:`install` (never at im
 * :class:`VescaleRNGTracker`, installed as DTensor's RNG tracker, whose ``_distribute_region`` is
   where ``torch.distributed.tensor.rand/randn`` build their local shard.
 
-It also makes ``item()`` of a Partial DTensor return the reduced value (see ``_scalar_of_partial``):
-random code with data-dependent loops (``trunc_normal_``) needs every rank to see the same condition.
+:func:`install` also installs vescale.dispatch's semantic handlers: random code with a
+data-dependent loop (``nn.init.trunc_normal_`` redraws until ``not mask.any()``) needs ``item()``
+of a Partial DTensor to be the global value on every rank, not PyTorch's local one, or the ranks
+stop at different iterations and their generators fall out of step.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Partial, _is_shard_like
 
+from vescale.dispatch import install_semantic_handlers
 from vescale.random import ops
 
 __all__ = ["VescaleRNGTracker", "install", "uninstall", "is_installed", "local_indices", "handle_random_op"]
@@ -159,22 +162,6 @@ def _refuse_unsupported(op, args, kwargs):
     raise ops.unsupported_error(op)
 
 
-def _scalar_of_partial(op, args, kwargs):
-    """``Tensor.item()`` / ``bool()`` on a DTensor: reduce Partial placements first.
-
-    DTensor returns a Partial scalar's *local* value, so ranks disagree on, e.g., ``bool(mask.any())``
-    and data-dependent loops diverge. ``nn.init.trunc_normal_`` loops until no value is out of range;
-    with local values each rank stops at its own iteration, draws a different number of times, and
-    the generator (and the next collective) falls out of step. The reduced value is what one device
-    would see.
-    """
-    tensor = args[0]
-    if any(p.is_partial() for p in tensor.placements):
-        replicated = [Replicate() if p.is_partial() else p for p in tensor.placements]
-        tensor = tensor.redistribute(tensor.device_mesh, replicated)
-    return op(tensor._local_tensor)
-
-
 # ---- DTensor factories: torch.distributed.tensor.rand / randn --------------------------------------------
 
 
@@ -234,7 +221,6 @@ _saved: dict | None = None  # what install() replaced: the previous tracker and 
 def _handlers() -> dict:
     table = {op: handle_random_op for op in ops.SUPPORTED}
     table.update({op: _refuse_unsupported for op in ops.UNSUPPORTED})
-    table[torch.ops.aten._local_scalar_dense.default] = _scalar_of_partial
     return table
 
 
@@ -251,6 +237,7 @@ def install() -> None:
     }
     custom.update(handlers)
     dtensor_random._rng_tracker = VescaleRNGTracker()
+    install_semantic_handlers()  # global item(): trunc_normal_'s loop condition agrees across ranks
 
 
 def uninstall() -> None:
