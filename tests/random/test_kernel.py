@@ -11,8 +11,16 @@ import numpy as np
 import pytest
 import torch
 
-from vescale.random import kernel, philox
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from vescale.random import _native, kernel, philox
 from vescale.random.kernel import A100, H100_SXM, DeviceProfile, generate, offset_increment
+
+NATIVE = _native.load()  # None (after a warning) where no C compiler can build it
+needs_native = pytest.mark.skipif(NATIVE is None, reason="the compiled kernel could not be built here (no C compiler?)")
+# Formula tests run on both implementations; "native" is skipped where it cannot be built.
+BACKENDS = ["torch", pytest.param("native", marks=needs_native)]
 
 TINY = DeviceProfile(sm_count=1, max_threads_per_sm=256)  # T = 256: many steps per thread on tiny tensors
 A4000 = DeviceProfile(sm_count=48, max_threads_per_sm=1536)
@@ -21,8 +29,9 @@ FLOATS = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 INTEGRALS = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64]
 
 
-def draw(shape, kind, dtype=torch.float32, *, seed=0, offset=0, profile=TINY, index=None, backend="torch", **params):
-    """generate() into a fresh tensor; ``index`` lists per-dim global indices (None: whole tensor)."""
+def draw(shape, kind, dtype=torch.float32, *, seed=0, offset=0, profile=TINY, index=None, backend="auto", **params):
+    """generate() into a fresh tensor; ``index`` lists per-dim global indices (None: whole tensor).
+    backend "auto" is the compiled kernel where it builds; tests below prove it equals the torch path."""
     dim_indices = None if index is None else [torch.as_tensor(ix, dtype=torch.int64) for ix in index]
     local_shape = tuple(shape) if index is None else tuple(len(ix) for ix in index)
     out = torch.empty(local_shape, dtype=dtype)
@@ -108,10 +117,11 @@ def test_offset_increment_of_bernoulli_with_tensor_p_is_fixed():
 # ---- the element -> counter mapping ------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("profile, n", [(TINY, 3000), (DeviceProfile(2, 512), 5000), (H100_SXM, 1000)])
-def test_uniform_element_formula(profile, n):
+def test_uniform_element_formula(profile, n, backend):
     seed, offset = 0x0123456789ABCDEF, 44
-    values = draw((n,), "uniform", seed=seed, offset=offset, profile=profile, low=0.0, high=1.0)
+    values = draw((n,), "uniform", seed=seed, offset=offset, profile=profile, backend=backend, low=0.0, high=1.0)
     threads = profile.num_threads(n)
     for j in random.Random(n).sample(range(n), 40):
         step = j // threads
@@ -120,13 +130,15 @@ def test_uniform_element_formula(profile, n):
         assert values[j].item() == (0.0 if expected == 1.0 else float(expected))
 
 
-def test_split_tensor_elements_use_their_launch():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_split_tensor_elements_use_their_launch(backend):
     # 2**29 + 1 float32 elements: two launches of 2**28 and 2**28 + 1 elements; only 6 are drawn here.
     n, seed, offset = 2**29 + 1, 7, 8
     first_increment = ((n - 1) // (H100_SXM.num_threads(n) * 4) + 1) * 4
     second_counter = (offset + first_increment + ((2**28 - 1) // (H100_SXM.num_threads(2**28) * 4) + 1) * 4) // 4
     picks = [0, 5, 2**28 - 1, 2**28, 2**28 + 270_336 * 3 + 11, n - 1]
-    values = draw((n,), "uniform", seed=seed, offset=offset, profile=H100_SXM, index=[picks], low=0.0, high=1.0)
+    values = draw((n,), "uniform", seed=seed, offset=offset, profile=H100_SXM, index=[picks], backend=backend,
+                  low=0.0, high=1.0)
     for j, value in zip(picks, values.tolist()):
         start, counter = (0, (offset + first_increment) // 4) if j < 2**28 else (2**28, second_counter)
         local = j - start
@@ -144,10 +156,11 @@ def test_offset_shifts_the_stream_by_one_call():
     assert not torch.equal(shifted, base)
 
 
-def test_bernoulli_with_tensor_p_uses_the_apply4_mapping():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bernoulli_with_tensor_p_uses_the_apply4_mapping(backend):
     seed, offset, shape = 99, 16, (7, 9)
     p = torch.rand(shape, generator=torch.Generator().manual_seed(0))
-    got = draw(shape, "bernoulli", seed=seed, offset=offset, p=p)
+    got = draw(shape, "bernoulli", seed=seed, offset=offset, backend=backend, p=p)
     flat_p = p.reshape(-1).tolist()
     for j, value in enumerate(got.reshape(-1).tolist()):
         word = words_of(seed, offset // 4, j // 4)[j % 4]
@@ -228,18 +241,20 @@ def test_random_from_to_stays_in_range_and_covers_it(dtype, low, high):
     assert float(got.max() - got.min()) > 0.9 * (high - 1 - low)
 
 
-def test_random_32bit_formula():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_random_32bit_formula(backend):
     n, seed = 3000, 11
-    got = draw((n,), "random", torch.int64, low=-7, high=1000, seed=seed)
+    got = draw((n,), "random", torch.int64, low=-7, high=1000, seed=seed, backend=backend)
     for j in random.Random(0).sample(range(n), 30):
         step = j // 256
         word = words_of(seed, step // 4, j % 256)[step % 4]
         assert got[j].item() == word % 1007 - 7
 
 
-def test_random_64bit_formula():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_random_64bit_formula(backend):
     n, seed, low, high = 2000, 12, -(2**40), 2**45
-    got = draw((n,), "random", torch.int64, low=low, high=high, seed=seed)
+    got = draw((n,), "random", torch.int64, low=low, high=high, seed=seed, backend=backend)
     for j in random.Random(1).sample(range(n), 30):
         step = j // 256
         w = words_of(seed, step // 2, j % 256)
@@ -320,18 +335,94 @@ def random_block(rng: random.Random, shape):
     return index
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind, dtype, params", ALL_KINDS)
-def test_block_equals_slice_of_whole(kind, dtype, params):
+def test_block_equals_slice_of_whole(kind, dtype, params, backend):
     rng = random.Random(len(kind) * 100 + FLOATS.index(dtype) if dtype in FLOATS else 7)
     for _ in range(8):
         shape = [rng.randint(1, 9) for _ in range(rng.randint(1, 5))]
         seed = rng.getrandbits(64)
-        whole = draw(shape, kind, dtype, seed=seed, offset=8, **params)
+        whole = draw(shape, kind, dtype, seed=seed, offset=8, backend=backend, **params)
         index = random_block(rng, shape)
-        block = draw(shape, kind, dtype, seed=seed, offset=8, index=index, **params)
+        block = draw(shape, kind, dtype, seed=seed, offset=8, index=index, backend=backend, **params)
         assert block.shape == tuple(len(ix) for ix in index)
         if block.numel():
             assert torch.equal(block, whole[np.ix_(*[np.array(ix) for ix in index])]), (shape, index)
+
+
+# ---- the compiled kernel against the PyTorch path ------------------------------------------------------
+
+CROSS_KINDS = ALL_KINDS + [
+    ("uniform", torch.float16, dict(low=-1000.0, high=1000.0)), ("uniform", torch.float64, dict(low=-2.5, high=1e6)),
+    ("normal", torch.float32, dict(mean=0.0, std=1.0)), ("normal", torch.bfloat16, dict(mean=-3.0, std=0.25)),
+    ("normal", torch.float64, dict(mean=2.0, std=3.0)), ("bernoulli", torch.int32, dict(p=0.5)),
+    ("bernoulli", torch.float16, dict(p=1.0)), ("random", torch.int8, {}), ("random", torch.bool, {}),
+    ("random", torch.float64, {}), ("random", torch.bfloat16, dict(low=-(2**63), high=None)),
+    ("random", torch.int64, dict(low=-(2**63), high=2**63 - 1)), ("random", torch.uint8, dict(low=3, high=None)),
+]
+
+
+@st.composite
+def blocks(draw_, max_dims=4):
+    """A global shape (up to ~4000 elements, so T = 256 or 512 gives several steps and call blocks) and per-dim
+    global indices of a block: whole dims, step-1 ranges, reversed, strided, random with repeats, empty."""
+    shape = draw_(st.lists(st.integers(1, 40), min_size=1, max_size=max_dims).filter(lambda s: math.prod(s) <= 4000))
+    index = []
+    for size in shape:
+        style = draw_(st.sampled_from(["all", "all", "range", "reversed", "strided", "random", "empty"]))
+        if style == "all":
+            ix = list(range(size))
+        elif style == "range":
+            a = draw_(st.integers(0, size - 1))
+            ix = list(range(a, draw_(st.integers(a + 1, size))))
+        elif style == "reversed":
+            ix = list(range(size))[::-1]
+        elif style == "strided":
+            ix = list(range(draw_(st.integers(0, size - 1)), size, draw_(st.integers(2, 5))))
+        elif style == "random":
+            ix = draw_(st.lists(st.integers(0, size - 1), min_size=1, max_size=size))
+        else:
+            ix = []
+        index.append(ix)
+    return shape, index
+
+
+@needs_native
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    case=st.sampled_from(CROSS_KINDS), block=blocks(), seed=st.integers(0, 2**64 - 1), offset=st.integers(0, 2**40),
+    profile=st.sampled_from([TINY, DeviceProfile(2, 512), DeviceProfile(3, 768), H100_SXM]),
+    whole=st.booleans(),
+)
+def test_compiled_kernel_equals_torch_path(case, block, seed, offset, profile, whole):
+    kind, dtype, params = case
+    shape, index = block
+    index = None if whole else index
+    args = dict(seed=seed, offset=4 * (offset // 4), profile=profile, index=index, **params)
+    assert torch.equal(draw(shape, kind, dtype, backend="native", **args), draw(shape, kind, dtype, backend="torch", **args))
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bool])
+def test_compiled_bernoulli_with_tensor_p_equals_torch_path(dtype):
+    shape, index = (30, 50), [list(range(3, 29)), list(range(49, -1, -3))]
+    p = torch.rand((26, 17), generator=torch.Generator().manual_seed(1))
+    args = dict(seed=5, offset=20, index=index, p=p)
+    assert torch.equal(draw(shape, "bernoulli", dtype, backend="native", **args),
+                       draw(shape, "bernoulli", dtype, backend="torch", **args))
+
+
+@needs_native
+def test_compiled_kernel_uses_whole_calls_on_long_runs():
+    # A contiguous block longer than T * U goes call by call (each Philox call feeds U elements) in the
+    # C kernel; every layout must still give the same bits as the torch path: whole rows, a column
+    # block, both on a tensor split into several launches (bool: 1 byte, so 2**31 elements split).
+    shape = (4, 2**29 + 3)
+    for index in ([[1], list(range(0, 5000))], [[3], list(range(2**29 - 2000, 2**29 + 3))],
+                  [[0, 2], list(range(2**28 - 3000, 2**28 + 3000))]):
+        args = dict(seed=3, offset=4, profile=DeviceProfile(1, 512), index=index, p=0.5)
+        assert torch.equal(draw(shape, "bernoulli", torch.bool, backend="native", **args),
+                           draw(shape, "bernoulli", torch.bool, backend="torch", **args))
 
 
 # ---- input validation ---------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from vescale.random import philox
+from vescale.random import _native, philox
 
 KAT_PHILOX4X32_10 = [
     ((0x00000000, 0x00000000, 0x00000000, 0x00000000), (0x00000000, 0x00000000),
@@ -33,6 +33,20 @@ def test_philox_known_answers_on_tensors(counter, key, expected):
 @pytest.mark.parametrize("counter, key, expected", KAT_PHILOX4X32_10)
 def test_philox_known_answers_on_python_ints(counter, key, expected):
     assert list(philox.philox4x32_10(*counter, *key)) == list(expected)
+
+
+def test_compiled_philox_known_answers():
+    native = _native.load()
+    if native is None:
+        pytest.skip("the compiled kernel could not be built here (no C compiler?)")
+    rows = KAT_PHILOX4X32_10 * 30  # 90 counters: the 8-wide vector lanes and the scalar tail
+    counters = [torch.tensor([counter[i] for counter, _, _ in rows]) for i in range(4)]
+    for counter, key, expected in KAT_PHILOX4X32_10:
+        words = native.philox(*counters, *key)
+        assert torch.equal(words, torch.stack(philox.philox4x32_10(*counters, *key), dim=1))
+        for row, (row_counter, _, _) in enumerate(rows):
+            if row_counter == counter:
+                assert words[row].tolist() == list(expected)
 
 
 def test_philox_batched_equals_one_by_one():

@@ -435,9 +435,15 @@ def generate(
         launches = [Launch(0, numel, 0, offset // 4)]  # threads unused: the mapping is j -> (j // 4, j % 4)
     else:
         launches = _launches(numel, out.element_size(), draw.unroll, offset, profile)[0]
-    if backend == "native":
-        raise NotImplementedError("vescale.random kernel: the compiled kernel is not part of this revision yet")
-    _fill_torch(out, draw, seed, launches, global_shape, dim_indices, prob)
+    native = None
+    if backend != "torch":
+        from vescale.random import _native  # imported here: building it is a first-use cost, not an import one
+
+        native = _native.load(required=backend == "native")
+    if native is not None:
+        native.fill(out, draw, seed, launches, global_shape, dim_indices, prob)
+    else:
+        _fill_torch(out, draw, seed, launches, global_shape, dim_indices, prob)
 
 
 # ---- the pure-PyTorch path ---------------------------------------------------------------------------

@@ -2,8 +2,9 @@
 
 Everything here works on int64 tensors that hold unsigned 32-bit words (values in [0, 2**32)) and on
 float32 / float64 tensors, and uses only operations whose result IEEE 754 fixes bit for bit: integer
-arithmetic, +, -, *, / and sqrt rounded to nearest, conversions, comparisons. No libm, no fused
-multiply-add, nothing whose last bit could depend on vector width, compiler or CPU. The compiled
+arithmetic, +, -, * and / rounded to nearest, conversions, comparisons. No libm, no fused
+multiply-add, nothing whose last bit could depend on vector width, compiler or CPU (so not even
+torch.sqrt, which may use MKL's not-quite-correctly-rounded vector math). The compiled
 kernel (csrc/vescale_rng.c) follows the same steps in the same order, so both give identical bits.
 
 Sources of the definitions (read, not copied):
@@ -175,6 +176,28 @@ def det_log(x: torch.Tensor) -> torch.Tensor:
     return e * LN2_HI + (e * LN2_LO + log_f)
 
 
+RSQRT_SEED = (float.fromhex("0x1.1126e978d4fdfp+0"), float.fromhex("-0x1.3851eb851eb85p-3"))  # 1.067 - 0.1525 m
+
+
+def det_sqrt(x: torch.Tensor) -> torch.Tensor:
+    """Square root of float64 values in {0} or [2**-1000, 2**1000], within 2 ulp, bit-reproducible.
+
+    torch.sqrt is not usable: on CPU it may go through MKL's vector math, which is accurate but not
+    correctly rounded, so it can differ from C's sqrt in the last bit. Instead, with only + and *:
+    x = m * 4**k with m in [1, 4); y ~ 1/sqrt(m) from 1.067 - 0.1525 m (relative error < 0.087), five
+    Newton steps y <- y (3 - m y^2) / 2 (error 1.1e-2, 1.9e-4, 5e-8, 4e-15, then rounding only);
+    sqrt(x) = m y 2**k (the scaling is exact)."""
+    bits = x.contiguous().view(torch.int64)
+    half_exponent = ((bits >> _EXP_MASK_SHIFT) - 1023) >> 1  # floor(e / 2)
+    m = x * ((1023 - 2 * half_exponent) << _EXP_MASK_SHIFT).view(torch.float64)
+    m = torch.where(x == 0, 1.0, m)  # keeps the arithmetic finite; zero is put back below
+    y = RSQRT_SEED[0] + RSQRT_SEED[1] * m
+    for _ in range(5):
+        y = y * (1.5 - 0.5 * (m * y * y))
+    root = (m * y) * ((1023 + half_exponent) << _EXP_MASK_SHIFT).view(torch.float64)
+    return torch.where(x == 0, x, root)
+
+
 def _sin_cos_reduced(r: torch.Tensor):
     z = r * r
     return r + r * (z * _horner(z, SIN_COEFFS)), 1.0 + z * _horner(z, COS_COEFFS)
@@ -216,7 +239,7 @@ def normal_float(u_word: torch.Tensor, v_word: torch.Tensor, want_cos: torch.Ten
     u = uniform_float(u_word).to(torch.float64)
     v_word_f = v_word.to(torch.float32)
     v = fma_float(v_word_f, torch.tensor(_V_SCALE_F32, dtype=torch.float32), torch.tensor(_V_SCALE_F32 / 2, dtype=torch.float32))
-    radius = torch.sqrt(-2.0 * det_log(u))
+    radius = det_sqrt(-2.0 * det_log(u))
     return (radius * det_sin_or_cos(v.to(torch.float64), want_cos)).to(torch.float32)
 
 
@@ -225,7 +248,7 @@ def normal_double(w0, w1, w2, w3, want_cos: torch.Tensor) -> torch.Tensor:
     (w2, w3), sqrt(-2 log u) * sinpi|cospi(v) (element 0 of the pair: sin, element 1: cos)."""
     u = uniform_double(w0, w1)
     v = (w2 ^ (w3 << 21)).to(torch.float64) * 2.0**-52 + 2.0**-53
-    radius = torch.sqrt(-2.0 * det_log(u))
+    radius = det_sqrt(-2.0 * det_log(u))
     return radius * det_sinpi_or_cospi(v, want_cos)
 
 

@@ -1,0 +1,206 @@
+"""Builds, caches and calls the compiled kernel of vescale.random (csrc/vescale_rng.c) through ctypes.
+
+The C source is compiled on first use with the system C compiler (``$CC``, else ``cc``) into
+``$XDG_CACHE_HOME/vescale`` (else ``~/.cache/vescale``), under a name that hashes the source, the
+compiler's version, the flags and the CPU's feature flags (the build uses ``-march=native``), so a
+stale or foreign build is never loaded. Concurrent builds (several ranks starting at once) each write
+their own temporary file and rename it into place. If no compiler is found or the build fails, a
+warning says so once and ``load`` returns None: vescale.random then uses its pure-PyTorch path, which
+gives the same bits, only slower.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+_SOURCE = Path(__file__).with_name("csrc") / "vescale_rng.c"
+_ABI_VERSION = 1
+# -ffp-contract=off: no fused multiply-add may change a rounding (the PyTorch path has none).
+# -fno-trapping-math / -fno-math-errno change no value (no -ffast-math: no reassociation, signed
+# zeros kept); they let the compiler turn the branch-free transforms into vector code.
+_COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno", "-fPIC", "-shared", "-pthread"]
+# -march=native: AVX2 Philox and vector transforms where the CPU has them (the cache key includes the
+# CPU's flags); -fopenmp-simd only honours `omp simd` loop hints, no OpenMP runtime is linked.
+_FLAG_SETS = [["-march=native", "-fopenmp-simd"], ["-fopenmp-simd"], []]
+
+_DTYPE_CODES = {
+    torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3, torch.bool: 4,
+    torch.uint8: 5, torch.int8: 6, torch.int16: 7, torch.int32: 8, torch.int64: 9,
+}
+
+
+class _Job(ctypes.Structure):
+    """Mirror of ``vrng_job`` in vescale_rng.c (same field order and types)."""
+
+    _fields_ = [
+        ("op", ctypes.c_int64), ("dtype", ctypes.c_int64), ("wide", ctypes.c_int64), ("unroll", ctypes.c_int64),
+        ("seed", ctypes.c_uint64), ("nlaunch", ctypes.c_int64),
+        ("launch_start", ctypes.c_void_p), ("launch_threads", ctypes.c_void_p), ("launch_counter", ctypes.c_void_p),
+        ("nrows", ctypes.c_int64), ("ninner", ctypes.c_int64), ("run", ctypes.c_int64),
+        ("row_base", ctypes.c_void_p), ("inner_off", ctypes.c_void_p),
+        ("a", ctypes.c_double), ("b", ctypes.c_double), ("c", ctypes.c_double),
+        ("modulus", ctypes.c_uint64), ("base", ctypes.c_int64),
+        ("prob", ctypes.c_void_p), ("out", ctypes.c_void_p), ("num_threads", ctypes.c_int64),
+    ]
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "vescale"
+
+
+def _cpu_fingerprint() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    return platform.machine() + platform.processor() + flags
+
+
+def _build() -> Path:
+    compiler = os.environ.get("CC") or "cc"
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as error:
+        raise RuntimeError(f"no C compiler ({compiler!r}: {error})") from None
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(
+        b"\0".join([source, version.encode(), repr((_COMMON_FLAGS, _FLAG_SETS)).encode(), _cpu_fingerprint().encode()])
+    ).hexdigest()[:20]
+    target = cache_dir() / f"vescale_rng_{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    errors = []
+    for extra in _FLAG_SETS:
+        temporary = target.with_name(f"{target.stem}.{os.getpid()}.{threading.get_ident()}.tmp.so")
+        command = [compiler, *_COMMON_FLAGS, *extra, str(_SOURCE), "-o", str(temporary), "-lm"]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        if result.returncode == 0:
+            os.replace(temporary, target)
+            return target
+        temporary.unlink(missing_ok=True)
+        errors.append(f"{' '.join(command)}:\n{result.stderr.strip()}")
+    raise RuntimeError("compilation failed:\n" + "\n".join(errors))
+
+
+class NativeKernel:
+    """The loaded library; ``fill`` is kernel.generate's compiled path."""
+
+    def __init__(self, library: ctypes.CDLL):
+        self._lib = library
+        library.vrng_fill.argtypes = [ctypes.POINTER(_Job)]
+        library.vrng_fill.restype = ctypes.c_int64
+        library.vrng_philox.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_uint32] * 2 + [ctypes.c_void_p]
+        library.vrng_philox.restype = None
+
+    def philox(self, c0, c1, c2, c3, k0: int, k1: int) -> torch.Tensor:
+        """Philox4x32-10 of int64 tensors of counter words (values < 2**32): an (n, 4) int64 tensor."""
+        words = [torch.as_tensor(c, dtype=torch.int64).reshape(-1).to(torch.int32).contiguous() for c in (c0, c1, c2, c3)]
+        out = torch.empty((words[0].numel(), 4), dtype=torch.int32)
+        self._lib.vrng_philox(words[0].numel(), *[w.data_ptr() for w in words], k0, k1, out.data_ptr())
+        return out.to(torch.int64) & 0xFFFFFFFF
+
+    def fill(self, out, draw, seed: int, launches, global_shape, dim_indices, prob) -> None:
+        row_base, inner_off, run = local_layout(global_shape, dim_indices)
+        numel = 1
+        for size in global_shape:
+            numel *= size
+        starts = torch.tensor([launch.start for launch in launches] + [numel], dtype=torch.int64)
+        threads = torch.tensor([launch.threads for launch in launches], dtype=torch.int64)
+        counters = torch.tensor([launch.counter for launch in launches], dtype=torch.int64)  # < 2**62
+        job = _Job(
+            op=draw.op, dtype=_DTYPE_CODES[out.dtype], wide=int(draw.wide), unroll=draw.unroll, seed=seed,
+            nlaunch=len(launches), launch_start=starts.data_ptr(), launch_threads=threads.data_ptr(),
+            launch_counter=counters.data_ptr(), nrows=row_base.numel(), ninner=inner_off.numel(), run=run,
+            row_base=row_base.data_ptr(), inner_off=inner_off.data_ptr(), a=draw.a, b=draw.b, c=draw.c,
+            modulus=draw.modulus, base=draw.base, prob=None if prob is None else prob.data_ptr(),
+            out=out.data_ptr(), num_threads=torch.get_num_threads(),
+        )
+        if self._lib.vrng_fill(ctypes.byref(job)) != 0:
+            raise MemoryError("vescale.random: the compiled kernel could not allocate its task list")
+
+
+def _is_full_range(index: torch.Tensor, size: int) -> bool:
+    return index.numel() == size and bool((index == torch.arange(size)).all())
+
+
+def _is_step_one(index: torch.Tensor) -> bool:
+    return index.numel() >= 1 and bool((index[1:] - index[:-1] == 1).all())
+
+
+def local_layout(global_shape, dim_indices):
+    """(row_base, inner_off, run) such that local element (r, p, c) in C order, e = (r * P + p) * run + c,
+    is global flat index row_base[r] + inner_off[p] + c.
+
+    Trailing dims the block holds whole, plus one more dim it holds as a step-1 range, fold into one
+    contiguous run, so a row- or column-sharded block is a few long runs the kernel walks without
+    dividing per element."""
+    numel = 1
+    for size in global_shape:
+        numel *= size
+    zero = torch.zeros(1, dtype=torch.int64)
+    if dim_indices is None:
+        return zero, zero, numel
+    strides, stride = [], 1
+    for size in reversed(global_shape):
+        strides.insert(0, stride)
+        stride *= size
+    d, run = len(global_shape) - 1, 1
+    while d >= 0 and _is_full_range(dim_indices[d], global_shape[d]):
+        run *= global_shape[d]
+        d -= 1
+    if d < 0:
+        return zero, zero, run
+    index = dim_indices[d]
+    if _is_step_one(index):
+        inner_off = index[:1] * strides[d]
+        run *= index.numel()
+    else:
+        inner_off = index * strides[d]
+    if d == 0:
+        return zero, inner_off.contiguous(), run
+    from vescale.random.kernel import flat_indices
+
+    row_base = flat_indices(global_shape[:d], dim_indices[:d]) * strides[d - 1]
+    return row_base.contiguous(), inner_off.contiguous(), run
+
+
+_lock = threading.Lock()
+_kernel: NativeKernel | None = None
+_failure: str | None = None
+
+
+def load(required: bool = False) -> NativeKernel | None:
+    """The compiled kernel, built on first use; None (after one warning) if it cannot be built,
+    or a RuntimeError naming the reason when ``required``."""
+    global _kernel, _failure
+    with _lock:
+        if _kernel is None and _failure is None:
+            try:
+                library = ctypes.CDLL(str(_build()))
+                library.vrng_abi_version.restype = ctypes.c_int64
+                if library.vrng_abi_version() != _ABI_VERSION:
+                    raise RuntimeError(f"ABI version {library.vrng_abi_version()} != {_ABI_VERSION}")
+                _kernel = NativeKernel(library)
+            except Exception as error:  # any build or load problem means: use the PyTorch path
+                _failure = f"{type(error).__name__}: {error}"
+                warnings.warn(
+                    f"vescale.random: the compiled random kernel is unavailable ({_failure}); "
+                    "using the pure-PyTorch path (same values, slower)",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+    if _kernel is None and required:
+        raise RuntimeError(f"vescale.random: the compiled random kernel is unavailable: {_failure}")
+    return _kernel
