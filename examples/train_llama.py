@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 
 import torch
@@ -28,6 +29,10 @@ import vescale
 import vescale.random
 from vescale.zoo.data import synthetic_batches
 from vescale.zoo.hf import tiny_hf_llama, tiny_llama
+
+# PyTorch warns, once per rank, that a redistribution over two mesh dims takes two collectives
+# (ZeRO-3 + vocabulary-parallel embedding); fusing them is vescale.comm's job, and the warning is noise here.
+logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
