@@ -100,6 +100,7 @@ class Case:
     run: Callable  # run(env, shape, dtype) -> tensor or tuple of tensors
     min_ndim: int = 1
     factory: bool = False  # built by a DTensor factory: Partial placements are refused
+    partial_ok: bool = True  # False: DTensor's own (non-random) arithmetic in the op refuses Partial
     needs_collectives: bool = False  # control flow depends on a global reduction (real ranks only)
 
 
@@ -127,6 +128,14 @@ CASES = [
     # until no rank has a value out of range, which takes collectives.
     Case("init.trunc_normal_", _init(torch.nn.init.trunc_normal_, std=0.2)),
     Case("init.trunc_normal_(rejecting)", _init(torch.nn.init.trunc_normal_, a=-1.0, b=1.0), needs_collectives=True),
+    # A narrow window (mass < 0.3) takes the other branch: uniform candidates, accepted by a uniform's
+    # log. Its empty_like(tensor) buffers keep a Partial placement and DTensor refuses their in-place sub_.
+    Case(
+        "init.trunc_normal_(narrow)",
+        _init(torch.nn.init.trunc_normal_, a=0.5, b=0.7),
+        needs_collectives=True,
+        partial_ok=False,
+    ),
     Case("torch.rand_like", lambda env, s, d: torch.rand_like(env.empty(s, d))),
     Case("torch.randn_like", lambda env, s, d: torch.randn_like(env.empty(s, d))),
     Case("torch.randint_like(low, high)", lambda env, s, d: torch.randint_like(env.empty(s, d), 3, 11)),

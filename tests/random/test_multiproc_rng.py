@@ -42,7 +42,7 @@ def _configs(mesh_shape, case):
     dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
     i = 0
     for placements in PLACEMENTS[mesh_shape]:
-        if case.factory and any(p.is_partial() for p in placements):
+        if (case.factory or not case.partial_ok) and any(p.is_partial() for p in placements):
             continue
         for shape in SHAPES[len(mesh_shape)]:
             if len(shape) < case.min_ndim or any(getattr(p, "dim", -1) >= len(shape) for p in placements):
