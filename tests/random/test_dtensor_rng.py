@@ -19,6 +19,7 @@ import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the
 from hypothesis import HealthCheck, given, settings, strategies as st
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._redistribute import _gen_transform_infos, clear_redistribute_planner_cache
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -43,20 +44,28 @@ SIMULATED_CASES = [case for case in CASES if not case.needs_collectives]
 PROFILES = [(1, 256), (2, 512), (132, 2048)]  # tiny ones make threads wrap within small tensors
 
 
+def _forget_other_ranks():
+    # DTensor caches sharding decisions (output specs included, whose mesh knows its own coordinate)
+    # and redistribution plans (with this rank's shard sizes) under keys that ignore the rank: entries
+    # made as one fake rank would be wrong for the next, and for real ranks forked from this process.
+    _clear_sharding_prop_cache()
+    _gen_transform_infos.cache_clear()
+    clear_redistribute_planner_cache()
+
+
 @pytest.fixture(autouse=True)
 def _no_process_group_left():
     destroy_process_group_if_any()
     yield
     destroy_process_group_if_any()
+    _forget_other_ranks()
 
 
 def as_rank(rank: int, mesh_shape) -> object:
     """Become ``rank`` of a fake world of prod(mesh_shape) ranks and return its mesh."""
     destroy_process_group_if_any()
     dist.init_process_group("fake", rank=rank, world_size=math.prod(mesh_shape))
-    # DTensor caches sharding decisions, output specs included, whose mesh knows its own coordinate:
-    # a cached spec from the previous rank would place this rank's result at that rank's coordinate.
-    _clear_sharding_prop_cache()
+    _forget_other_ranks()
     return init_device_mesh("cpu", mesh_shape)
 
 
