@@ -153,6 +153,9 @@ def test_deterministic_log_sin_cos_accuracy():
     for x, got in zip(xs, logs):
         exact = float(mp.log(mp.mpf(x)))
         assert abs(got - exact) <= 2 * math.ulp(exact), x  # log(1) = 0 exactly: ulp(0) is tiny
+    roots = [rng.uniform(0.0, 80.0) for _ in range(300)] + [0.0, 2.0**-1000, 1.0, 2.0, 4.0 - 2.0**-50, 2.0**1000]
+    got = philox.det_sqrt(torch.tensor(roots, dtype=torch.float64)).tolist()
+    assert all(abs(g - math.sqrt(x)) <= 3 * math.ulp(math.sqrt(x)) for g, x in zip(got, roots))
     vs = [rng.uniform(0.0, 2 * math.pi) for _ in range(300)] + [1e-9, math.pi / 4, math.pi / 2, math.pi]
     for want_cos, fn in ((False, mp.sin), (True, mp.cos)):
         got = philox.det_sin_or_cos(torch.tensor(vs, dtype=torch.float64), torch.full((len(vs),), want_cos))

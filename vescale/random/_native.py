@@ -12,6 +12,7 @@ gives the same bits, only slower.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -131,12 +132,18 @@ class NativeKernel:
             raise MemoryError("vescale.random: the compiled kernel could not allocate its task list")
 
 
+@functools.lru_cache(maxsize=64)
+def _arange(size: int) -> torch.Tensor:
+    return torch.arange(size, dtype=torch.int64)
+
+
 def _is_full_range(index: torch.Tensor, size: int) -> bool:
-    return index.numel() == size and bool((index == torch.arange(size)).all())
+    return index.numel() == size and torch.equal(index, _arange(size))
 
 
 def _is_step_one(index: torch.Tensor) -> bool:
-    return index.numel() >= 1 and bool((index[1:] - index[:-1] == 1).all())
+    n = index.numel()
+    return n >= 1 and int(index[-1]) - int(index[0]) == n - 1 and (n < 3 or torch.equal(index, index[0] + _arange(n)))
 
 
 def local_layout(global_shape, dim_indices):

@@ -36,6 +36,7 @@ the pure-PyTorch path here (always available; ``backend="torch"`` forces it).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -265,6 +266,21 @@ def _as_int(name: str, value) -> int:
 
 def resolve_draw(kind: str, dtype: torch.dtype, params: dict) -> Draw:
     """Validate ``params`` for ``kind`` and return the draw both implementations execute."""
+    if isinstance(params.get("p"), torch.Tensor):
+        return _resolve_draw(kind, dtype, tuple((k, "tensor" if k == "p" else v) for k, v in sorted(params.items())))
+    try:
+        return _resolve_draw(kind, dtype, tuple(sorted(params.items())))
+    except TypeError as error:
+        if "unhashable" not in str(error):
+            raise
+        return _resolve_draw.__wrapped__(kind, dtype, tuple(sorted(params.items())))
+
+
+@functools.lru_cache(maxsize=1024)  # the same few ops recur for every parameter of a model
+def _resolve_draw(kind: str, dtype: torch.dtype, items: tuple) -> Draw:
+    params = dict(items)
+    if params.get("p") == "tensor":
+        params["p"] = torch.empty(0)
     expected = {
         "uniform": ({"low", "high"}, set()),
         "normal": ({"mean", "std"}, set()),

@@ -172,8 +172,10 @@ static inline double fma_double(double a, double b, double c) {
 #define PIO2_LO 0x1.0b4611a626331p-34
 #define TWO_OVER_PI 0x1.45f306dc9c883p-1
 #define PI_D 0x1.921fb54442d18p+1
-#define RSQRT_SEED_A 0x1.1126e978d4fdfp+0
-#define RSQRT_SEED_B -0x1.3851eb851eb85p-3
+#define RSQRT_C3 -0x1.380d65752d772p-6
+#define RSQRT_C2 0x1.8ea094fca27b8p-3
+#define RSQRT_C1 -0x1.7a3ae019f9bc3p-1
+#define RSQRT_C0 0x1.8e5a731d0807bp+0
 
 /* Horner with the coefficients of philox.py (LOG_COEFFS, SIN_COEFFS, COS_COEFFS), highest first */
 static inline double log_poly(double z) {
@@ -230,8 +232,8 @@ static inline double det_sqrt(double x) { /* x == 0 or 2**-1000 <= x <= 2**1000 
     int64_t half_exponent = ((int64_t)(bits_of(x) >> 52) - 1023) >> 1; /* floor(e / 2) */
     double m = x * from_bits((uint64_t)(1023 - 2 * half_exponent) << 52);
     m = x == 0.0 ? 1.0 : m;
-    double y = RSQRT_SEED_A + RSQRT_SEED_B * m;
-    for (int i = 0; i < 5; i++) y = y * (1.5 - 0.5 * (m * y * y));
+    double y = ((RSQRT_C3 * m + RSQRT_C2) * m + RSQRT_C1) * m + RSQRT_C0; /* philox.RSQRT_SEED */
+    for (int i = 0; i < 3; i++) y = y * (1.5 - 0.5 * (m * y * y));
     double root = (m * y) * from_bits((uint64_t)(1023 + half_exponent) << 52);
     return x == 0.0 ? x : root;
 }
@@ -243,6 +245,17 @@ static inline double by_quadrant(int64_t quadrant, double r, int64_t want_cos) {
     int64_t q = (quadrant + want_cos) & 3;
     double value = (q & 1) ? cos_r : sin_r;
     return q >= 2 ? -value : value;
+}
+
+/* Both sin and cos of quadrant * pi/2 + r: the same values by_quadrant selects one of. */
+static inline void sincos_by_quadrant(int64_t quadrant, double r, double *sin_out, double *cos_out) {
+    double z = r * r;
+    double sin_r = r + r * (z * sin_poly(z));
+    double cos_r = 1.0 + z * cos_poly(z);
+    int64_t q = quadrant & 3;
+    double s = (q & 1) ? cos_r : sin_r, c = (q & 1) ? sin_r : cos_r;
+    *sin_out = q >= 2 ? -s : s;
+    *cos_out = (q == 1 || q == 2) ? -c : c;
 }
 
 static inline double det_sin_or_cos(double v, int64_t want_cos) { /* 0 <= v < 8 */
@@ -259,9 +272,16 @@ static inline double det_sinpi_or_cospi(double v, int64_t want_cos) { /* 0 <= v 
 
 static inline float uniform_float(uint32_t w) { return (float)w * 0x1p-32f + 0x1p-33f; }
 
+/* (double)z for z < 2**53, exactly, as two 26/27-bit halves through the bits of 2**52 (AVX2 has no
+ * 64-bit integer -> double conversion; this keeps loops vectorisable). */
+static inline double u53_to_double(uint64_t z) {
+    double high = from_bits(0x4330000000000000ull | (z >> 26)) - 0x1p52;
+    double low = from_bits(0x4330000000000000ull | (z & ((1ull << 26) - 1))) - 0x1p52;
+    return high * 0x1p26 + low;
+}
+
 static inline double uniform_double(uint32_t lo, uint32_t hi) {
-    uint64_t z = (uint64_t)lo ^ ((uint64_t)hi << 21);
-    return (double)(int64_t)z * 0x1p-53 + 0x1p-54; /* z < 2**53: exact either way */
+    return u53_to_double((uint64_t)lo ^ ((uint64_t)hi << 21)) * 0x1p-53 + 0x1p-54;
 }
 
 #define V_SCALE 0x1.921fb6p-30f /* 2**-32 * float32(2 pi), curand's CURAND_2POW32_INV_2PI */
@@ -370,6 +390,56 @@ static void select_pair(const words_t *L, int n, uint32_t *x, uint32_t *y) {
 /* Asks the compiler to vectorise a loop (only with -fopenmp-simd: no OpenMP runtime is involved). */
 #define SIMD _Pragma("omp simd")
 
+/* mean + std * z for standard normals z, rounded as CUDA's transformation::normal, stored from out[e0]. */
+static void finish_normal_float(const vrng_job *J, const float *z, int n, int64_t e0) {
+    float vf[BATCH];
+    const int identity = bits_of(J->a) == 0 && J->b == 1.0; /* fma(z, 1, +0) is exactly z + 0 */
+    const float af = (float)J->a, bf = (float)J->b;
+    SIMD for (int i = 0; i < n; i++) vf[i] = identity ? z[i] + 0.0f : fma_float(z[i], bf, af);
+    store_float32_values(J, vf, n, e0);
+}
+
+static void finish_normal_double(const vrng_job *J, const double *z, int n, int64_t e0) {
+    double *out = (double *)J->out + e0;
+    const int identity = bits_of(J->a) == 0 && J->b == 1.0;
+    const double a = J->a, b = J->b; /* locals: out may alias *J as far as the compiler knows */
+    SIMD for (int i = 0; i < n; i++) out[i] = identity ? z[i] + 0.0 : fma_double(z[i], b, a);
+}
+
+/* Box-Muller pair `pair` of n whole calls, both of its elements at once (one log, sqrt and reduction for
+ * the sine and the cosine element): zs / zc get elements 2 pair and 2 pair + 1 (float32), or for float64
+ * (one pair per call, U = 2) elements 0 and 1. */
+static void normal_pair(const vrng_job *J, const lanes_t *L, int n, int pair, void *zs_out, void *zc_out) {
+    double radius[BATCH], angle[BATCH];
+    if (!J->wide) { /* curand_normal4: (w0, w1) -> elements 0 (sin), 1 (cos); (w2, w3) -> 2, 3 */
+        const uint32_t *uw = pair ? L->w2 : L->w0, *vw = pair ? L->w3 : L->w1;
+        float *zs = (float *)zs_out, *zc = (float *)zc_out;
+        SIMD for (int i = 0; i < n; i++) {
+            radius[i] = det_sqrt(-2.0 * det_log((double)uniform_float(uw[i])));
+            angle[i] = (double)fma_float((float)vw[i], V_SCALE, V_SCALE / 2);
+        }
+        SIMD for (int i = 0; i < n; i++) {
+            double q = nearbyint(angle[i] * TWO_OVER_PI), sn, cs;
+            sincos_by_quadrant(integral_double_to_int(q), (angle[i] - q * PIO2_HI) - q * PIO2_LO, &sn, &cs);
+            zs[i] = (float)(radius[i] * sn);
+            zc[i] = (float)(radius[i] * cs);
+        }
+    } else { /* curand_normal2_double: u from (w0, w1), v from (w2, w3); element 0 sin, 1 cos */
+        double *zs = (double *)zs_out, *zc = (double *)zc_out;
+        SIMD for (int i = 0; i < n; i++) {
+            radius[i] = det_sqrt(-2.0 * det_log(uniform_double(L->w0[i], L->w1[i])));
+            uint64_t z = (uint64_t)L->w2[i] ^ ((uint64_t)L->w3[i] << 21);
+            angle[i] = u53_to_double(z) * 0x1p-52 + 0x1p-53;
+        }
+        SIMD for (int i = 0; i < n; i++) {
+            double q = nearbyint(angle[i] * 2.0), sn, cs;
+            sincos_by_quadrant(integral_double_to_int(q), (angle[i] - q * 0.5) * PI_D, &sn, &cs);
+            zs[i] = radius[i] * sn;
+            zc[i] = radius[i] * cs;
+        }
+    }
+}
+
 /* Turn the lanes' Philox words into n consecutive output elements starting at local element e0.
  * Loops are split by stage so that each one vectorises. */
 static void emit(const vrng_job *J, const words_t *L, int n, int64_t e0) {
@@ -392,11 +462,12 @@ static void emit(const vrng_job *J, const words_t *L, int n, int64_t e0) {
             store_float32_values(J, vf, n, e0);
         } else {
             double *out = (double *)J->out + e0;
+            const double a = J->a, b = J->b, c = J->c;
             select_pair(L, n, x, y);
             SIMD for (int i = 0; i < n; i++) {
                 double u = uniform_double(x[i], y[i]);
-                double v = identity ? u : fma_double(u, J->b, J->a);
-                out[i] = v == J->c ? J->a : v;
+                double v = identity ? u : fma_double(u, b, a);
+                out[i] = v == c ? a : v;
             }
         }
         return;
@@ -413,24 +484,18 @@ static void emit(const vrng_job *J, const words_t *L, int n, int64_t e0) {
                 vd[i] = (double)fma_float((float)y[i], V_SCALE, V_SCALE / 2);
             }
             SIMD for (int i = 0; i < n; i++) ud[i] = det_sqrt(-2.0 * det_log(ud[i]));
-            SIMD for (int i = 0; i < n; i++) {
-                float z = (float)(ud[i] * det_sin_or_cos(vd[i], odd[i]));
-                vf[i] = identity ? z + 0.0f : fma_float(z, bf, af);
-            }
-            store_float32_values(J, vf, n, e0);
+            SIMD for (int i = 0; i < n; i++) vf[i] = (float)(ud[i] * det_sin_or_cos(vd[i], odd[i]));
+            finish_normal_float(J, vf, n, e0);
         } else { /* curand_normal2_double: u from words (0, 1), v from (2, 3); element 0 sin, 1 cos */
-            double *out = (double *)J->out + e0;
             SIMD for (int i = 0; i < n; i++) {
                 ud[i] = uniform_double(L->w0[i], L->w1[i]);
                 uint64_t z = (uint64_t)L->w2[i] ^ ((uint64_t)L->w3[i] << 21);
-                vd[i] = (double)(int64_t)z * 0x1p-52 + 0x1p-53;
+                vd[i] = u53_to_double(z) * 0x1p-52 + 0x1p-53;
                 odd[i] = L->ii[i] != 0;
             }
             SIMD for (int i = 0; i < n; i++) ud[i] = det_sqrt(-2.0 * det_log(ud[i]));
-            SIMD for (int i = 0; i < n; i++) {
-                double z = ud[i] * det_sinpi_or_cospi(vd[i], odd[i]);
-                out[i] = identity ? z + 0.0 : fma_double(z, J->b, J->a);
-            }
+            SIMD for (int i = 0; i < n; i++) ud[i] = ud[i] * det_sinpi_or_cospi(vd[i], odd[i]);
+            finish_normal_double(J, ud, n, e0);
         }
         return;
     case OP_BERNOULLI:
@@ -481,6 +546,7 @@ static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 static void fill_calls(const vrng_job *J, int s, int64_t k, int64_t t_begin, int64_t t_end, int64_t lo, int64_t hi,
                        int64_t out_shift) {
     lanes_t L;
+    double zs[BATCH], zc[BATCH]; /* a Box-Muller pair's sine and cosine elements (as float or double) */
     const uint32_t key0 = (uint32_t)J->seed, key1 = (uint32_t)(J->seed >> 32);
     const int64_t T = J->launch_threads[s], U = J->unroll;
     const uint64_t counter = J->launch_counter[s] + (uint64_t)k;
@@ -493,13 +559,32 @@ static void fill_calls(const vrng_job *J, int s, int64_t k, int64_t t_begin, int
             L.c3[i] = 0;
         }
         philox_lanes(&L, n, key0, key1);
+        int64_t a[4], b[4]; /* lanes [a - t0, b - t0) of word ii lie in the piece */
         for (int64_t ii = 0; ii < U; ii++) {
             int64_t base = (k * U + ii) * T; /* launch-local index of (k, ii, t = 0) */
-            int64_t a = max64(t0, lo - base), b = min64(t0 + n, hi - base);
-            if (a >= b) continue;
-            memset(L.ii + (a - t0), (int)ii, (size_t)(b - a));
-            words_t W = lanes_from(&L, (int)(a - t0));
-            emit(J, &W, (int)(b - a), base + a + out_shift);
+            a[ii] = max64(t0, lo - base);
+            b[ii] = min64(t0 + n, hi - base);
+        }
+        for (int64_t ii = 0; ii < U; ii++) {
+            if (a[ii] >= b[ii]) continue;
+            int64_t out_at = (k * U + ii) * T + a[ii] + out_shift;
+            int64_t partner = ii ^ 1; /* the other element of its Box-Muller pair */
+            if (J->op == OP_NORMAL && a[partner] < b[partner]) { /* both elements wanted: share the pair */
+                if (ii & 1) continue;                               /* written with its partner */
+                normal_pair(J, &L, n, J->wide ? 0 : (int)(ii >> 1), zs, zc);
+                for (int64_t e = ii; e <= partner; e++) {
+                    const void *z = e == ii ? (const void *)zs : (const void *)zc;
+                    int64_t at = (k * U + e) * T + a[e] + out_shift;
+                    if (J->wide)
+                        finish_normal_double(J, (const double *)z + (a[e] - t0), (int)(b[e] - a[e]), at);
+                    else
+                        finish_normal_float(J, (const float *)z + (a[e] - t0), (int)(b[e] - a[e]), at);
+                }
+            } else {
+                memset(L.ii + (a[ii] - t0), (int)ii, (size_t)(b[ii] - a[ii]));
+                words_t W = lanes_from(&L, (int)(a[ii] - t0));
+                emit(J, &W, (int)(b[ii] - a[ii]), out_at);
+            }
         }
     }
 }
@@ -557,7 +642,8 @@ static void fill_elements(const vrng_job *J, int64_t e_begin, int64_t e_end) {
     const int apply4 = J->op == OP_BERNOULLI_TENSOR; /* thread j / 4 takes four consecutive elements */
     int64_t r = e_begin / per_row, p = (e_begin % per_row) / J->run, c = e_begin % J->run;
     int64_t e = e_begin, batch_e0 = e_begin;
-    int n = 0;
+    int n = 0, cached_launch = -1;
+    double inverse_threads = 0.0;
     while (e < e_end) {
         int64_t j = J->row_base[r] + J->inner_off[p] + c;
         int64_t count = min64(J->run - c, e_end - e);
@@ -581,14 +667,20 @@ static void fill_elements(const vrng_job *J, int64_t e_begin, int64_t e_end) {
                     ii = j & 3;
                     counter = J->launch_counter[0];
                 } else { /* (t, step) once per piece, then advance without dividing */
-                    int s = find_launch(J, j);
+                    int s = J->nlaunch == 1 ? 0 : find_launch(J, j);
+                    if (s != cached_launch) { /* a floating reciprocal makes the per-piece division cheap */
+                        cached_launch = s;
+                        inverse_threads = 1.0 / (double)J->launch_threads[s];
+                    }
                     int64_t local = j - J->launch_start[s];
                     T = J->launch_threads[s];
                     here = min64(J->launch_start[s + 1] - j, count);
-                    t = local % T;
-                    int64_t step = local / T;
-                    ii = step % U;
-                    counter = J->launch_counter[s] + (uint64_t)(step / U);
+                    int64_t step = (int64_t)((double)local * inverse_threads); /* off by at most one: fix */
+                    t = local - step * T;
+                    if (t < 0) { step--; t += T; }
+                    if (t >= T) { step++; t -= T; }
+                    ii = step & (U - 1); /* U is 2 or 4 */
+                    counter = J->launch_counter[s] + (uint64_t)(step >> (U == 4 ? 2 : 1));
                 }
                 for (int64_t q = 0; q < here; q++) {
                     L.c0[n] = (uint32_t)counter;

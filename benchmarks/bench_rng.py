@@ -1,0 +1,118 @@
+"""Throughput of vescale.random's counter kernel on a rank's local shard, against native torch.rand / torch.randn.
+
+    python benchmarks/bench_rng.py [--threads 1 2] [--repeat 7]
+
+Part 1 fills a local block of float32 values of a global tensor sharded 8 ways, as one rank does:
+Shard(0) (the block is one contiguous run of the global tensor) and Shard(1) (one run per row), with
+the compiled kernel and with the pure-PyTorch fallback, next to torch.rand / torch.randn filling a tensor
+of the same local size on the same CPU. Part 2 keeps the local size fixed and grows the global tensor
+x1, x8, x64: the cost must follow the local size, not the global one.
+
+Times are the best of --repeat runs (wall clock); on a shared machine the best run is the one least
+disturbed by other processes. The device profile is an H100 SXM (T = 270,336 threads for large tensors).
+Native torch.rand / randn on CPU run on one thread whatever torch.set_num_threads says (one mt19937
+stream); the compiled kernel uses torch.get_num_threads() threads, set per row of the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from vescale.random import _native, kernel
+
+PROFILE = kernel.H100_SXM
+WORLD = 8
+
+
+def best_seconds(fn, repeat: int) -> float:
+    fn()  # warm-up: first-use costs (building the kernel, page faults of the output) are not measured
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def shard_indices(global_shape, dim: int, rank: int):
+    """dim_indices of rank `rank`'s block when dim `dim` is split evenly over WORLD ranks."""
+    index = [torch.arange(size) for size in global_shape]
+    chunk = global_shape[dim] // WORLD
+    index[dim] = torch.arange(rank * chunk, (rank + 1) * chunk)
+    return index
+
+
+def vescale_fill(out, kind, global_shape, index, backend):
+    params = dict(low=0.0, high=1.0) if kind == "uniform" else dict(mean=0.0, std=1.0)
+    return lambda: kernel.generate(out, kind, seed=1234, offset=0, global_shape=global_shape, dim_indices=index,
+                                   profile=PROFILE, backend=backend, **params)
+
+
+def part1(local_sizes, thread_counts, repeat):
+    print("Part 1: ns per element of a rank's float32 block (global tensor = 8 blocks), ratio to native")
+    header = f"{'local elements':>14}  {'what':<44}{'threads':>7}  {'ns/elem':>8}  {'x native':>8}"
+    print(header)
+    print("-" * len(header))
+    for numel in local_sizes:
+        cols = 1024
+        rows = numel // cols
+        x = torch.empty(numel)
+        for kind, native_name, native in (("uniform", "torch.rand", x.uniform_), ("normal", "torch.randn", x.normal_)):
+            base = best_seconds(native, repeat) / numel * 1e9
+            print(f"{numel:>14,}  {native_name + ' (native, CPU)':<44}{1:>7}  {base:>8.2f}  {1.0:>8.2f}")
+            cases = [(f"vescale {kind} C, Shard(0) block", 0, "native"), (f"vescale {kind} C, Shard(1) block", 1, "native")]
+            if numel <= 2**20:
+                cases.append((f"vescale {kind} pure-PyTorch path, Shard(0)", 0, "torch"))
+            for label, dim, backend in cases:
+                global_shape = (rows * WORLD, cols) if dim == 0 else (rows, cols * WORLD)
+                index = shard_indices(global_shape, dim, rank=3)
+                out = torch.empty(rows, cols)
+                for threads in thread_counts if backend == "native" else thread_counts[:1]:
+                    torch.set_num_threads(threads)
+                    t = best_seconds(vescale_fill(out, kind, global_shape, index, backend), repeat) / numel * 1e9
+                    print(f"{'':>14}  {label:<44}{threads:>7}  {t:>8.2f}  {t / base:>8.2f}")
+        print()
+
+
+def part2(local_numel, thread_counts, repeat):
+    torch.set_num_threads(max(thread_counts))
+    print(f"Part 2: a fixed local block of {local_numel:,} float32 elements in ever larger global tensors "
+          f"(compiled kernel, {max(thread_counts)} threads)")
+    header = f"{'global elements':>16}  {'x':>3}  {'layout':<16}{'uniform ms':>11}{'vs x1':>7}{'normal ms':>11}{'vs x1':>7}"
+    print(header)
+    print("-" * len(header))
+    cols = 1024
+    rows = local_numel // cols
+    out = torch.empty(rows, cols)
+    baseline = {}
+    for factor in (1, 8, 64):
+        for layout, global_shape, index in (
+            ("Shard(0) rows", (rows * factor, cols), [torch.arange(rows) + rows * (factor // 2), torch.arange(cols)]),
+            ("Shard(1) cols", (rows, cols * factor), [torch.arange(rows), torch.arange(cols) + cols * (factor // 2)]),
+        ):
+            times = [best_seconds(vescale_fill(out, kind, global_shape, index, "native"), repeat) * 1e3
+                     for kind in ("uniform", "normal")]
+            base = baseline.setdefault(layout, times)
+            print(f"{rows * cols * factor:>16,}  {factor:>3}  {layout:<16}{times[0]:>11.2f}{times[0] / base[0]:>7.2f}"
+                  f"{times[1]:>11.2f}{times[1] / base[1]:>7.2f}")
+    print()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[2**16, 2**20, 2**22], help="local elements")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="thread counts for the C kernel")
+    parser.add_argument("--repeat", type=int, default=7)
+    args = parser.parse_args()
+    if _native.load() is None:
+        raise SystemExit("the compiled kernel could not be built; nothing to compare")
+    print(f"torch {torch.__version__}, profile {PROFILE}, {torch.get_num_threads()} threads available\n")
+    part1(args.sizes, args.threads, args.repeat)
+    part2(2**20, args.threads, args.repeat)
+
+
+if __name__ == "__main__":
+    main()
