@@ -101,6 +101,7 @@ class Case:
     min_ndim: int = 1
     factory: bool = False  # built by a DTensor factory: Partial placements are refused
     partial_ok: bool = True  # False: DTensor's own (non-random) arithmetic in the op refuses Partial
+    int_dtypes: tuple = ()  # integer / bool dtypes the op takes, besides the float ones
     needs_collectives: bool = False  # control flow depends on a global reduction (real ranks only)
 
 
@@ -108,16 +109,19 @@ def _init(fn, *args, **kwargs):
     return lambda env, shape, dtype: fn(env.empty(shape, dtype), *args, **kwargs)
 
 
+_SIGNED = (torch.int64, torch.int32, torch.int8)
+_INTS = _SIGNED + (torch.uint8,)
+
 CASES = [
     Case("Tensor.uniform_", lambda env, s, d: env.empty(s, d).uniform_(-2.0, 3.0)),
     Case("Tensor.normal_", lambda env, s, d: env.empty(s, d).normal_(0.5, 2.0)),
-    Case("Tensor.bernoulli_(p)", lambda env, s, d: env.empty(s, d).bernoulli_(0.3)),
+    Case("Tensor.bernoulli_(p)", lambda env, s, d: env.empty(s, d).bernoulli_(0.3), int_dtypes=_INTS + (torch.bool,)),
     Case("Tensor.bernoulli_(tensor)", lambda env, s, d: env.empty(s, d).bernoulli_(env.make(_probabilities(s, d)))),
     Case("torch.bernoulli", lambda env, s, d: torch.bernoulli(env.make(_probabilities(s, d)))),
     Case("torch.bernoulli(x, p)", lambda env, s, d: torch.bernoulli(env.empty(s, d), 0.7)),
-    Case("Tensor.random_(from, to)", lambda env, s, d: env.empty(s, d).random_(-5, 17)),
-    Case("Tensor.random_(to)", lambda env, s, d: env.empty(s, d).random_(9)),
-    Case("Tensor.random_()", lambda env, s, d: env.empty(s, d).random_()),
+    Case("Tensor.random_(from, to)", lambda env, s, d: env.empty(s, d).random_(-5, 17), int_dtypes=_SIGNED),
+    Case("Tensor.random_(to)", lambda env, s, d: env.empty(s, d).random_(9), int_dtypes=_INTS),
+    Case("Tensor.random_()", lambda env, s, d: env.empty(s, d).random_(), int_dtypes=_INTS + (torch.bool,)),
     Case("init.normal_", _init(torch.nn.init.normal_, 0.1, 0.02)),
     Case("init.uniform_", _init(torch.nn.init.uniform_, -0.5, 0.5)),
     Case("init.kaiming_uniform_", _init(torch.nn.init.kaiming_uniform_, a=math.sqrt(5)), min_ndim=2),
@@ -138,8 +142,12 @@ CASES = [
     ),
     Case("torch.rand_like", lambda env, s, d: torch.rand_like(env.empty(s, d))),
     Case("torch.randn_like", lambda env, s, d: torch.randn_like(env.empty(s, d))),
-    Case("torch.randint_like(low, high)", lambda env, s, d: torch.randint_like(env.empty(s, d), 3, 11)),
-    Case("torch.randint_like(high)", lambda env, s, d: torch.randint_like(env.empty(s, d), 7)),
+    Case(
+        "torch.randint_like(low, high)",
+        lambda env, s, d: torch.randint_like(env.empty(s, d), 3, 11),
+        int_dtypes=_INTS,
+    ),
+    Case("torch.randint_like(high)", lambda env, s, d: torch.randint_like(env.empty(s, d), 7), int_dtypes=_INTS),
     Case("F.dropout", lambda env, s, d: F.dropout(env.make(_values(s, d)), 0.3, training=True)),
     Case("nn.Dropout", lambda env, s, d: torch.nn.Dropout(0.5)(env.make(_values(s, d)))),
     Case("aten.native_dropout", lambda env, s, d: torch.ops.aten.native_dropout(env.make(_values(s, d)), 0.3, True)),

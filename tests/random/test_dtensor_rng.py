@@ -105,7 +105,7 @@ def scenarios(draw):
         placements[0] = _StridedShard(placements[1].dim, split_factor=mesh_shape[1])
     profile = draw(st.sampled_from(PROFILES))
     state = state_tensor(draw(st.integers(0, (1 << 64) - 1)), 4 * draw(st.integers(0, 1 << 20)), profile)
-    dtype = draw(st.sampled_from(DTYPES))
+    dtype = draw(st.sampled_from(DTYPES + list(case.int_dtypes)))
     return case, shape, dtype, mesh_shape, tuple(placements), state
 
 

@@ -39,7 +39,7 @@ PLACEMENTS = {
 
 def _configs(mesh_shape, case):
     """(shape, placements, dtype) triples for one case on one mesh: every placement, dtypes rotating."""
-    dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+    dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.float64, *case.int_dtypes]
     i = 0
     for placements in PLACEMENTS[mesh_shape]:
         if (case.factory or not case.partial_ok) and any(p.is_partial() for p in placements):
@@ -117,7 +117,8 @@ def _checkpoint_round_trip(path):
     dcp.load(loaded, checkpoint_id=path)
     vr.set_state(loaded["rng"])
     again = torch.nn.functional.dropout(dtensor_api.ones(6, 4, device_mesh=mesh, placements=[Shard(1)]), 0.5)
-    return torch.equal(again.to_local(), expected.to_local()) and torch.equal(again.full_tensor(), expected.full_tensor())
+    same_shard = torch.equal(again.to_local(), expected.to_local())
+    return same_shard and torch.equal(again.full_tensor(), expected.full_tensor())
 
 
 def test_state_restored_from_a_distributed_checkpoint_reproduces_the_next_draw(tmp_path):

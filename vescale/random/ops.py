@@ -203,7 +203,10 @@ SUPPORTED: dict[torch._ops.OpOverload, tuple[Callable, bool]] = {
     aten.randn_like.default: (_like("normal", _NORMAL01), False),
     aten.randint_like.default: (_like("random", lambda b, d: _random_params(d, 0, _randint_high(b))), False),
     aten.randint_like.Tensor: (_like("random", lambda b, d: _random_params(d, 0, _randint_high(b))), False),
-    aten.randint_like.low_dtype: (_like("random", lambda b, d: _random_params(d, int(b["low"]), int(b["high"]))), False),
+    aten.randint_like.low_dtype: (
+        _like("random", lambda b, d: _random_params(d, int(b["low"]), int(b["high"]))),
+        False,
+    ),
     aten.native_dropout.default: (_native_dropout, False),
     aten.rand.default: (_factory("uniform", _UNIFORM01), False),
     aten.randn.default: (_factory("normal", _NORMAL01), False),
