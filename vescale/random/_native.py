@@ -12,7 +12,6 @@ gives the same bits, only slower.
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import os
 import platform
@@ -20,11 +19,12 @@ import subprocess
 import threading
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 _SOURCE = Path(__file__).with_name("csrc") / "vescale_rng.c"
-_ABI_VERSION = 1
+_ABI_VERSION = 2
 # -ffp-contract=off: no fused multiply-add may change a rounding (the PyTorch path has none).
 # -fno-trapping-math / -fno-math-errno change no value (no -ffast-math: no reassociation, signed
 # zeros kept); they let the compiler turn the branch-free transforms into vector code.
@@ -104,6 +104,14 @@ class NativeKernel:
         library.vrng_fill.restype = ctypes.c_int64
         library.vrng_philox.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_uint32] * 2 + [ctypes.c_void_p]
         library.vrng_philox.restype = None
+        library.vrng_scan_index.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+        library.vrng_scan_index.restype = ctypes.c_int64
+
+    def scan_index(self, index: torch.Tensor) -> IndexScan:
+        """min, max and step-1-ness of a contiguous 1-D int64 index tensor, in one read-only pass."""
+        min_max = (ctypes.c_int64 * 2)()
+        step_one = self._lib.vrng_scan_index(index.data_ptr(), index.numel(), min_max)
+        return IndexScan(min_max[0], min_max[1], bool(step_one))
 
     def philox(self, c0, c1, c2, c3, k0: int, k1: int) -> torch.Tensor:
         """Philox4x32-10 of int64 tensors of counter words (values < 2**32): an (n, 4) int64 tensor."""
@@ -112,8 +120,9 @@ class NativeKernel:
         self._lib.vrng_philox(words[0].numel(), *[w.data_ptr() for w in words], k0, k1, out.data_ptr())
         return out.to(torch.int64) & 0xFFFFFFFF
 
-    def fill(self, out, draw, seed: int, launches, global_shape, dim_indices, prob) -> None:
-        row_base, inner_off, run = local_layout(global_shape, dim_indices)
+    def fill(self, out, draw, seed: int, launches, global_shape, dim_indices, scans, prob) -> None:
+        """``scans``: scan_index of each of dim_indices (None when dim_indices is None)."""
+        row_base, inner_off, run = local_layout(global_shape, dim_indices, scans)
         numel = 1
         for size in global_shape:
             numel *= size
@@ -132,21 +141,13 @@ class NativeKernel:
             raise MemoryError("vescale.random: the compiled kernel could not allocate its task list")
 
 
-@functools.lru_cache(maxsize=64)
-def _arange(size: int) -> torch.Tensor:
-    return torch.arange(size, dtype=torch.int64)
+class IndexScan(NamedTuple):
+    low: int
+    high: int
+    step_one: bool  # index[i + 1] == index[i] + 1 throughout (and not empty)
 
 
-def _is_full_range(index: torch.Tensor, size: int) -> bool:
-    return index.numel() == size and torch.equal(index, _arange(size))
-
-
-def _is_step_one(index: torch.Tensor) -> bool:
-    n = index.numel()
-    return n >= 1 and int(index[-1]) - int(index[0]) == n - 1 and (n < 3 or torch.equal(index, index[0] + _arange(n)))
-
-
-def local_layout(global_shape, dim_indices):
+def local_layout(global_shape, dim_indices, scans):
     """(row_base, inner_off, run) such that local element (r, p, c) in C order, e = (r * P + p) * run + c,
     is global flat index row_base[r] + inner_off[p] + c.
 
@@ -164,13 +165,13 @@ def local_layout(global_shape, dim_indices):
         strides.insert(0, stride)
         stride *= size
     d, run = len(global_shape) - 1, 1
-    while d >= 0 and _is_full_range(dim_indices[d], global_shape[d]):
+    while d >= 0 and scans[d].step_one and scans[d].low == 0 and dim_indices[d].numel() == global_shape[d]:
         run *= global_shape[d]
         d -= 1
     if d < 0:
         return zero, zero, run
     index = dim_indices[d]
-    if _is_step_one(index):
+    if scans[d].step_one:
         inner_off = index[:1] * strides[d]
         run *= index.numel()
     else:

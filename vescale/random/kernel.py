@@ -368,7 +368,14 @@ def offset_increment(kind: str, dtype: torch.dtype, numel: int, profile: DeviceP
 # ---- generate ------------------------------------------------------------------------------------------
 
 
-def _check_generate_args(out, seed, offset, global_shape, dim_indices):
+def _scan_index_torch(index: torch.Tensor):
+    low, high = torch.aminmax(index)
+    return int(low), int(high), None
+
+
+def _check_generate_args(out, seed, offset, global_shape, dim_indices, scan_index):
+    """Validated (global_shape, dim_indices, per-dim index scans); ``scan_index`` reads an index tensor once
+    and returns (min, max, ...) (the compiled kernel's scan also says whether it is a step-1 range)."""
     if not isinstance(out, torch.Tensor) or out.device.type != "cpu" or not out.is_contiguous():
         raise ValueError("vescale.random kernel: out must be a contiguous CPU tensor")
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
@@ -384,26 +391,29 @@ def _check_generate_args(out, seed, offset, global_shape, dim_indices):
                 f"vescale.random kernel: with dim_indices=None out must have the global shape {global_shape}, "
                 f"got {tuple(out.shape)}"
             )
-        return global_shape, None
+        return global_shape, None, None
     dim_indices = list(dim_indices)
     if len(dim_indices) != len(global_shape):
         raise ValueError(
             f"vescale.random kernel: dim_indices needs one index tensor per global dim ({len(global_shape)}), "
             f"got {len(dim_indices)}"
         )
+    scans = []
     for d, (index, size) in enumerate(zip(dim_indices, global_shape)):
         if not isinstance(index, torch.Tensor) or index.dtype != torch.int64 or index.dim() != 1:
             raise ValueError(f"vescale.random kernel: dim_indices[{d}] must be a 1-D int64 tensor")
         if index.device.type != "cpu":
             raise ValueError(f"vescale.random kernel: dim_indices[{d}] must be on the CPU, got {index.device}")
-        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= size):
+        index = dim_indices[d] = index.contiguous()
+        scans.append(scan_index(index) if index.numel() else None)
+        if index.numel() and (scans[d][0] < 0 or scans[d][1] >= size):
             raise ValueError(f"vescale.random kernel: dim_indices[{d}] holds indices outside [0, {size})")
     local_shape = tuple(index.numel() for index in dim_indices)
     if tuple(out.shape) != local_shape:
         raise ValueError(
             f"vescale.random kernel: out has shape {tuple(out.shape)} but dim_indices select {local_shape}"
         )
-    return global_shape, [index.contiguous() for index in dim_indices]
+    return global_shape, dim_indices, scans
 
 
 def _probabilities(p: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -439,11 +449,17 @@ def generate(
     bernoulli ``p`` (float, or a tensor of out's shape); random ``low, high`` (ints, high exclusive;
     both omitted: random_(); ``high=None``: up to the dtype's maximum). ``backend``: "auto" (compiled
     kernel when available), "native" (compiled kernel, error if it cannot be built) or "torch"."""
-    global_shape, dim_indices = _check_generate_args(out, seed, offset, global_shape, dim_indices)
-    draw = resolve_draw(kind, out.dtype, params)
-    prob = _probabilities(params["p"], out) if draw.op == OP_BERNOULLI_TENSOR else None
     if backend not in ("auto", "native", "torch"):
         raise ValueError(f"vescale.random kernel: backend must be 'auto', 'native' or 'torch', got {backend!r}")
+    native = None
+    if backend != "torch":
+        from vescale.random import _native  # imported here: building it is a first-use cost, not an import one
+
+        native = _native.load(required=backend == "native")
+    scan_index = native.scan_index if native is not None else _scan_index_torch
+    global_shape, dim_indices, scans = _check_generate_args(out, seed, offset, global_shape, dim_indices, scan_index)
+    draw = resolve_draw(kind, out.dtype, params)
+    prob = _probabilities(params["p"], out) if draw.op == OP_BERNOULLI_TENSOR else None
     if out.numel() == 0:
         return
     numel = math.prod(global_shape)
@@ -451,13 +467,8 @@ def generate(
         launches = [Launch(0, numel, 0, offset // 4)]  # threads unused: the mapping is j -> (j // 4, j % 4)
     else:
         launches = _launches(numel, out.element_size(), draw.unroll, offset, profile)[0]
-    native = None
-    if backend != "torch":
-        from vescale.random import _native  # imported here: building it is a first-use cost, not an import one
-
-        native = _native.load(required=backend == "native")
     if native is not None:
-        native.fill(out, draw, seed, launches, global_shape, dim_indices, prob)
+        native.fill(out, draw, seed, launches, global_shape, dim_indices, scans, prob)
     else:
         _fill_torch(out, draw, seed, launches, global_shape, dim_indices, prob)
 

@@ -18,7 +18,7 @@
 #include <pthread.h>
 #include <string.h>
 
-#define VRNG_ABI_VERSION 1
+#define VRNG_ABI_VERSION 2
 
 enum { OP_UNIFORM = 0, OP_NORMAL = 1, OP_BERNOULLI = 2, OP_RANDOM = 3, OP_BERNOULLI_TENSOR = 4 };
 enum { DT_F32 = 0, DT_F64, DT_F16, DT_BF16, DT_BOOL, DT_U8, DT_I8, DT_I16, DT_I32, DT_I64 };
@@ -818,6 +818,19 @@ int64_t vrng_fill(const vrng_job *J) {
     for (int64_t i = 0; i < started; i++) pthread_join(helpers[i], NULL);
     free(list.tasks);
     return 0;
+}
+
+/* One pass over an index tensor: min and max (for bounds checks) and whether it is a step-1 range. */
+int64_t vrng_scan_index(const int64_t *index, int64_t n, int64_t *min_max) {
+    int64_t lo = n ? index[0] : 0, hi = lo, step_one = n >= 1;
+    for (int64_t i = 1; i < n; i++) {
+        lo = index[i] < lo ? index[i] : lo;
+        hi = index[i] > hi ? index[i] : hi;
+        step_one &= index[i] == index[i - 1] + 1;
+    }
+    min_max[0] = lo;
+    min_max[1] = hi;
+    return step_one;
 }
 
 /* Philox4x32-10 of n counters (for known-answer tests): out holds 4 words per counter. */
