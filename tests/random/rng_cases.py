@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.tensor as dtensor_api
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 import vescale.random as vr
 from vescale.random import dtensor as vr_dtensor, generator as vr_generator
