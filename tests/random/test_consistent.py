@@ -216,3 +216,13 @@ def test_native_dropout_mask_is_a_float32_bernoulli_of_the_keep_probability(fres
     keep = kernel_draw("bernoulli", torch.float32, (5, 8), offset(), p=0.75)
     assert mask.dtype == torch.bool and torch.equal(mask, keep.bool())
     assert torch.equal(out, x * keep.to(x.dtype) * (1 / 0.75))
+
+
+def test_a_failing_draw_and_meta_tensors_leave_the_generator_alone(fresh_rng):
+    before = vr.get_state()
+    with vr.consistent():
+        with pytest.raises(ValueError, match=r"p values must lie in \[0, 1\]"):
+            torch.empty(4).bernoulli_(torch.tensor([0.5, 1.5, 0.2, 0.1]))
+        torch.empty(3, 4, device="meta").uniform_()
+        assert torch.rand(2, 5, device="meta").is_meta
+    assert torch.equal(vr.get_state(), before)

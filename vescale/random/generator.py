@@ -11,6 +11,7 @@ This module holds the state and its checkpoint form; ``dtensor.py`` and ``consis
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -116,9 +117,11 @@ class Draw:
     profile: DeviceProfile
 
 
-def reserve(kind: str, dtype: torch.dtype, global_shape, **params) -> Draw:
-    """Take the generator position for one random op over a tensor of ``global_shape`` and advance
-    the offset past it, exactly as a CUDA launch over the whole tensor would. ``params`` are the
+@contextlib.contextmanager
+def reserve(kind: str, dtype: torch.dtype, global_shape, **params):
+    """Take the generator position for one random op over a tensor of ``global_shape`` (yields a
+    :class:`Draw`) and advance the offset past it, exactly as a CUDA launch over the whole tensor
+    would. If the block raises, the offset goes back: a failed op draws nothing. ``params`` are the
     kernel's (bernoulli's ``p`` may be a tensor: that kernel advances the offset differently)."""
     if _state.seed is None:
         raise RuntimeError(
@@ -130,7 +133,11 @@ def reserve(kind: str, dtype: torch.dtype, global_shape, **params) -> Draw:
     draw = Draw(_state.seed, _state.offset, profile)
     # 0 for an empty tensor: CUDA returns early without touching the generator.
     _state.offset += kernel.offset_increment(kind, dtype, math.prod(global_shape), profile, **params)
-    return draw
+    try:
+        yield draw
+    except BaseException:
+        _state.offset = draw.offset
+        raise
 
 
 def get_state() -> torch.Tensor:

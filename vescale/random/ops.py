@@ -274,27 +274,30 @@ def fill(
     """Fill ``out`` with the block ``dim_indices`` of the global random tensor ``call`` asks for, and
     advance the generator past the whole tensor. ``prob`` holds bernoulli's per-element probabilities
     for the block (out's shape)."""
+    if out.is_meta:
+        return  # like PyTorch's meta kernels: nothing drawn, the generator does not move
     params = dict(call.params)
     if prob is not None:
         params["p"] = prob
-    draw = generator.reserve(call.kind, out.dtype, global_shape, **params)
-    if out.numel() == 0:
-        return
-    with _disable_current_modes():  # the kernel's own tensor ops are plain arithmetic, never ours to route
-        direct = out.device.type == "cpu" and out.is_contiguous()
-        buf = out if direct else torch.empty(out.shape, dtype=out.dtype)
-        kernel.generate(
-            buf,
-            call.kind,
-            seed=draw.seed,
-            offset=draw.offset,
-            global_shape=tuple(global_shape),
-            dim_indices=dim_indices,
-            profile=draw.profile,
-            **params,
-        )
-        if not direct:
-            out.copy_(buf)
+    with generator.reserve(call.kind, out.dtype, global_shape, **params) as draw:
+        if out.numel() == 0:
+            return
+        # The kernel's own tensor ops are plain arithmetic: no dispatch mode (ours included) may see them.
+        with _disable_current_modes():
+            direct = out.device.type == "cpu" and out.is_contiguous()
+            buf = out if direct else torch.empty(out.shape, dtype=out.dtype)
+            kernel.generate(
+                buf,
+                call.kind,
+                seed=draw.seed,
+                offset=draw.offset,
+                global_shape=tuple(global_shape),
+                dim_indices=dim_indices,
+                profile=draw.profile,
+                **params,
+            )
+            if not direct:
+                out.copy_(buf)
 
 
 def select_block(tensor: torch.Tensor, shape: Sequence[int], dim_indices: Sequence[torch.Tensor] | None):
