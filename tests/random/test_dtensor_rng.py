@@ -109,7 +109,7 @@ def scenarios(draw):
     return case, shape, dtype, mesh_shape, tuple(placements), state
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(scenarios())
 def test_every_rank_holds_its_slice_of_the_single_device_tensor(fresh_rng, scenario):
     check_all_ranks(*scenario)
@@ -121,21 +121,26 @@ def test_each_op_on_a_2x2_mesh_with_two_shardings_of_one_dim(fresh_rng, case):
     check_all_ranks(case, (7, 3, 2), torch.float32, (2, 2), (Shard(0), Shard(0)), state_tensor(5, 8, (1, 256)))
 
 
+_SELECTED_PLACEMENTS = [
+    (Shard(1), Partial()),
+    (Replicate(), Shard(2)),
+    (_StridedShard(0, split_factor=2), Shard(0)),
+    (Shard(2), Shard(0)),
+]
+
+
 @pytest.mark.parametrize(
-    "placements",
+    "case_name, placements",
     [
-        (Shard(1), Partial()),
-        (Replicate(), Shard(2)),
-        (_StridedShard(0, split_factor=2), Shard(0)),
-        (Shard(2), Shard(0)),
+        (name, placements)
+        for name in ["Tensor.bernoulli_(tensor)", "F.dropout", "Tensor.normal_", "dtensor.rand"]
+        for placements in _SELECTED_PLACEMENTS
+        if not (CASES_BY_NAME[name].factory and any(p.is_partial() for p in placements))  # refused, tested below
     ],
     ids=str,
 )
-@pytest.mark.parametrize("case_name", ["Tensor.bernoulli_(tensor)", "F.dropout", "Tensor.normal_", "dtensor.rand"])
-def test_selected_placements(fresh_rng, placements, case_name):
+def test_selected_placements(fresh_rng, case_name, placements):
     case = CASES_BY_NAME[case_name]
-    if case.factory and any(p.is_partial() for p in placements):
-        pytest.skip("factories refuse Partial (tested below)")
     check_all_ranks(case, (9, 5, 3), torch.bfloat16, (2, 2), placements, state_tensor(11, 0, (1, 256)))
 
 
