@@ -18,6 +18,7 @@ from ..comm.grad import attach_grad_reduction
 from ..dispatch import install_semantic_handlers
 from ..plan import PlanIR, VescalePlan, lower
 from .hooks import enable_implicit_replication, install_module_hooks, root_hooks
+from .placing import place
 
 __all__ = ["parallelize", "explain"]
 
@@ -84,14 +85,12 @@ def _distribute_tensors(model: nn.Module, ir: PlanIR, mesh: DeviceMesh) -> None:
                 continue
             if id(p) not in done:  # a shared (tied) parameter is distributed once
                 target = placements.get((mpath, name), (Replicate(),) * mesh.ndim)
-                dt = DTensor.from_local(p.data, mesh, [Replicate()] * mesh.ndim, run_check=False)
-                dt = dt.redistribute(mesh, target)  # Replicate -> Shard is a local slice
+                dt = place(p.data, mesh, target, f"{mpath}.{name}")  # Replicate -> Shard: a local slice
                 done[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
             mod._parameters[name] = done[id(p)]
         for name, b in list(mod._buffers.items()):
             if b is not None and (mpath, name) in placements and not isinstance(b, DTensor):
-                dt = DTensor.from_local(b, mesh, [Replicate()] * mesh.ndim, run_check=False)
-                mod._buffers[name] = dt.redistribute(mesh, placements[(mpath, name)])
+                mod._buffers[name] = place(b, mesh, placements[(mpath, name)], f"{mpath}.{name}")
 
 
 def parallelize(model: nn.Module, plan: VescalePlan, mesh: DeviceMesh) -> nn.Module:

@@ -1,4 +1,6 @@
-"""Module hooks built from the optimised Plan IR: one pre-hook and one post-hook per module at most.
+"""Module hooks built from the optimised Plan IR: per module at most one pre-hook, one post-hook
+and one always-called cleanup hook (it gives the module its own parameters back even when forward
+raised).
 
 * forward_pre: RUN-phase gathers of the module's own parameters (ZeRO-3), then input redistribution.
 * forward: output redistribution, then the release of gathered parameters.
@@ -26,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..plan.ir import Entry, PlanError
 from ..plan.lower import forward_arg_names
-from .placing import as_dtensor, place
+from .placing import place
 
 __all__ = ["install_module_hooks", "GatheredParam"]
 
@@ -91,8 +93,8 @@ def _free_after_grad(param: nn.Parameter) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _place_inputs(module, args, kwargs, entries: list[Entry], mesh, path: str):
-    names = forward_arg_names(module)[0]
+def _place_inputs(args, kwargs, entries: list[Entry], names: list[str], mesh, path: str):
+    """``names``: the forward's argument names, read once at install time (not per call)."""
     args = list(args)
     for e in entries:
         what = f"{path or '<root>'}.<in>[{e.key}]"
@@ -203,6 +205,7 @@ def install_module_hooks(module: nn.Module, path: str, hook_entries: dict[str, l
     inputs = [e for e in hook_entries.get("forward_pre", []) if e.action == "redist"]
     outputs = hook_entries.get("forward", [])
     factory = hook_entries.get("factory", [])
+    arg_names = forward_arg_names(module)[0]
     live: list[GatheredParam] = []  # gathered for the forward call in flight
     modes: list[_FactoryMode] = []
 
@@ -218,7 +221,7 @@ def install_module_hooks(module: nn.Module, path: str, hook_entries: dict[str, l
             mode.__enter__()
             modes.append(mode)
         if inputs:
-            args, kwargs = _place_inputs(mod, args, kwargs, inputs, mesh, path)
+            args, kwargs = _place_inputs(args, kwargs, inputs, arg_names, mesh, path)
         return args, kwargs
 
     def cleanup_hook(mod, args, kwargs, output):
