@@ -425,6 +425,18 @@ def test_compiled_kernel_uses_whole_calls_on_long_runs():
                            draw(shape, "bernoulli", torch.bool, backend="torch", **args))
 
 
+def test_without_a_compiler_the_torch_path_is_used(monkeypatch):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setattr(_native, "_kernel", None)
+    monkeypatch.setattr(_native, "_failure", None)
+    with pytest.warns(RuntimeWarning, match="no C compiler"):
+        assert _native.load() is None
+    with pytest.raises(RuntimeError, match="unavailable"):
+        draw((5,), "uniform", backend="native", low=0.0, high=1.0)
+    auto = draw((300,), "uniform", backend="auto", low=0.0, high=1.0)  # falls back, same values
+    assert torch.equal(auto, draw((300,), "uniform", backend="torch", low=0.0, high=1.0))
+
+
 # ---- input validation ---------------------------------------------------------------------------------
 
 

@@ -1,7 +1,8 @@
 """Builds, caches and calls the compiled kernel of vescale.random (csrc/vescale_rng.c) through ctypes.
 
 The C source is compiled on first use with the system C compiler (``$CC``, else ``cc``) into
-``$XDG_CACHE_HOME/vescale`` (else ``~/.cache/vescale``), under a name that hashes the source, the
+``$XDG_CACHE_HOME/vescale`` (else ``~/.cache/vescale``; the temporary directory if that is not
+writable), under a name that hashes the source, the
 compiler's version, the flags and the CPU's feature flags (the build uses ``-march=native``), so a
 stale or foreign build is never loaded. Concurrent builds (several ranks starting at once) each write
 their own temporary file and rename it into place. If no compiler is found or the build fails, a
@@ -16,6 +17,7 @@ import hashlib
 import os
 import platform
 import subprocess
+import tempfile
 import threading
 import warnings
 from pathlib import Path
@@ -81,7 +83,13 @@ def _build() -> Path:
     target = cache_dir() / f"vescale_rng_{key}.so"
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:  # an unwritable home: build in the temporary directory instead
+        target = Path(tempfile.gettempdir()) / f"vescale-{os.getuid()}" / target.name
+        if target.exists():
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
     errors = []
     for extra in _FLAG_SETS:
         temporary = target.with_name(f"{target.stem}.{os.getpid()}.{threading.get_ident()}.tmp.so")
