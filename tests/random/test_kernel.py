@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vescale.random import _native, kernel, philox
+from vescale.random import _native, philox
 from vescale.random.kernel import A100, H100_SXM, DeviceProfile, generate, offset_increment
 
 NATIVE = _native.load()  # None (after a warning) where no C compiler can build it
