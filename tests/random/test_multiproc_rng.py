@@ -123,3 +123,31 @@ def _checkpoint_round_trip(path):
 
 def test_state_restored_from_a_distributed_checkpoint_reproduces_the_next_draw(tmp_path):
     assert run_on_ranks(_checkpoint_round_trip, 2, str(tmp_path / "ckpt"), timeout=120) == [True, True]
+
+
+def _views_of_sharded_tensors():
+    from torch.distributed.tensor import distribute_tensor
+
+    results = []
+    for mesh_shape, shape, view, placements in [
+        ((4,), (4, 8), (32,), [Shard(1)]),  # flattening a sharded inner dim: _StridedShard(0, sf=4)
+        ((2, 2), (4, 6), (24,), [Shard(0), Shard(1)]),  # [Shard(0), _StridedShard(0, sf=2)]
+        ((2, 2), (6, 4, 2), (6, 8), [Replicate(), Shard(1)]),
+    ]:
+        mesh = init_device_mesh("cpu", mesh_shape)
+        vr.manual_seed(3)
+        y = distribute_tensor(torch.zeros(shape), mesh, placements).view(view)
+        y.normal_()
+        vr.manual_seed(3)
+        with vr.consistent():
+            ref = torch.zeros(view).normal_()
+        results.append((str(y.placements), torch.equal(y.full_tensor(), ref)))
+    return results
+
+
+def test_random_op_on_a_view_of_a_sharded_dtensor():
+    # View propagation yields _StridedShard placements that are not a shard order; they still hold
+    # the right slice.
+    for result in run_on_ranks(_views_of_sharded_tensors, 4, timeout=60):
+        assert all(equal for _, equal in result), result
+        assert "_StridedShard" in result[0][0] and "_StridedShard" in result[1][0]
