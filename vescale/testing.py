@@ -18,13 +18,25 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["run_on_ranks"]
+__all__ = ["run_on_ranks", "forget_dtensor_caches"]
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def forget_dtensor_caches() -> None:
+    """Clear DTensor's process-wide caches (sharding propagation, transform plans, redistribute
+    planners). Their keys do not include the rank, so entries made while this process simulated
+    another rank (fake process group) would be wrong for a real rank forked from it."""
+    from torch.distributed.tensor._redistribute import _gen_transform_infos, clear_redistribute_planner_cache
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    _gen_transform_infos.cache_clear()
+    clear_redistribute_planner_cache()
 
 
 def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, conn) -> None:
@@ -38,6 +50,7 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, con
     )
     # Each rank gets one intra-op thread: N ranks share this machine's few cores.
     torch.set_num_threads(1)
+    forget_dtensor_caches()  # the parent may have simulated other ranks
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(*args)

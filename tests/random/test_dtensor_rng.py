@@ -19,12 +19,11 @@ import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the
 from hypothesis import HealthCheck, given, settings, strategies as st
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor._redistribute import _gen_transform_infos, clear_redistribute_planner_cache
-from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import vescale.random as vr
 from vescale.random import dtensor as vr_dtensor
+from vescale.testing import forget_dtensor_caches
 from rng_cases import (  # noqa: F401  (fresh_rng is a fixture)
     CASES,
     CASES_BY_NAME,
@@ -45,12 +44,8 @@ PROFILES = [(1, 256), (2, 512), (132, 2048)]  # tiny ones make threads wrap with
 
 
 def _forget_other_ranks():
-    # DTensor caches sharding decisions (output specs included, whose mesh knows its own coordinate)
-    # and redistribution plans (with this rank's shard sizes) under keys that ignore the rank: entries
-    # made as one fake rank would be wrong for the next, and for real ranks forked from this process.
-    _clear_sharding_prop_cache()
-    _gen_transform_infos.cache_clear()
-    clear_redistribute_planner_cache()
+    # DTensor's caches ignore the rank: entries made as one fake rank would be wrong for the next.
+    forget_dtensor_caches()
 
 
 @pytest.fixture(autouse=True)
