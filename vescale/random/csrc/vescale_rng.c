@@ -90,33 +90,46 @@ static inline void mulhilo8(__m256i x, __m256i m, __m256i *hi, __m256i *lo) {
     *hi = _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
 }
 
-static void philox_lanes(lanes_t *L, int n, uint32_t key0, uint32_t key1) {
+/* Philox of 8 * groups lanes from lane `first`: up to 4 independent 8-lane groups advanced round by round
+ * in lockstep, so that one group's multiplies overlap another's (one group alone waits on its own latency).
+ * Always inlined with a constant `groups`, so the group loops unroll into straight-line code. */
+static inline __attribute__((always_inline)) void philox_groups(lanes_t *L, int first, int groups, uint32_t key0,
+                                                                 uint32_t key1) {
     const __m256i m0 = _mm256_set1_epi64x(PHILOX_M0), m1 = _mm256_set1_epi64x(PHILOX_M1);
-    __m256i k0[10], k1[10];
+    __m256i x0[4], x1[4], x2[4], x3[4];
+    for (int g = 0; g < groups; g++) {
+        x0[g] = _mm256_loadu_si256((const __m256i *)(L->c0 + first + 8 * g));
+        x1[g] = _mm256_loadu_si256((const __m256i *)(L->c1 + first + 8 * g));
+        x2[g] = _mm256_loadu_si256((const __m256i *)(L->c2 + first + 8 * g));
+        x3[g] = _mm256_loadu_si256((const __m256i *)(L->c3 + first + 8 * g));
+    }
+    uint32_t k0 = key0, k1 = key1;
     for (int round = 0; round < 10; round++) {
-        k0[round] = _mm256_set1_epi32((int)(key0 + (uint32_t)round * PHILOX_W0));
-        k1[round] = _mm256_set1_epi32((int)(key1 + (uint32_t)round * PHILOX_W1));
-    }
-    int i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256i x0 = _mm256_loadu_si256((const __m256i *)(L->c0 + i));
-        __m256i x1 = _mm256_loadu_si256((const __m256i *)(L->c1 + i));
-        __m256i x2 = _mm256_loadu_si256((const __m256i *)(L->c2 + i));
-        __m256i x3 = _mm256_loadu_si256((const __m256i *)(L->c3 + i));
-        for (int round = 0; round < 10; round++) {
+        const __m256i round_k0 = _mm256_set1_epi32((int)k0), round_k1 = _mm256_set1_epi32((int)k1);
+        for (int g = 0; g < groups; g++) {
             __m256i hi0, lo0, hi1, lo1;
-            mulhilo8(x0, m0, &hi0, &lo0);
-            mulhilo8(x2, m1, &hi1, &lo1);
-            x0 = _mm256_xor_si256(_mm256_xor_si256(hi1, x1), k0[round]);
-            x2 = _mm256_xor_si256(_mm256_xor_si256(hi0, x3), k1[round]);
-            x1 = lo1;
-            x3 = lo0;
+            mulhilo8(x0[g], m0, &hi0, &lo0);
+            mulhilo8(x2[g], m1, &hi1, &lo1);
+            x0[g] = _mm256_xor_si256(_mm256_xor_si256(hi1, x1[g]), round_k0);
+            x2[g] = _mm256_xor_si256(_mm256_xor_si256(hi0, x3[g]), round_k1);
+            x1[g] = lo1;
+            x3[g] = lo0;
         }
-        _mm256_storeu_si256((__m256i *)(L->w0 + i), x0);
-        _mm256_storeu_si256((__m256i *)(L->w1 + i), x1);
-        _mm256_storeu_si256((__m256i *)(L->w2 + i), x2);
-        _mm256_storeu_si256((__m256i *)(L->w3 + i), x3);
+        k0 += PHILOX_W0;
+        k1 += PHILOX_W1;
     }
+    for (int g = 0; g < groups; g++) {
+        _mm256_storeu_si256((__m256i *)(L->w0 + first + 8 * g), x0[g]);
+        _mm256_storeu_si256((__m256i *)(L->w1 + first + 8 * g), x1[g]);
+        _mm256_storeu_si256((__m256i *)(L->w2 + first + 8 * g), x2[g]);
+        _mm256_storeu_si256((__m256i *)(L->w3 + first + 8 * g), x3[g]);
+    }
+}
+
+static void philox_lanes(lanes_t *L, int n, uint32_t key0, uint32_t key1) {
+    int i = 0;
+    for (; i + 32 <= n; i += 32) philox_groups(L, i, 4, key0, key1);
+    for (; i + 8 <= n; i += 8) philox_groups(L, i, 1, key0, key1);
     philox_scalar(L, i, n, key0, key1);
 }
 #else
@@ -286,6 +299,19 @@ static inline double uniform_double(uint32_t lo, uint32_t hi) {
 
 #define V_SCALE 0x1.921fb6p-30f /* 2**-32 * float32(2 pi), curand's CURAND_2POW32_INV_2PI */
 
+/* Box-Muller's angle fma_float(float32(w), V_SCALE, V_SCALE / 2), specialised: the product p is exact and at
+ * least the addend c (or 0), so Fast2Sum gives the sum's rounding error, and the sum is positive and
+ * finite, so add_round_to_odd's fix-up reduces to a step towards the error. Same bits, fewer operations. */
+static inline float angle_float(uint32_t w) {
+    double p = (double)(float)w * (double)V_SCALE, c = (double)(V_SCALE / 2);
+    double s = p + c;
+    double err = c - (s - p);
+    uint64_t bits = bits_of(s);
+    uint64_t fix = (uint64_t)(err != 0.0) & ~bits & 1; /* inexact and even: make it odd */
+    uint64_t down = err < 0.0;
+    return (float)from_bits(bits + fix - 2 * (fix & down));
+}
+
 /* ---- float32 -> float16 / bfloat16, round to nearest even (as torch's conversions) ---- */
 
 static inline uint16_t f32_to_f16(float f) {
@@ -416,7 +442,7 @@ static void normal_pair(const vrng_job *J, const lanes_t *L, int n, int pair, vo
         float *zs = (float *)zs_out, *zc = (float *)zc_out;
         SIMD for (int i = 0; i < n; i++) {
             radius[i] = det_sqrt(-2.0 * det_log((double)uniform_float(uw[i])));
-            angle[i] = (double)fma_float((float)vw[i], V_SCALE, V_SCALE / 2);
+            angle[i] = (double)angle_float(vw[i]);
         }
         SIMD for (int i = 0; i < n; i++) {
             double q = nearbyint(angle[i] * TWO_OVER_PI), sn, cs;
@@ -440,13 +466,51 @@ static void normal_pair(const vrng_job *J, const lanes_t *L, int n, int pair, vo
     }
 }
 
+/* emit for normal: n standard normals from the lanes' words (each element its half of a Box-Muller pair),
+ * then mean + std * z. `word` >= 0: every lane's element uses word (pair) `word`, as in a run of consecutive
+ * threads at one step; -1: each lane's own L->ii. Each stage is its own loop: a loop through log, sqrt and
+ * sin at once is one long dependency chain per lane, which the CPU overlaps across lanes much less well. */
+static void emit_normal(const vrng_job *J, const words_t *L, int n, int64_t e0, int word) {
+    int64_t odd[BATCH]; /* 1: the cosine element of its pair */
+    double radius[BATCH], angle[BATCH];
+    for (int i = 0; i < n; i++) odd[i] = (word >= 0 ? word : L->ii[i]) & 1;
+    if (!J->wide) { /* curand_normal4: words (0, 1) feed elements 0 (sin) and 1 (cos), (2, 3) 2 and 3 */
+        uint32_t x[BATCH], y[BATCH];
+        const uint32_t *uw = x, *vw = y;
+        if (word >= 0) {
+            uw = word & 2 ? L->w2 : L->w0;
+            vw = word & 2 ? L->w3 : L->w1;
+        } else {
+            for (int i = 0; i < n; i++) {
+                int second = (L->ii[i] & 2) != 0;
+                x[i] = second ? L->w2[i] : L->w0[i];
+                y[i] = second ? L->w3[i] : L->w1[i];
+            }
+        }
+        float z[BATCH];
+        SIMD for (int i = 0; i < n; i++) radius[i] = -2.0 * det_log((double)uniform_float(uw[i]));
+        SIMD for (int i = 0; i < n; i++) radius[i] = det_sqrt(radius[i]);
+        SIMD for (int i = 0; i < n; i++) angle[i] = (double)angle_float(vw[i]);
+        SIMD for (int i = 0; i < n; i++) z[i] = (float)(radius[i] * det_sin_or_cos(angle[i], odd[i]));
+        finish_normal_float(J, z, n, e0);
+    } else { /* curand_normal2_double: u from words (0, 1), v from (2, 3); element 0 sin, 1 cos */
+        double z[BATCH];
+        SIMD for (int i = 0; i < n; i++) radius[i] = -2.0 * det_log(uniform_double(L->w0[i], L->w1[i]));
+        SIMD for (int i = 0; i < n; i++) radius[i] = det_sqrt(radius[i]);
+        SIMD for (int i = 0; i < n; i++) {
+            uint64_t bits = (uint64_t)L->w2[i] ^ ((uint64_t)L->w3[i] << 21);
+            angle[i] = u53_to_double(bits) * 0x1p-52 + 0x1p-53;
+        }
+        SIMD for (int i = 0; i < n; i++) z[i] = radius[i] * det_sinpi_or_cospi(angle[i], odd[i]);
+        finish_normal_double(J, z, n, e0);
+    }
+}
+
 /* Turn the lanes' Philox words into n consecutive output elements starting at local element e0.
  * Loops are split by stage so that each one vectorises. */
 static void emit(const vrng_job *J, const words_t *L, int n, int64_t e0) {
     uint32_t x[BATCH], y[BATCH];
-    int64_t odd[BATCH];
     float vf[BATCH];
-    double ud[BATCH], vd[BATCH];
     int64_t vi[BATCH];
     /* uniform(0, 1) / normal(0, 1): fma(x, 1, +0) is exactly x + 0 (which only turns -0 into +0) */
     const int identity = bits_of(J->a) == 0 && J->b == 1.0;
@@ -472,31 +536,7 @@ static void emit(const vrng_job *J, const words_t *L, int n, int64_t e0) {
         }
         return;
     case OP_NORMAL:
-        if (!J->wide) { /* curand_normal4: words (0, 1) feed elements 0 (sin) and 1 (cos), (2, 3) 2 and 3 */
-            for (int i = 0; i < n; i++) {
-                int second = (L->ii[i] & 2) != 0;
-                x[i] = second ? L->w2[i] : L->w0[i];
-                y[i] = second ? L->w3[i] : L->w1[i];
-                odd[i] = L->ii[i] & 1;
-            }
-            SIMD for (int i = 0; i < n; i++) {
-                ud[i] = (double)uniform_float(x[i]);
-                vd[i] = (double)fma_float((float)y[i], V_SCALE, V_SCALE / 2);
-            }
-            SIMD for (int i = 0; i < n; i++) ud[i] = det_sqrt(-2.0 * det_log(ud[i]));
-            SIMD for (int i = 0; i < n; i++) vf[i] = (float)(ud[i] * det_sin_or_cos(vd[i], odd[i]));
-            finish_normal_float(J, vf, n, e0);
-        } else { /* curand_normal2_double: u from words (0, 1), v from (2, 3); element 0 sin, 1 cos */
-            SIMD for (int i = 0; i < n; i++) {
-                ud[i] = uniform_double(L->w0[i], L->w1[i]);
-                uint64_t z = (uint64_t)L->w2[i] ^ ((uint64_t)L->w3[i] << 21);
-                vd[i] = u53_to_double(z) * 0x1p-52 + 0x1p-53;
-                odd[i] = L->ii[i] != 0;
-            }
-            SIMD for (int i = 0; i < n; i++) ud[i] = det_sqrt(-2.0 * det_log(ud[i]));
-            SIMD for (int i = 0; i < n; i++) ud[i] = ud[i] * det_sinpi_or_cospi(vd[i], odd[i]);
-            finish_normal_double(J, ud, n, e0);
-        }
+        emit_normal(J, L, n, e0, -1);
         return;
     case OP_BERNOULLI:
         if (!J->wide) {
@@ -580,6 +620,9 @@ static void fill_calls(const vrng_job *J, int s, int64_t k, int64_t t_begin, int
                     else
                         finish_normal_float(J, (const float *)z + (a[e] - t0), (int)(b[e] - a[e]), at);
                 }
+            } else if (J->op == OP_NORMAL) { /* alone in its pair (Shard(1)-like blocks): one element per call */
+                words_t W = lanes_from(&L, (int)(a[ii] - t0));
+                emit_normal(J, &W, (int)(b[ii] - a[ii]), out_at, (int)ii);
             } else {
                 memset(L.ii + (a[ii] - t0), (int)ii, (size_t)(b[ii] - a[ii]));
                 words_t W = lanes_from(&L, (int)(a[ii] - t0));
