@@ -425,6 +425,20 @@ def test_compiled_kernel_uses_whole_calls_on_long_runs():
                            draw(shape, "bernoulli", torch.bool, backend="torch", **args))
 
 
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_compiled_normal_of_column_blocks_equals_torch_path(dtype):
+    # A column block (Shard(1)) is one run per row: consecutive threads at one step, one Philox call and one
+    # half of a Box-Muller pair per element (the C kernel's one-word path). T = 1024 here; widths around the
+    # kernel's lane groups (8, 32, 64 lanes) and a run crossing a step boundary (column 1000 + 50 > 1024).
+    shape = (3, 3000)
+    for first, width in [(0, 1), (5, 7), (64, 31), (100, 33), (200, 64), (300, 65), (1000, 50), (1500, 1400)]:
+        args = dict(seed=11, offset=8, profile=DeviceProfile(2, 512), index=[[0, 2], list(range(first, first + width))],
+                    mean=0.5, std=2.0)
+        assert torch.equal(draw(shape, "normal", dtype, backend="native", **args),
+                           draw(shape, "normal", dtype, backend="torch", **args)), (first, width)
+
+
 def test_without_a_compiler_the_torch_path_is_used(monkeypatch):
     monkeypatch.setenv("CC", "/nonexistent/cc")
     monkeypatch.setattr(_native, "_kernel", None)

@@ -440,10 +440,9 @@ static void normal_pair(const vrng_job *J, const lanes_t *L, int n, int pair, vo
     if (!J->wide) { /* curand_normal4: (w0, w1) -> elements 0 (sin), 1 (cos); (w2, w3) -> 2, 3 */
         const uint32_t *uw = pair ? L->w2 : L->w0, *vw = pair ? L->w3 : L->w1;
         float *zs = (float *)zs_out, *zc = (float *)zc_out;
-        SIMD for (int i = 0; i < n; i++) {
-            radius[i] = det_sqrt(-2.0 * det_log((double)uniform_float(uw[i])));
-            angle[i] = (double)angle_float(vw[i]);
-        }
+        SIMD for (int i = 0; i < n; i++) radius[i] = -2.0 * det_log((double)uniform_float(uw[i]));
+        SIMD for (int i = 0; i < n; i++) radius[i] = det_sqrt(radius[i]); /* own loop: see emit_normal */
+        SIMD for (int i = 0; i < n; i++) angle[i] = (double)angle_float(vw[i]);
         SIMD for (int i = 0; i < n; i++) {
             double q = nearbyint(angle[i] * TWO_OVER_PI), sn, cs;
             sincos_by_quadrant(integral_double_to_int(q), (angle[i] - q * PIO2_HI) - q * PIO2_LO, &sn, &cs);
@@ -452,8 +451,9 @@ static void normal_pair(const vrng_job *J, const lanes_t *L, int n, int pair, vo
         }
     } else { /* curand_normal2_double: u from (w0, w1), v from (w2, w3); element 0 sin, 1 cos */
         double *zs = (double *)zs_out, *zc = (double *)zc_out;
+        SIMD for (int i = 0; i < n; i++) radius[i] = -2.0 * det_log(uniform_double(L->w0[i], L->w1[i]));
+        SIMD for (int i = 0; i < n; i++) radius[i] = det_sqrt(radius[i]);
         SIMD for (int i = 0; i < n; i++) {
-            radius[i] = det_sqrt(-2.0 * det_log(uniform_double(L->w0[i], L->w1[i])));
             uint64_t z = (uint64_t)L->w2[i] ^ ((uint64_t)L->w3[i] << 21);
             angle[i] = u53_to_double(z) * 0x1p-52 + 0x1p-53;
         }
