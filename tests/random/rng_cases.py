@@ -14,7 +14,6 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.tensor as dtensor_api
@@ -22,7 +21,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 import vescale.random as vr
-from vescale.random import dtensor as vr_dtensor, generator as vr_generator
+
 
 
 # ---- environments --------------------------------------------------------------------------------------
@@ -220,19 +219,6 @@ def compare(ref, ref_state, out, out_state, mesh, allow_partial: bool = False) -
     if not torch.equal(out_state, ref_state):
         return f"generator state {out_state.tolist()} != single-device {ref_state.tolist()}"
     return None
-
-
-@pytest.fixture
-def fresh_rng():
-    """Seeded, installed vescale RNG for one test; afterwards the previous state is back and DTensor's
-    own RNG handling restored, so other test files see PyTorch's defaults."""
-    saved = (vr_generator._state.seed, vr_generator._state.offset, vr_generator._state.profile)
-    was_installed = vr_dtensor.is_installed()
-    vr.manual_seed(1234)
-    yield
-    vr_generator._state.seed, vr_generator._state.offset, vr_generator._state.profile = saved
-    if not was_installed:
-        vr.uninstall()
 
 
 def destroy_process_group_if_any():

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 
 import vescale.random as vr
 from vescale.random import generator as vr_generator, kernel
-from rng_cases import fresh_rng  # noqa: F401  (fixture)
 
 
 def kernel_draw(kind, dtype, shape, offset, **params):

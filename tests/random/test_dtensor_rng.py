@@ -24,14 +24,13 @@ from torch.distributed.tensor.placement_types import _StridedShard
 import vescale.random as vr
 from vescale.random import dtensor as vr_dtensor
 from vescale.testing import forget_dtensor_caches
-from rng_cases import (  # noqa: F401  (fresh_rng is a fixture)
+from rng_cases import (
     CASES,
     CASES_BY_NAME,
     DTYPES,
     Dist,
     compare,
     destroy_process_group_if_any,
-    fresh_rng,
     reference,
     run_distributed,
 )
