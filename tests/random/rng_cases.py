@@ -23,7 +23,6 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 import vescale.random as vr
 
 
-
 # ---- environments --------------------------------------------------------------------------------------
 
 
