@@ -1,6 +1,35 @@
-"""DTensor op dispatch as vescale extends it: op handlers that give single-device semantics where
-PyTorch's default differs (and, later, the fast-dispatch rules and caches of the paper's section 6)."""
+"""DTensor op dispatch as vescale extends it (the paper's section 6.1).
 
+* ``semantics``: op handlers that give single-device answers where PyTorch's differ (``item()`` of a
+  Partial DTensor is the global value).
+* ``search``: cheap sharding-propagation misses on N-D meshes (match the inputs as they are before
+  any search; PyTorch's priority-queue search before its exhaustive expansion).
+* ``cache``: a sharding cache keyed without sizes, so a new sequence length is a hit.
+* ``optim``: stock ``torch.optim`` steps on DTensor parameters run on their local shards.
+
+``install()`` puts all of them in place; ``parallelize`` calls it. Nothing changes at import.
+"""
+
+from .cache import ShapeFreeCache, install_shape_free_cache, shape_free_cache, uninstall_shape_free_cache
+from .optim import ELEMENTWISE_OPTIMIZERS, install_local_optimizer_step, uninstall_local_optimizer_step
+from .search import fast_search_installed, install_fast_search, uninstall_fast_search
 from .semantics import install_semantic_handlers
 
-__all__ = ["install_semantic_handlers"]
+
+def install() -> None:
+    """Install vescale's dispatch extensions into DTensor (idempotent)."""
+    install_semantic_handlers()
+    install_fast_search()
+    install_shape_free_cache()
+    install_local_optimizer_step()
+
+
+def uninstall() -> None:
+    """Give DTensor back PyTorch's own sharding search, miss path and optimiser steps (the
+    semantic handlers stay)."""
+    uninstall_local_optimizer_step()
+    uninstall_shape_free_cache()
+    uninstall_fast_search()
+
+
+__all__ = ["install", "uninstall", "ELEMENTWISE_OPTIMIZERS", "ShapeFreeCache", "install_shape_free_cache", "uninstall_shape_free_cache", "shape_free_cache", "install_semantic_handlers", "install_fast_search", "uninstall_fast_search", "fast_search_installed"]

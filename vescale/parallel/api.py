@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from .. import random as vescale_random
 from ..comm.grad import attach_grad_reduction
-from ..dispatch import install_semantic_handlers
+from .. import dispatch
 from ..plan import PlanIR, VescalePlan, lower
 from .hooks import enable_implicit_replication, install_module_hooks, root_hooks
 from .placing import place
@@ -112,7 +112,8 @@ def parallelize(model: nn.Module, plan: VescalePlan, mesh: DeviceMesh) -> nn.Mod
     # Random ops on the model's DTensors draw single-device numbers (and refuse to run, with a
     # message, until vescale.manual_seed is called) instead of the same numbers on every rank.
     vescale_random.install()
-    install_semantic_handlers()  # loss.item() of a Partial loss is the global loss
+    # loss.item() of a Partial loss is the global loss; cheap sharding-propagation misses.
+    dispatch.install()
     handles = root_hooks(model)
     modules = dict(model.named_modules(remove_duplicate=False))
     per_module: dict[str, dict[str, list]] = {}

@@ -1,0 +1,99 @@
+"""Stock ``torch.optim`` steps on DTensor parameters run on their local shards.
+
+An elementwise optimiser (SGD, Adam, AdamW, ...) updates every element from that element's own
+gradient and state, so updating each rank's shard with its shard of the gradient *is* the global
+update. On DTensors every one of its ~10 ops per parameter pays DTensor dispatch (30-140 µs each on
+CPU), which made AdamW 10x slower than on plain tensors.
+
+``install()`` registers PyTorch's global optimiser step pre/post hooks (at ``parallelize`` time,
+never at import). For an optimiser of an elementwise class whose parameters include DTensors, the
+pre-hook hands the step each DTensor parameter's local tensor (the same storage, so the update lands
+in the DTensor), its gradient's local tensor, and its state's local tensors; the post-hook puts the
+DTensor parameters back and keeps the state as DTensors laid out like their parameters, so
+``optimizer.state_dict()``, DCP checkpoints and resharding see what they always saw. Optimisers that
+are not elementwise (Adafactor, LBFGS, anything unknown) keep running on DTensors, which is correct.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+__all__ = ["install_local_optimizer_step", "uninstall_local_optimizer_step", "ELEMENTWISE_OPTIMIZERS"]
+
+# Optimisers whose update of an element reads only that element's parameter, gradient and state.
+ELEMENTWISE_OPTIMIZERS = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
+    torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.ASGD,
+)
+
+_HANDLES: list = []
+
+
+def _uses_local_step(opt: torch.optim.Optimizer) -> bool:
+    if type(opt) not in ELEMENTWISE_OPTIMIZERS:  # subclasses may add non-elementwise logic
+        return False
+    return any(isinstance(p, DTensor) for g in opt.param_groups for p in g["params"])
+
+
+def _to_local(opt: torch.optim.Optimizer) -> None:
+    swapped = []  # (group, original params) to restore
+    for group in opt.param_groups:
+        params = group["params"]
+        locals_ = []
+        for p in params:
+            if not isinstance(p, DTensor):
+                locals_.append(p)
+                continue
+            local = p._local_tensor
+            local.grad = None if p.grad is None else p.grad._local_tensor
+            state = opt.state.pop(p, None)
+            if state:
+                opt.state[local] = {k: v._local_tensor if isinstance(v, DTensor) else v for k, v in state.items()}
+            locals_.append(local)
+        swapped.append((group, params, locals_))
+        group["params"] = locals_
+    opt._vescale_local_step = swapped
+
+
+def _to_dtensor(opt: torch.optim.Optimizer) -> None:
+    for group, params, locals_ in opt.__dict__.pop("_vescale_local_step", []):
+        group["params"] = params
+        for p, local in zip(params, locals_):
+            if local is p:
+                continue
+            local.grad = None  # the gradient lives in p.grad; the alias would keep a second reference
+            state = opt.state.pop(local, None)
+            if state:
+                opt.state[p] = {k: _as_param_layout(v, local, p) for k, v in state.items()}
+
+
+def _as_param_layout(value, local: torch.Tensor, param: DTensor):
+    """Per-element state (shaped like the local shard) becomes a DTensor laid out like ``param``;
+    scalars such as Adam's step count stay as they are."""
+    if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == local.shape and value.ndim > 0:
+        return DTensor(value, param._spec, requires_grad=False)
+    return value
+
+
+def _pre_hook(opt, args, kwargs):
+    _to_dtensor(opt)  # a previous step that raised left its swap behind
+    if _uses_local_step(opt):
+        _to_local(opt)
+
+
+def _post_hook(opt, args, kwargs):
+    _to_dtensor(opt)
+
+
+def install_local_optimizer_step() -> None:
+    """Register the global optimiser hooks (idempotent)."""
+    if not _HANDLES:
+        _HANDLES.append(register_optimizer_step_pre_hook(_pre_hook))
+        _HANDLES.append(register_optimizer_step_post_hook(_post_hook))
+
+
+def uninstall_local_optimizer_step() -> None:
+    while _HANDLES:
+        _HANDLES.pop().remove()

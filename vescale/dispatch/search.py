@@ -1,0 +1,131 @@
+"""Cheap sharding-propagation misses on N-D meshes: the paper's rule-based bypass for strategy search.
+
+On a cache miss (a new op, placement or shape), PyTorch 2.13 expands an op's single-mesh-dim
+strategies to every combination over the mesh and prices each one with the redistribute planner's
+graph search. On a 2-D mesh one batched matmul costs seconds that way (the first DP x TP step of the
+zoo LLaMA spent 14.7 s there), although in almost every case the inputs already sit in a valid
+strategy and nothing needs to move.
+
+PyTorch ships the cheaper search too (``_dijkstra_expand_single_dim_strategy_to_mesh``): first it
+asks whether the current input placements match a single-dim rule on every mesh dimension (then
+the answer is that rule, with no redistribution and no cost computation), otherwise it walks a
+priority queue over one-placement changes. It is not wired into the default path in 2.13. This
+module registers it, through the propagator's own ``register_op_strategy`` extension point, for
+every op that has a single-dim strategy; the full expansion stays the fallback wherever the search
+declines and the inputs match no rule as they are (tensor lists, foreach ops, ``_StridedShard``
+inputs that need to move).
+
+Only the search changes. Any strategy it returns is a valid one of the op's own rules, so results
+are what DTensor computes; PyTorch's caches and C++ fast path for hits are untouched.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, TupleStrategy
+from torch.distributed.tensor._ops.single_dim_strategy import (
+    _dijkstra_expand_single_dim_strategy_to_mesh,
+    _expand_single_dim_strategy_to_mesh,
+    _PreparedSingleDimStrategy,
+)
+
+__all__ = ["install_fast_search", "uninstall_fast_search", "fast_search_installed"]
+
+_LOCK = threading.Lock()
+_MOVED: dict = {}  # op -> (its _SingleDimStrategyInfo, its op-strategy function or None), while installed
+
+
+def _propagator():
+    return DTensor._op_dispatcher.sharding_propagator
+
+
+def _specs_schema(strategy_schema: OpSchema) -> OpSchema:
+    """The OpSchema of DTensorSpecs that a strategy schema (OpStrategy per tensor) was made from."""
+
+    def spec(a):
+        if isinstance(a, OpStrategy):
+            return a.strategies[0].output_spec
+        if isinstance(a, TupleStrategy):
+            return [spec(c) for c in a.children]
+        return a
+
+    return OpSchema(
+        strategy_schema.op,
+        tuple(spec(a) for a in strategy_schema.args_schema),
+        {k: spec(v) for k, v in strategy_schema.kwargs_schema.items()},
+        schema_info=strategy_schema.schema_info,
+    )
+
+
+def _zero_cost_match(mesh, strategy_schema: OpSchema, info, out_meta):
+    """The rule matching the inputs as they are, on every mesh dim (no redistribution), or None.
+
+    The priority-queue search declines ``_StridedShard`` inputs because its cost model does not
+    price them; a plain match needs no prices. This is the case of attention matmuls on a DP x TP
+    mesh, whose flattened (batch x heads) dim is ``(Shard(0), _StridedShard(0))`` on both sides."""
+    if any(isinstance(a, TupleStrategy) for a in strategy_schema.args_schema) or any(
+        isinstance(v, (OpStrategy, TupleStrategy)) for v in strategy_schema.kwargs_schema.values()
+    ):
+        return None
+    specs = [a.strategies[0].output_spec for a in strategy_schema.args_schema if isinstance(a, OpStrategy)]
+    prepared = _PreparedSingleDimStrategy(info, strategy_schema, out_meta, num_inputs=len(specs))
+    return prepared.try_propagate(mesh, tuple(s.placements for s in specs), specs)
+
+
+def _searched(info):
+    """An op-strategy function: PyTorch's priority-queue search over ``info``, full expansion as fallback."""
+
+    def strategy(strategy_schema: OpSchema):
+        prop = _propagator()
+        mesh = strategy_schema.get_mesh_from_args()
+        # Already computed by the caller for this very schema: a hit in PyTorch's meta cache.
+        out_meta = prop._propagate_tensor_meta(_specs_schema(strategy_schema))
+        found = _dijkstra_expand_single_dim_strategy_to_mesh(mesh, strategy_schema, info, out_meta)
+        if found is None:
+            found = _zero_cost_match(mesh, strategy_schema, info, out_meta)
+        if found is not None:
+            return found
+        expand = _expand_single_dim_strategy_to_mesh(mesh, strategy_schema, info, out_meta)
+        return expand(strategy_schema.op, strategy_schema.args_meta, strategy_schema.kwargs_meta)
+
+    return strategy
+
+
+def _searchable(op) -> bool:
+    # Foreach and fused-optimizer ops take tensor lists; PyTorch expands those per element itself.
+    return not op.name().startswith(("aten::_foreach_", "aten::_amp_foreach_", "aten::_fused_"))
+
+
+def install_fast_search() -> None:
+    """Route every single-dim-strategy op through the cheap search (idempotent)."""
+    prop = _propagator()
+    with _LOCK:
+        for op, info in list(prop.op_single_dim_strategy_funcs.items()):
+            if op in _MOVED or not _searchable(op):
+                continue
+            # Some ops (mm, bmm, addmm) also carry an older op-strategy function that the
+            # single-dim one shadows; it is kept to be restored.
+            _MOVED[op] = (info, prop.op_strategy_funcs.get(op))
+            # The op's cache schema info stays registered under the single-dim table, where
+            # DTensor's dispatcher looks for it when the strategy table has none.
+            prop.op_strategy_funcs[op] = _searched(info)
+            del prop.op_single_dim_strategy_funcs[op]
+
+
+def uninstall_fast_search() -> None:
+    """Give PyTorch back its own exhaustive expansion."""
+    prop = _propagator()
+    with _LOCK:
+        for op, (info, shadowed) in _MOVED.items():
+            if shadowed is None:
+                prop.op_strategy_funcs.pop(op, None)
+            else:
+                prop.op_strategy_funcs[op] = shadowed
+            prop.op_single_dim_strategy_funcs[op] = info
+        _MOVED.clear()
+
+
+def fast_search_installed() -> bool:
+    return bool(_MOVED)
