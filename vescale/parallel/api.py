@@ -93,7 +93,7 @@ def _distribute_tensors(model: nn.Module, ir: PlanIR, mesh: DeviceMesh) -> None:
                 mod._buffers[name] = place(b, mesh, placements[(mpath, name)], f"{mpath}.{name}")
 
 
-def parallelize(model: nn.Module, plan: VescalePlan, mesh: DeviceMesh) -> nn.Module:
+def parallelize(model: nn.Module, plan: VescalePlan, mesh: DeviceMesh, mode: str = "eager") -> nn.Module:
     """Parallelise ``model`` in place according to ``plan`` on ``mesh`` and return it.
 
     After this call, parameters are DTensor parameters (use ``model.parameters()`` with any stock
@@ -101,7 +101,12 @@ def parallelize(model: nn.Module, plan: VescalePlan, mesh: DeviceMesh) -> nn.Mod
     forward meet DTensors as Replicate (or as ``plan.factory`` says), and gradients arrive reduced to
     their parameters' placements. Plain tensors are taken as global tensors from here on in this
     thread (DTensor implicit replication), so a loss computed outside the model works unchanged.
+
+    ``mode="static"`` (Static Eager): after one eager step per set of input shapes, modules run on
+    their local shards with no DTensor dispatch; see ``vescale.static``. Same results as eager.
     """
+    if mode not in ("eager", "static"):
+        raise ValueError(f"parallelize: mode must be 'eager' or 'static', got {mode!r}")
     if getattr(model, "_vescale_ir", None) is not None:
         raise RuntimeError("this model is already parallelized; build a fresh model to apply another plan")
     ir = lower(plan, model, mesh)
@@ -122,6 +127,10 @@ def parallelize(model: nn.Module, plan: VescalePlan, mesh: DeviceMesh) -> nn.Mod
     for mpath, hook_entries in per_module.items():
         handles += install_module_hooks(modules[mpath], mpath, hook_entries, mesh)
     handles += attach_grad_reduction(model.parameters())
+    if mode == "static":
+        from ..static import install_static
+
+        handles += install_static(model, plan, ir)
 
     model._vescale_ir = ir
     model._vescale_mesh = mesh

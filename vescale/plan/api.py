@@ -53,7 +53,7 @@ _ACTIVATION = re.compile(r"<(in|out)>(?:\\?\[([^\]\\]+)\\?\])?$")
 class Statement:
     """One call on a plan, kept verbatim so errors can quote it."""
 
-    kind: str  # "shard" or "factory"
+    kind: str  # "shard", "factory" or "eager"
     path: str
     placements: tuple[Placement, ...]
     mesh_dim: str | None
@@ -77,8 +77,8 @@ class Statement:
     def __str__(self) -> str:
         where = f", mesh={self.mesh_dim!r}" if self.mesh_dim else ""
         when = f", phase={self.phase.value}" if self.phase else ""
-        what = ", ".join(placement_str(p) for p in self.placements)
-        return f"#{self.index} plan.{self.kind}({self.path!r}, {what}{where}{when})"
+        what = "".join(", " + placement_str(p) for p in self.placements)
+        return f"#{self.index} plan.{self.kind}({self.path!r}{what}{where}{when})"
 
 
 def placement_str(p: Placement) -> str:
@@ -135,6 +135,21 @@ class VescalePlan:
         modules matching ``path`` (a module path; ``""`` is the root) become DTensors with this
         placement. Unplanned factory tensors stay plain and meet DTensors as Replicate."""
         return self._add("factory", path, placement, mesh, None)
+
+    def eager(self, path: str) -> "VescalePlan":
+        """Keep the modules matching ``path`` (a module path regex; ``""`` is the root) on DTensors in
+        ``parallelize(..., mode="static")``: their own ops run eagerly, their children may still run
+        static. For modules whose code cannot run on local shards (a ``view`` with a global head
+        count, say); static mode finds most such modules by itself. No effect in eager mode."""
+        if not isinstance(path, str):
+            raise TypeError(f"plan.eager: path must be a regular expression string, got {path!r}")
+        try:
+            re.compile(path)
+        except re.error as e:
+            raise ValueError(f"plan.eager: path {path!r} is not a valid regular expression: {e}") from None
+        st = Statement("eager", path, (), None, None, len(self.statements))
+        self.statements.append(st)
+        return self
 
     def _add(self, kind, path, placement, mesh, phase) -> "VescalePlan":
         if not isinstance(path, str) or not (path or kind == "factory"):

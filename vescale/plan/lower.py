@@ -125,6 +125,8 @@ def lower(plan: VescalePlan, model: nn.Module, mesh: DeviceMesh) -> PlanIR:
     raw: list[RawEntry] = []
     planned_buffers: set[str] = set()
     for st in plan.statements:
+        if st.kind == "eager":  # a mode choice for Static Eager, resolved by vescale.static
+            continue
         dims = _mesh_dims(st, mesh)
         if st.kind == "factory" or st.activation:
             raw += _lower_module_statement(st, modules, dims, all_paths)

@@ -81,5 +81,10 @@ def _tensor_parallel(plan: VescalePlan, tp: str, sequence_parallel: bool, split_
         plan.shard(rf"{_LAYER}\.{block}\.{col}\.weight", Shard(0), mesh=tp)
         plan.shard(rf"{_LAYER}\.{block}\.{row}\.weight", Shard(1), mesh=tp)
         plan.shard(rf"{_LAYER}\.{block}\.<out>", between, mesh=tp)
+    if sequence_parallel:
+        # Static Eager: HF's LlamaModel reads the sequence length for position ids and the causal
+        # mask from the (sequence-sharded) embeddings, so its own few ops stay on DTensors; the
+        # decoder layers inside it still run static.
+        plan.eager(r"model")
     plan.shard(r"lm_head\.<in>", Replicate(), mesh=tp)
     plan.shard(r"lm_head\.weight", Shard(0), mesh=tp)  # vocabulary-parallel logits

@@ -1,0 +1,183 @@
+"""CPU overhead of eager DTensor dispatch and of Static Eager mode on the zoo LLaMA.
+
+One process plays rank 0 of a mesh over PyTorch's ``fake`` process group (collectives return at
+once), so what is timed is the CPU work one rank does per step: the DTensor machinery against the
+same model's own arithmetic. Variants, interleaved round by round in one run:
+
+* ``local``: the per-rank work on plain tensors, hand-written Megatron style: the same model with
+  this rank's share of every projection, of the vocabulary and of the batch, and plain-tensor
+  stand-ins for the sequence-parallel collectives (see ``_megatron_rank``);
+* ``torch-dispatch``: vescale eager with PyTorch's own sharding search, miss path and optimiser on
+  DTensors (vescale.dispatch uninstalled): where the project stood before;
+* ``eager``: vescale eager mode with vescale.dispatch (cheap misses, shape-free cache, local
+  optimiser steps);
+* ``static``: ``parallelize(..., mode="static")``.
+
+Printed: steady step time (median and the 25-75% spread over rounds) and its ratio to ``local``;
+the first step of a fresh model with cold sharding caches; a step with a new sequence length
+against a repeated one. Run:
+
+    .venv/bin/python benchmarks/bench_dispatch.py [--rounds 7] [--configs tp8,dp2tp4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import math
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+
+import vescale
+from vescale import dispatch
+from vescale.testing import forget_dtensor_caches
+from vescale.zoo import LlamaConfig, LlamaForCausalLM, llama_plan, synthetic_batches
+
+CONFIGS = {  # name: (mesh shape, mesh names, sequence parallel, zero3)
+    "tp8": ((1, 8), ("DP", "TP"), True, False),
+    "dp2tp4": ((2, 4), ("DP", "TP"), True, True),
+    "dp2tp2": ((2, 2), ("DP", "TP"), True, True),
+}
+# The issue's model: hidden 256, 4 layers, 8 heads, vocab 512, batch 8, sequence 64.
+MODEL = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                    num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512)
+BATCH, SEQ = 8, 64
+
+
+def _megatron_rank(dp: int, tp: int, sp: bool) -> LlamaForCausalLM:
+    """The per-rank model of hand-written Megatron-style TP (+SP): the zoo model with every
+    projection resized to this rank's shard, and the collectives replaced by plain-tensor stand-ins
+    of the same shapes (a cat for all-gather, a narrow for reduce-scatter): the fake group would not
+    communicate anyway, so this is the rank's own arithmetic plus the data movement of its buffers."""
+    model = LlamaForCausalLM(MODEL)
+    H, I, V = MODEL.hidden_size, MODEL.intermediate_size, MODEL.vocab_size
+    nn = torch.nn
+    model.model.embed_tokens = nn.Embedding(V // tp, H)
+    model.lm_head = nn.Linear(H, V // tp, bias=False)
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        a.q_proj, a.k_proj, a.v_proj = (nn.Linear(H, H // tp, bias=False) for _ in range(3))
+        a.o_proj = nn.Linear(H // tp, H, bias=False)
+        m.gate_proj, m.up_proj = (nn.Linear(H, I // tp, bias=False) for _ in range(2))
+        m.down_proj = nn.Linear(I // tp, H, bias=False)
+        if sp and tp > 1:
+            for block in (a, m):
+                block.register_forward_pre_hook(lambda mod, args, kw: ((torch.cat([args[0] if args else kw.pop("hidden_states")] * tp, 1),) + tuple(args[1:]), kw), with_kwargs=True)
+                block.register_forward_hook(lambda mod, args, out: (out[0].narrow(1, 0, out[0].shape[1] // tp),) + tuple(out[1:]) if isinstance(out, tuple) else out.narrow(1, 0, out.shape[1] // tp))
+    if sp and tp > 1:
+        model.model.embed_tokens.register_forward_hook(lambda mod, args, out: out.narrow(1, 0, out.shape[1] // tp))
+        model.model.norm.register_forward_hook(lambda mod, args, out: torch.cat([out] * tp, 1))
+    return model
+
+
+class Runner:
+    """One variant: a model, its optimiser and a step function."""
+
+    def __init__(self, variant: str, mesh, dp: int, tp: int, sp: bool, zero3: bool):
+        torch.manual_seed(0)
+        self.variant, self.batch = variant, BATCH
+        if variant == "local":
+            self.model = _megatron_rank(dp, tp, sp)
+            self.batch = BATCH // dp
+            self.vocab = MODEL.vocab_size // tp  # ids of this rank's vocabulary shard (no masking)
+        else:
+            if variant == "torch-dispatch":
+                dispatch.uninstall()
+            self.model = LlamaForCausalLM(MODEL)
+            mode = "static" if variant == "static" else "eager"
+            vescale.parallelize(self.model, llama_plan(mesh, MODEL, sequence_parallel=sp, zero3=zero3), mesh, mode=mode)
+            if variant == "torch-dispatch":
+                dispatch.uninstall()  # parallelize installs them; this variant runs without
+            self.vocab = MODEL.vocab_size
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+
+    def step(self, seq: int = SEQ) -> float:
+        if self.variant == "torch-dispatch":
+            dispatch.uninstall()
+        else:
+            dispatch.install()
+        (x, y), = synthetic_batches(1, self.batch, seq, self.vocab, seed=seq)
+        t0 = time.perf_counter()
+        loss = self.model(input_ids=x, labels=y).loss
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        return time.perf_counter() - t0
+
+
+def _stats(xs: list[float]) -> tuple[float, float, float]:
+    q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
+    return statistics.median(xs), q[0], q[2]
+
+
+def _fresh_caches() -> None:
+    forget_dtensor_caches()
+    cache = dispatch.shape_free_cache()
+    if cache is not None:
+        cache.clear()
+
+
+def bench(config: str, rounds: int, variants: list[str]) -> None:
+    shape, names, sp, zero3 = CONFIGS[config]
+    dp, tp = shape
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=0, world_size=math.prod(shape))
+    mesh = vescale.init_mesh(shape, names)
+    vescale.manual_seed(0)
+    print(f"\n## {config}: mesh {dict(zip(names, shape))}, SP={sp}, ZeRO-3={zero3}; rank 0 of {math.prod(shape)} (fake group)")
+
+    first = {}
+    runners = {}
+    for v in variants:  # first step: fresh model, cold sharding caches
+        _fresh_caches()
+        runners[v] = Runner(v, mesh, dp, tp, sp, zero3)
+        first[v] = runners[v].step()
+    for v in variants:  # warm up (static: until recorded)
+        for _ in range(3):
+            runners[v].step()
+    steady = {v: [] for v in variants}
+    for _ in range(rounds):
+        for v in variants:
+            steady[v].append(runners[v].step())
+    fresh_len = {v: [] for v in variants}
+    for i in range(3):  # a new sequence length each time, then the same length again
+        seq = SEQ - 8 * (i + 1)
+        for v in variants:
+            new = runners[v].step(seq)
+            again = min(runners[v].step(seq) for _ in range(2))
+            fresh_len[v].append(new / again)
+
+    base = _stats(steady["local"])[0] if "local" in steady else None
+    print(f"{'variant':16s} {'steady ms (p25-p75)':>24s} {'x local':>8s} {'first step s':>13s} {'new length x':>13s}")
+    for v in variants:
+        med, lo, hi = _stats(steady[v])
+        ratio = f"{med / base:8.2f}" if base else "       -"
+        print(f"{v:16s} {med*1e3:9.1f} ({lo*1e3:6.1f}-{hi*1e3:6.1f}) {ratio} {first[v]:13.2f} "
+              f"{statistics.median(fresh_len[v]):13.2f}")
+    if "static" in runners:
+        rt = runners["static"].model._vescale_static
+        print(f"static: {rt.recorded_steps} recorded step(s), {rt.static_steps} static; eager modules: "
+              f"{sorted(set(rt.latest().unsafe) | rt.forced_eager)}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--configs", default="tp8,dp2tp4")
+    ap.add_argument("--variants", default="local,torch-dispatch,eager,static")
+    args = ap.parse_args()
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    torch.set_num_threads(1)
+    print(f"torch {torch.__version__}; 1 intra-op thread; {args.rounds} interleaved rounds")
+    for config in args.configs.split(","):
+        bench(config, args.rounds, args.variants.split(","))
+
+
+if __name__ == "__main__":
+    main()

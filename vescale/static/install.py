@@ -1,0 +1,73 @@
+"""Installing the Static Eager hooks on every module of a parallelised model.
+
+Order matters, because the plan's own hooks work on DTensors: on each module the runtime's
+``enter`` runs before every other pre-hook (local inputs become DTensors for the plan), ``inside``
+after them (a static module's body gets local inputs and parameters); on the way out ``leave`` runs
+before every other forward hook, ``handed_back`` after them, and ``restore`` last; it always runs,
+even when forward raised.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from ..plan import PlanIR, VescalePlan
+from ..plan.lower import runs_forward
+from .runtime import StaticRuntime, resolve_eager_paths
+
+__all__ = ["install_static", "static_runtime"]
+
+
+def static_runtime(model: nn.Module) -> StaticRuntime:
+    rt = getattr(model, "_vescale_static", None)
+    if rt is None:
+        raise ValueError("this model was not parallelized with mode='static'")
+    return rt
+
+
+def install_static(model: nn.Module, plan: VescalePlan, ir: PlanIR) -> list:
+    """Create the runtime (``model._vescale_static``) and install its hooks; returns the handles."""
+    hooks = ir.hooks()
+    planned_pre = {m for (m, h) in hooks if h == "forward_pre"}
+    planned_post = {m for (m, h) in hooks if h == "forward"}
+    # Tensors made by planned factories are DTensors: the module that makes them stays eager.
+    eager = resolve_eager_paths([s for s in plan.statements if s.kind == "eager"], model)
+    eager |= {m for (m, h) in hooks if h == "factory"}
+    rt = StaticRuntime(model, eager, planned_pre, planned_post)
+    model._vescale_static = rt
+    handles = []
+    for path, mod in model.named_modules():
+        if runs_forward(mod):
+            handles += _install_one(rt, mod, path)
+    return handles
+
+
+def _install_one(rt: StaticRuntime, mod: nn.Module, path: str) -> list:
+    is_root = path == ""
+
+    def enter(m, args, kwargs):
+        if is_root:
+            rt.begin_step(args, kwargs)
+        return rt.enter(m, path, args, kwargs)
+
+    def inside(m, args, kwargs):
+        return rt.inside(m, path, args, kwargs)
+
+    def leave(m, args, kwargs, output):
+        return rt.leave(m, path, output)
+
+    def restore(m, args, kwargs, output):
+        rt.restore(m, path)
+        if is_root:
+            rt.end_forward()
+
+    def handed_back(m, args, kwargs, output):
+        return rt.handed_back(m, path, output)
+
+    return [
+        mod.register_forward_pre_hook(enter, with_kwargs=True, prepend=True),
+        mod.register_forward_pre_hook(inside, with_kwargs=True),
+        mod.register_forward_hook(leave, with_kwargs=True, prepend=True),
+        mod.register_forward_hook(handed_back, with_kwargs=True),
+        mod.register_forward_hook(restore, with_kwargs=True, always_call=True),  # last: ends the module
+    ]

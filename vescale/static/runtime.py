@@ -1,0 +1,536 @@
+"""Static Eager runtime: modules run on plain local tensors; DTensors exist only at module boundaries.
+
+The paper's section 6.2. Eager DTensor pays sharding propagation and wrapping on every op, although
+the placements of almost every tensor are the same step after step. In static mode each module is
+either *static* (its own forward runs on the local shards, as plain PyTorch) or *eager* (it runs on
+DTensors). Tensors change representation only where a module boundary separates the two, or where
+the plan redistributes; there a hook turns the local tensor into a DTensor with the placements,
+global shape and gradient placements recorded for that exact spot, lets DTensor redistribute, and
+takes the local tensor again. Autograd follows: from_local / redistribute / to_local are
+differentiable, so backward communicates at the same spots and nowhere else.
+
+Where those recorded facts come from: the first training step with a given set of root input
+shapes runs fully eager and *records* (``RECORD``), for every module boundary, the DTensor spec of
+each tensor crossing it before and after the plan's hooks, the placements its gradient arrives in,
+and the placements of every parameter's gradient. A ``TorchDispatchMode`` watches every DTensor op of
+that step and asks DTensor's own sharding propagation whether the op would redistribute its inputs
+or draw random numbers; a module that runs such an op itself (not in a child) stays eager, and
+``plan.eager(path)`` keeps a module eager by hand. Ops whose size arguments DTensor rewrites to local
+sizes (view, reshape, expand, new_zeros, ...) are fine when the model derives sizes from its tensors;
+their local shapes are recorded and the first static step checks them. Once that step's backward
+has finished, later steps with the same input shapes run ``STATIC``; a new shape records again.
+
+Every static step computes what the eager step computes: the same local ops on the same local
+values, and the same DTensor operations at the same boundaries.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..plan.ir import PlanError
+
+__all__ = ["StaticRuntime", "State"]
+
+
+class State(enum.Enum):
+    RECORD = "record"  # this step runs eagerly and records
+    STATIC = "static"  # this step runs on local tensors
+
+
+@dataclass
+class Crossing:
+    """What one tensor position at a boundary held in the recording step."""
+
+    spec: object | None = None  # DTensorSpec, or None for a plain (global) tensor
+    grad_placements: tuple | None = None  # placements its gradient arrived in
+
+
+@dataclass
+class Record:
+    """Everything recorded for one set of root input shapes."""
+
+    crossings: dict = field(default_factory=dict)  # (module, where, index) -> Crossing
+    param_grads: dict = field(default_factory=dict)  # (module, name) -> grad placements
+    unsafe: dict = field(default_factory=dict)  # module path -> why its own ops need DTensor
+    shapes: dict = field(default_factory=dict)  # module path -> local output shapes of sized ops
+    random: dict = field(default_factory=dict)  # module path -> per random op, its args' specs
+    assumed_eager: frozenset = frozenset()  # modules this recording ran as if they were eager
+    complete: bool = False  # its backward has finished
+    checked: bool = False  # a static step has run (and checked its shapes) with it
+
+
+# ---------------------------------------------------------------------------------------------
+# Walking a module's inputs and outputs
+# ---------------------------------------------------------------------------------------------
+
+
+def _map_io(fn, args: tuple, kwargs: dict):
+    """Apply ``fn(index, tensor)`` to every tensor among args then kwargs, in call order."""
+    from ..parallel.hooks import _map_tensors
+
+    counter = iter(range(1 << 30))
+    new_args = _map_tensors(lambda t: fn(next(counter), t), list(args))
+    new_kwargs = {k: _map_tensors(lambda t: fn(next(counter), t), v) for k, v in kwargs.items()}
+    return tuple(new_args), new_kwargs
+
+
+def _map_out(fn, output):
+    from ..parallel.hooks import _map_tensors
+
+    counter = iter(range(1 << 30))
+    return _map_tensors(lambda t: fn(next(counter), t), output)
+
+
+# ---------------------------------------------------------------------------------------------
+# Which ops cannot run on local shards
+# ---------------------------------------------------------------------------------------------
+
+
+def _why_not_local(func, args, kwargs) -> str | None:
+    """None if DTensor would run ``func`` on the local shards as they are (size arguments aside,
+    see ``_SIZED``), else the reason."""
+    dispatcher = DTensor._op_dispatcher
+    if func in dispatcher._custom_op_handlers:
+        return f"{func} has a custom DTensor handler"
+    try:
+        info = dispatcher.unwrap_to_op_info(func, args, kwargs)
+        sharding = dispatcher.sharding_propagator.propagate_op_sharding(info.schema)
+    except Exception as e:  # DTensor itself will report it when the op runs
+        return f"{func} has no sharding decision ({type(e).__name__})"
+    if not sharding.needs_redistribute:
+        return None
+    moved = [
+        a.placements != b.placements
+        for a, b in zip(info.schema.args_schema, sharding.redistribute_schema.args_schema)
+        if hasattr(a, "placements")
+    ]
+    if sharding.use_val_from_redistribute_schema and not any(moved):
+        return None  # only size arguments are rewritten: checked in the first static step
+    return f"{func} needs its inputs redistributed"
+
+
+def _sized_ops() -> set:
+    """Ops whose size arguments DTensor rewrites from global to local sizes."""
+    prop = DTensor._op_dispatcher.sharding_propagator
+    return set(prop.op_to_shape_and_stride_idx) | {torch.ops.aten.reshape.default}
+
+
+def _local_shape(out):
+    if isinstance(out, DTensor):
+        return tuple(out._local_tensor.shape)
+    return tuple(out.shape) if isinstance(out, torch.Tensor) else None
+
+
+class _OpWatcher(TorchDispatchMode):
+    """Watches the ops of a module's own body (``stack[-1]`` names it; None while hooks run).
+
+    Recording: notes the first DTensor op that could not run on local shards, and the local output
+    shape of every op that takes sizes. Checking (the first static step of a record): the same
+    ops, run on local tensors, must give the same shapes; a model that passes a global size (a
+    head count from its config, say) where DTensor would have passed a local one fails here, with
+    the module and op named, instead of computing something else."""
+
+    def __init__(self, record: Record, stack: list, checking: bool):
+        super().__init__()
+        self.record, self.stack, self.checking = record, stack, checking
+        self.sized = _sized_ops()
+        self.seen: dict[str, int] = {}
+        self.nodes: dict = {}  # autograd node -> module whose forward made it
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        module = self.stack[-1] if self.stack else None
+        is_dtensor_op = any(issubclass(t, DTensor) for t in types)
+        if module is None:
+            if is_dtensor_op and not self.checking:
+                self._check_backward(func, args, kwargs)
+            return func(*args, **kwargs)
+        if not self.checking and is_dtensor_op and func in DTensor._op_dispatcher._random_ops:
+            # Drawn in static steps too, from the specs recorded here (see _RandomReplay).
+            specs = [_spec_of(a) for a in args if isinstance(a, torch.Tensor)]
+            self.record.random.setdefault(module, []).append(specs)
+        elif not self.checking and module not in self.record.unsafe and is_dtensor_op:
+            why = _why_not_local(func, args, kwargs)
+            if why:
+                self.record.unsafe[module] = why
+        out = func(*args, **kwargs)
+        if not self.checking and is_dtensor_op:
+            # Remember which module made each autograd node: its backward ops are that module's too.
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                    self.nodes[t.grad_fn] = module
+        if func in self.sized:
+            self._check_shape(module, func, out)
+        return out
+
+    def _check_backward(self, func, args, kwargs) -> None:
+        node = torch._C._current_autograd_node()
+        module = self.nodes.get(node) if node is not None else None
+        if module is not None and module not in self.record.unsafe:
+            why = _why_not_local(func, args, kwargs)
+            if why:
+                self.record.unsafe[module] = f"in backward, {why}"
+
+    def _check_shape(self, module: str, func, out) -> None:
+        shapes = self.record.shapes.setdefault(module, [])
+        if not self.checking:
+            shapes.append(_local_shape(out))
+            return
+        k = self.seen[module] = self.seen.get(module, 0) + 1
+        want = shapes[k - 1] if k <= len(shapes) else None
+        if want is not None and _local_shape(out) != want:
+            raise PlanError(
+                f"module {module!r}: {func} gives a local shape {_local_shape(out)} in Static Eager "
+                f"mode but {want} on DTensors: the module computes a size that sharding changes (a "
+                f"global size from its config, such as a head count, or a length read from a sharded "
+                f"tensor); keep it on DTensors with plan.eager({module!r})"
+            )
+
+
+class _RandomReplay(TorchDispatchMode):
+    """Active in static steps of a model whose static modules draw random numbers: the k-th random
+    op of a module's body gets its tensors back as the DTensors recorded for it (same placements and
+    global shape), so vescale.random draws exactly the single-device numbers for this shard; every
+    other op passes straight through."""
+
+    def __init__(self, record: Record, stack: list):
+        super().__init__()
+        self.record, self.stack = record, stack
+        self.random_ops = DTensor._op_dispatcher._random_ops
+        self.drawn: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        module = self.stack[-1] if self.stack else None
+        if func not in self.random_ops or module is None or any(issubclass(t, DTensor) for t in types):
+            return func(*args, **kwargs)
+        recorded = self.record.random.get(module, [])
+        k = self.drawn[module] = self.drawn.get(module, 0) + 1
+        if k > len(recorded):
+            raise PlanError(
+                f"module {module!r} drew more random numbers in a static step than when it was recorded; "
+                f"keep it on DTensors with plan.eager({module!r})"
+            )
+        specs = iter(recorded[k - 1])
+
+        def as_recorded(a):
+            spec = next(specs) if isinstance(a, torch.Tensor) else None
+            return DTensor(a, spec, requires_grad=False) if spec is not None else a
+
+        out = func(*[as_recorded(a) for a in args], **kwargs)
+        if isinstance(out, (tuple, list)):
+            return type(out)(o._local_tensor if isinstance(o, DTensor) else o for o in out)
+        return out._local_tensor if isinstance(out, DTensor) else out
+
+
+# ---------------------------------------------------------------------------------------------
+# The runtime
+# ---------------------------------------------------------------------------------------------
+
+
+def _spec_of(t) -> object | None:
+    return t._spec if isinstance(t, DTensor) else None
+
+
+def _wrap(t: torch.Tensor, c: Crossing | None):
+    """A local tensor standing for the DTensor recorded at this spot, as that DTensor."""
+    if c is None or c.spec is None or isinstance(t, DTensor):
+        return t
+    s = c.spec
+    # Default gradient layout (that of the forward value), as the recording step's _mirror had it.
+    return DTensor.from_local(t, s.mesh, s.placements, run_check=False, shape=s.shape, stride=s.stride)
+
+
+def _mirror(t):
+    """While recording: what static mode's wrap does to the gradient at this spot (DTensor's
+    default for from_local: laid out like the forward value), applied to an eager DTensor."""
+    if not isinstance(t, DTensor):
+        return t
+    return DTensor.from_local(t.to_local(), t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+
+
+def _unwrap(t: torch.Tensor, c: Crossing | None):
+    if not isinstance(t, DTensor):
+        return t
+    return t.to_local(grad_placements=c.grad_placements if c is not None else None)
+
+
+class StaticRuntime:
+    """Static Eager state of one parallelised model (``model._vescale_static``)."""
+
+    def __init__(self, model: nn.Module, eager_paths: set[str], planned_pre: set[str], planned_post: set[str]):
+        self.model = model
+        self.paths = {m: p for p, m in model.named_modules(remove_duplicate=False)}
+        self.parent = {p: p.rpartition(".")[0] if "." in p else ("" if p else None) for p in self.paths.values()}
+        self.forced_eager = set(eager_paths)
+        self.planned_pre, self.planned_post = planned_pre, planned_post
+        self.records: dict[tuple, Record] = {}
+        self.state: State | None = None
+        self.record: Record | None = None
+        self.stack: list[str] = []
+        self.watcher: _OpWatcher | None = None
+        self.replay: _RandomReplay | None = None
+        self.static_steps = self.recorded_steps = 0
+
+    # -- which representation each module uses in the current step ---------------------------
+
+    def is_static(self, path: str) -> bool:
+        """Whether ``path`` runs static in this step; while recording, whether the recording runs it
+        as if it will (the boundaries static mode converts at are mirrored, so that eager's backward
+        sees gradients laid out as static mode will hand them over)."""
+        if path in self.forced_eager or self.record is None:
+            return False
+        if self.state is State.RECORD:
+            return path not in self.record.assumed_eager
+        return path not in self.record.unsafe
+
+    def parent_static(self, path: str) -> bool:
+        parent = self.parent.get(path)
+        return parent is not None and self.is_static(parent)
+
+    # -- root ---------------------------------------------------------------------------------
+
+    def begin_step(self, args, kwargs) -> None:
+        """Root pre-hook: pick this step's state from the root inputs' shapes."""
+        key = tuple((tuple(t.shape), t.dtype) for t in _tensors(args, kwargs))
+        if self.watcher is not None:  # a recording forward that raised never closed its watcher
+            self._close_watcher()
+        self._close_replay()
+        rec = self.records.get(key)
+        if rec is not None and rec.complete and not set(rec.unsafe) <= rec.assumed_eager:
+            # It found modules that must be eager: record again, running those eagerly, until the
+            # set is stable (the boundaries, and so the gradients' layouts, depend on it).
+            rec = self.records[key] = self._new_record(key, frozenset(rec.assumed_eager | set(rec.unsafe)))
+            return
+        if rec is not None and rec.complete and torch.is_grad_enabled():
+            self.state, self.record = State.STATIC, rec
+            self.static_steps += 1
+            if rec.random:
+                self.replay = _RandomReplay(rec, self.stack)
+                self.replay.__enter__()
+            if not rec.checked:
+                rec.checked = True
+                self._open_watcher(checking=True)
+            return
+        self._new_record(key, frozenset())
+
+    def _new_record(self, key, assumed_eager: frozenset) -> Record:
+        self.state, self.record = State.RECORD, Record(assumed_eager=assumed_eager)
+        self.records[key] = self.record
+        self.recorded_steps += 1
+        self._open_watcher(checking=False)
+        return self.record
+
+    def _open_watcher(self, checking: bool) -> None:
+        self.watcher = _OpWatcher(self.record, self.stack, checking)
+        self.watcher.__enter__()
+
+    def end_forward(self) -> None:
+        """Root cleanup hook: the forward is over. A recording keeps watching through backward
+        (closed when backward finishes, or at the next step); a check is done."""
+        if self.watcher is not None and (self.state is State.STATIC or not torch.is_grad_enabled()):
+            self._close_watcher()
+        self._close_replay()
+
+    def _close_replay(self) -> None:
+        if self.replay is not None:
+            replay, self.replay = self.replay, None
+            if self.watcher is not None:  # modes leave in the reverse order of entering
+                self._close_watcher()
+            replay.__exit__(None, None, None)
+            self.stack.clear()
+
+    def _close_watcher(self) -> None:
+        watcher, self.watcher = self.watcher, None
+        watcher.__exit__(None, None, None)
+        self.stack.clear()
+
+    def _when_backward_done(self, record: Record) -> None:
+        def mark():
+            record.complete = True
+            if self.watcher is not None and self.watcher.record is record:
+                self._close_watcher()
+
+        torch.autograd.Variable._execution_engine.queue_callback(mark)
+
+    # -- per-module hooks ----------------------------------------------------------------------
+
+    def enter(self, mod, path: str, args, kwargs):
+        """Before the plan's pre-hook: local inputs become the DTensors they stand for, if the plan
+        redistributes them here or this module runs eagerly."""
+        if self._tracking():
+            self.stack.append(None)  # this module's hooks run now, not its body
+        wraps = self.parent_static(path) and (path in self.planned_pre or not self.is_static(path))
+        if self.state is State.RECORD:
+            rec = self.record
+
+            def note(i, t):
+                _note(rec, self.parent, (path, "in", i), t)
+                return _mirror(t) if wraps else t
+
+            return _map_io(note, args, kwargs)
+        if self.state is State.STATIC and wraps:
+            crossings = self.record.crossings
+            return _map_io(lambda i, t: _wrap(t, crossings.get((path, "in", i))), args, kwargs)
+        return None
+
+    def inside(self, mod, path: str, args, kwargs):
+        """After the plan's pre-hook: a static module gets local inputs and local parameters."""
+        if self.state is State.RECORD:
+            rec = self.record
+
+            def note(i, t):
+                c = _note(rec, self.parent, (path, "body", i), t)
+                if isinstance(t, DTensor) and t.requires_grad:
+                    # This module's own view: a tensor several modules consume (q/k/v projections
+                    # share their input) collects all their gradients, but a static module's
+                    # to_local sees its own share only.
+                    t = t.view_as(t)
+                    _on_grad(t, lambda g, c=c: setattr(c, "grad_placements", g))
+                return t
+
+            args, kwargs = _map_io(note, args, kwargs)
+            # The module uses a view of each parameter in this step, so the gradient's placements
+            # are seen as the module produces them: before vescale.comm reduces them on the leaf.
+            swapped = []
+            for name, p in list(mod._parameters.items()):
+                if isinstance(p, DTensor) and p.requires_grad and torch.is_grad_enabled():
+                    view = p.view_as(p)
+                    key = (path, name)
+                    _on_grad(view, lambda g, key=key: rec.param_grads.__setitem__(key, g))
+                    mod._parameters[name] = view
+                    swapped.append((name, p, view))
+            mod._vescale_swapped = swapped
+            self._body_starts(path)
+            return args, kwargs
+        if not self.is_static(path):
+            self._body_starts(path)
+            return None
+        crossings = self.record.crossings
+        args, kwargs = _map_io(lambda i, t: _unwrap(t, crossings.get((path, "body", i))), args, kwargs)
+        swapped = []
+        for name, p in mod._parameters.items():
+            if isinstance(p, DTensor):
+                local = p.to_local(grad_placements=self.record.param_grads.get((path, name)))
+                mod._parameters[name] = local
+                swapped.append((name, p, local))
+        for name, b in mod._buffers.items():
+            if isinstance(b, DTensor):  # planned buffers: their local shard, no gradient
+                mod._buffers[name] = b._local_tensor
+                swapped.append((name, b, b._local_tensor))
+        mod._vescale_swapped = swapped
+        self._body_starts(path)
+        return args, kwargs
+
+    def _body_starts(self, path: str) -> None:
+        if self._tracking() and self.stack:
+            self.stack[-1] = path
+
+    def _tracking(self) -> bool:
+        return self.watcher is not None or self.replay is not None
+
+    def restore(self, mod, path: str) -> None:
+        """Always called after forward: the module gets its own parameters back."""
+        for name, p, local in mod.__dict__.pop("_vescale_swapped", ()):
+            store = mod._parameters if name in mod._parameters else mod._buffers
+            if store.get(name) is local:
+                store[name] = p
+        if self._tracking() and self.stack:
+            self.stack.pop()
+
+    def leave(self, mod, path: str, output):
+        """Before the plan's post-hook: local outputs of a static module become DTensors if the plan
+        redistributes them here or the caller runs eagerly."""
+        if self._tracking() and self.stack:
+            self.stack[-1] = None  # the body is over
+        wraps = self.is_static(path) and (path in self.planned_post or not self.parent_static(path))
+        if self.state is State.RECORD:
+            rec = self.record
+
+            def note(i, t):
+                _note(rec, self.parent, (path, "out", i), t)
+                return _mirror(t) if wraps else t
+
+            return _map_out(note, output)
+        if self.state is State.STATIC and wraps:
+            crossings = self.record.crossings
+            return _map_out(lambda i, t: _wrap(t, crossings.get((path, "out", i))), output)
+        return None
+
+    def handed_back(self, mod, path: str, output):
+        """After the plan's post-hook: a static caller gets local tensors."""
+        if self.state is State.RECORD:
+            rec = self.record
+            is_root = path == ""
+
+            def note(i, t):
+                c = _note(rec, self.parent, (path, "result", i), t)
+                _on_grad(t, lambda g, c=c: setattr(c, "grad_placements", g))
+                if is_root and t.requires_grad and t.grad_fn is not None:
+                    # The step is recorded once its backward has run to the end.
+                    t.grad_fn.register_prehook(lambda grads: self._when_backward_done(rec) or None)
+                return t
+
+            _map_out(note, output)
+            return None
+        if self.state is State.STATIC and self.parent_static(path):
+            crossings = self.record.crossings
+            return _map_out(lambda i, t: _unwrap(t, crossings.get((path, "result", i))), output)
+        return None
+
+    # -- reporting -------------------------------------------------------------------------------
+
+    def latest(self) -> Record | None:
+        complete = [r for r in self.records.values() if r.complete]
+        return complete[-1] if complete else None
+
+
+def _tensors(args, kwargs) -> list[torch.Tensor]:
+    found = []
+    _map_io(lambda i, t: found.append(t) or t, args, kwargs)
+    return found
+
+
+def _note(rec: Record, parent: dict, key: tuple, t) -> Crossing:
+    """Record what crossed at ``key``. A module called more than once per step with differently
+    placed tensors at the same spot cannot be replayed from one record: it and its caller stay
+    eager (then its inputs arrive as DTensors and need no recorded spec)."""
+    spec = _spec_of(t)
+    c = rec.crossings.get(key)
+    if c is None:
+        c = rec.crossings[key] = Crossing(spec)
+    elif c.spec != spec:
+        path = key[0]
+        why = "called more than once per step with differently placed tensors"
+        rec.unsafe.setdefault(path, why)
+        if parent.get(path) is not None:
+            rec.unsafe.setdefault(parent[path], f"calls {path!r}, which is {why}")
+    return c
+
+
+def _on_grad(t, fn) -> None:
+    """Call ``fn(placements)`` when the DTensor ``t``'s gradient is computed (recording only)."""
+    if isinstance(t, DTensor) and t.requires_grad:
+        t.register_hook(lambda g: fn(tuple(g.placements)) if isinstance(g, DTensor) else None)
+
+
+def resolve_eager_paths(statements, model: nn.Module) -> set[str]:
+    """Module paths matched by ``plan.eager`` statements (each must match a module that runs)."""
+    from ..plan.lower import _closest, runs_forward
+
+    modules = {p: m for p, m in model.named_modules(remove_duplicate=False) if runs_forward(m)}
+    found: set[str] = set()
+    for st in statements:
+        hits = {p for p in modules if re.fullmatch(st.path, p)}
+        if not hits:
+            raise PlanError(f"{st}: matches no module that runs forward{_closest(st.path, modules)}")
+        found |= hits
+    return found
