@@ -10,6 +10,8 @@ with them is argued in docs/random.md and checked natively only by test_native_c
 Sizes are small: the interpreter runs one program instance (512 elements) at a time in numpy.
 """
 
+import re
+
 import pytest
 import torch
 import triton  # a test dependency (pyproject's `test` extra pins it)
@@ -22,7 +24,7 @@ from triton import knobs
 from triton.runtime.interpreter import InterpretedFunction
 
 from vescale.random import _native, _triton, philox
-from vescale.random.kernel import A100, H100_SXM, DeviceProfile
+from vescale.random.kernel import A100, H100_SXM, DeviceProfile, resolve_draw
 
 KERNELS = _triton.load(interpret=True)
 # The reference: the compiled C kernel where it builds, else the pure-PyTorch path (same bits, tested).
@@ -234,3 +236,41 @@ def test_blocks_of_tensors_split_for_32bit_indexing(kind, dtype, params):
     args = dict(seed=99, offset=4, profile=H100_SXM, index=[picks], **params)
     assert torch.equal(draw((numel,), kind, dtype, backend="triton", **args),
                        draw((numel,), kind, dtype, backend=REFERENCE, **args))
+
+
+# ---- what the GPU will execute: the PTX of every kernel variant, compiled here for an H100 ----
+
+# Every floating-point instruction must be one whose result IEEE 754 fixes: +, -, *, / with an explicit
+# round-to-nearest (.rn: ptxas never contracts or reorders those), exact moves, comparisons and selects,
+# correctly rounded conversions, exact widening, and truncation (applied to integral values only).
+ALLOWED_FLOAT_OPS = re.compile(
+    r"(add|sub|mul)\.rn\.f(32|64)|div\.rn\.f64|(neg|abs)\.f(32|64)|(setp\.[a-z]+|selp|mov|ld\.[a-z.]+|st\.[a-z.]+)"
+    r"\.(f32|f64|b32|b64)|cvt\.rn\.f(32|64)\.[suf](32|64)|cvt\.f64\.f32|cvt\.rzi\.s64\.f64"
+)
+PTX_VARIANTS = [
+    ("uniform", torch.float32, dict(low=-3.0, high=5.0)), ("uniform", torch.bfloat16, dict(low=0.0, high=1.0)),
+    ("uniform", torch.float64, dict(low=-3.0, high=5.0)), ("normal", torch.float16, dict(mean=1.0, std=2.0)),
+    ("normal", torch.float64, dict(mean=1.0, std=2.0)), ("bernoulli", torch.bool, dict(p=0.3)),
+    ("bernoulli", torch.float64, dict(p=torch.ones(1))), ("random", torch.float32, dict(low=0, high=2**40)),
+]
+
+
+def float_instructions(ptx: str) -> list[str]:
+    instructions = re.findall(r"^\s*(?:@!?%p\d+\s+)?([a-z][a-z0-9]*(?:\.[a-z0-9]+)*)", ptx, re.M)
+    return [op for op in instructions if re.search(r"\.(b?f16|f32|f64)\b", op) or op.startswith("fma")]
+
+
+@pytest.mark.parametrize("kind, dtype, params", PTX_VARIANTS)
+def test_gpu_code_uses_only_correctly_rounded_float_operations(kind, dtype, params):
+    ptx = _triton.compile_ptx(resolve_draw(kind, dtype, params), dtype, nlaunch=2)
+    found = float_instructions(ptx)
+    assert found, "no float instruction found: the PTX parser is broken"
+    assert [op for op in found if not ALLOWED_FLOAT_OPS.fullmatch(op)] == []
+
+
+def test_the_ptx_check_sees_contraction_when_fusion_is_on(monkeypatch):
+    """The check above can fail: with Triton's default FP fusion the same kernel has FMAs."""
+    monkeypatch.setattr(_triton, "COMPILE_OPTIONS", {"enable_fp_fusion": True})
+    found = float_instructions(_triton.compile_ptx(resolve_draw("normal", torch.float64, dict(mean=1.0, std=2.0)),
+                                                   torch.float64))
+    assert any(op.startswith("fma") for op in found)

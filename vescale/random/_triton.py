@@ -13,6 +13,7 @@ both and nothing depends on TRITON_INTERPRET being set before an import.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import math
@@ -60,8 +61,6 @@ def _is_identity(draw) -> bool:
 
 def fill(out, draw, seed: int, launches, global_shape, dim_indices, scans, prob) -> None:
     """Fill the contiguous ``out`` (CUDA: compiled; CPU: interpreted) as ``NativeKernel.fill`` does."""
-    from vescale.random._native import _DTYPE_CODES
-
     module = load(interpret=out.device.type != "cuda")
     device = out.device
     row_base, inner_off, run = _native.local_layout(global_shape, dim_indices, scans)
@@ -69,25 +68,54 @@ def fill(out, draw, seed: int, launches, global_shape, dim_indices, scans, prob)
     table = [launch.start for launch in launches] + [numel]
     table += [launch.threads for launch in launches] + [launch.counter for launch in launches]
     int_params = [seed & 0xFFFFFFFF, seed >> 32, _as_int64(draw.modulus), draw.base, inner_off.numel(), run, out.numel()]
-    if out.dtype in (torch.float16, torch.bfloat16):
-        target = out.view(torch.int16)  # the kernel rounds to half precision itself and stores the bits
-    elif out.dtype == torch.bool:
-        target = out.view(torch.uint8)
-    else:
-        target = out
+    target = out.view(_STORED_AS.get(out.dtype, out.dtype))
     grid = (triton_cdiv(out.numel(), BLOCK),)
-    module.fill_kernel[grid](
-        target,
-        target if prob is None else prob.to(device),
-        row_base.to(device),
-        inner_off.to(device),
-        torch.tensor(table, dtype=torch.int64, device=device),
-        torch.tensor(int_params, dtype=torch.int64, device=device),
-        torch.tensor([draw.a, draw.b, draw.c], dtype=torch.float64, device=device),
-        OP=draw.op, WIDE=draw.wide, UNROLL=draw.unroll, DTYPE=_DTYPE_CODES[out.dtype], NLAUNCH=len(launches),
-        IDENTITY=_is_identity(draw), BLOCK=BLOCK,
-        enable_fp_fusion=False,  # no contraction into FMAs: every product and sum rounds on its own
-    )
+    # Triton launches on the current CUDA device: make it out's
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        module.fill_kernel[grid](
+            target,
+            target if prob is None else prob.to(device),
+            row_base.to(device),
+            inner_off.to(device),
+            torch.tensor(table, dtype=torch.int64, device=device),
+            torch.tensor(int_params, dtype=torch.int64, device=device),
+            torch.tensor([draw.a, draw.b, draw.c], dtype=torch.float64, device=device),
+            **_constants(draw, out.dtype, len(launches)),
+            **COMPILE_OPTIONS,
+        )
+
+
+# The kernel rounds to half precision itself and stores the bits; bool is stored as bytes.
+_STORED_AS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.bool: torch.uint8}
+# No contraction of a product and a sum into an FMA (LLVM and ptxas --fmad=false): each rounds on its own.
+COMPILE_OPTIONS = {"enable_fp_fusion": False}
+
+
+def _constants(draw, dtype: torch.dtype, nlaunch: int) -> dict:
+    """The kernel's constexpr arguments: one compiled variant per (op, width, dtype, launch count)."""
+    return dict(OP=draw.op, WIDE=draw.wide, UNROLL=draw.unroll, DTYPE=_native._DTYPE_CODES[dtype], NLAUNCH=nlaunch,
+                IDENTITY=_is_identity(draw), BLOCK=BLOCK)
+
+
+def compile_ptx(draw, dtype: torch.dtype, nlaunch: int = 1, capability: int = 90) -> str:
+    """The PTX of the variant ``fill`` launches for ``draw`` on an sm_<capability> GPU, compiled with the same
+    options. Needs no GPU (Triton's compiler and the ptxas it ships run on any machine): it lets the test
+    suite check which floating-point instructions the GPU will execute."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    pointer = {torch.float32: "*fp32", torch.float64: "*fp64", torch.int16: "*i16", torch.uint8: "*u8",
+               torch.int8: "*i8", torch.int32: "*i32", torch.int64: "*i64"}
+    out_type = pointer[_STORED_AS.get(dtype, dtype)]
+    from vescale.random.kernel import OP_BERNOULLI_TENSOR
+
+    prob_type = ("*fp64" if dtype == torch.float64 else "*fp32") if draw.op == OP_BERNOULLI_TENSOR else out_type
+    constants = _constants(draw, dtype, nlaunch)
+    signature = {"out_ptr": out_type, "prob_ptr": prob_type, "row_base_ptr": "*i64", "inner_off_ptr": "*i64",
+                 "launch_ptr": "*i64", "int_ptr": "*i64", "float_ptr": "*fp64", **{k: "constexpr" for k in constants}}
+    source = ASTSource(fn=load(interpret=False).fill_kernel, signature=signature, constexprs=constants)
+    return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=COMPILE_OPTIONS).asm["ptx"]
 
 
 def _as_int64(value: int) -> int:
