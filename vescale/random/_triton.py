@@ -29,8 +29,12 @@ BLOCK = 512  # elements per program instance
 
 
 def available() -> bool:
-    """Whether triton can be imported (without importing it twice)."""
-    return importlib.util.find_spec("triton") is not None
+    """Whether a triton with the API this module uses (``triton.knobs``, Triton >= 3.4) can be imported."""
+    try:
+        from triton import knobs  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @functools.lru_cache(maxsize=2)

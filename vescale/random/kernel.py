@@ -30,8 +30,11 @@ Normal values cannot match: CUDA uses the approximate hardware __sincosf (float)
 log / sincospi (double); ours are deterministic float64 functions (see ``philox``), equal in C and in
 PyTorch; they agree with normals printed by CUDA in public PyTorch issues to the 4 printed decimals (tests).
 
-Two implementations give identical bits: a compiled C kernel (``_native``, used when it builds) and
-the pure-PyTorch path here (always available; ``backend="torch"`` forces it).
+Three implementations give identical bits: a compiled C kernel (``_native``, the CPU path, used when it
+builds), the pure-PyTorch path here (the reference, always available; ``backend="torch"`` forces it) and a
+Triton kernel (``_triton``, the CUDA path: CUDA tensors are drawn on their device; on CPU tensors it runs in
+Triton's interpreter, which is how the CPU-only test suite checks it). All three take the same description
+of a draw: the resolved ``Draw``, the seed, the ``Launch``es and the block's global indices.
 """
 
 from __future__ import annotations
