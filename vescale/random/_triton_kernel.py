@@ -14,6 +14,10 @@ rules, which make each operation's result fixed by IEEE 754 alone (docs/random.m
   code is an fp32 constant when it fits fp32, which would round coefficients to 24 bits;
 - nearbyint is the exact ``(x + 1.5 * 2**52) - 1.5 * 2**52`` (round half to even for 0 <= x < 2**51);
 - float32 -> float16 / bfloat16 is the C kernel's integer rounding (out is stored through an int16 view).
+
+Only builtins of triton.language are used, none of its ``@triton.jit`` helpers (``tl.zeros_like``,
+``tl.cdiv``, ...): Triton decorates those once, when it is imported, in that moment's mode, so calling them
+would tie this module to the process's TRITON_INTERPRET instead of to the mode it was loaded in.
 """
 
 from __future__ import annotations
