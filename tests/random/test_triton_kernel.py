@@ -192,9 +192,14 @@ EVERY_DTYPE = [
        torch.int16, torch.int32, torch.int64)],
     ("random", torch.int64, dict(low=-7, high=2**40)), ("random", torch.int32, dict(low=-(2**31), high=2**31 - 1)),
     ("random", torch.float64, dict(low=-(2**63), high=None)), ("random", torch.int16, dict(low=-100, high=None)),
+    # rounding edges: float16 subnormals and overflow to inf, bfloat16 near float32's limit, float32 subnormals
+    ("normal", torch.float16, dict(mean=0.0, std=1e-6)), ("normal", torch.float16, dict(mean=0.0, std=3e4)),
+    ("normal", torch.bfloat16, dict(mean=0.0, std=2e38)), ("normal", torch.float32, dict(mean=0.0, std=1e-40)),
+    ("uniform", torch.float16, dict(low=-1e-7, high=1e-7)), ("uniform", torch.bfloat16, dict(low=-1.6e38, high=1.6e38)),
 ]
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # numpy, rounding to inf on purpose
 @pytest.mark.parametrize("kind, dtype, params", EVERY_DTYPE)
 def test_every_dtype_equals_c_kernel(kind, dtype, params):
     shape, index = (9, 130), [[8, 0, 3, 3], list(range(2, 130, 3))]
