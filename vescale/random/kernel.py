@@ -30,14 +30,18 @@ Normal values cannot match: CUDA uses the approximate hardware __sincosf (float)
 log / sincospi (double); ours are deterministic float64 functions (see ``philox``), equal in C and in
 PyTorch; they agree with normals printed by CUDA in public PyTorch issues to the 4 printed decimals (tests).
 
-Two implementations give identical bits: a compiled C kernel (``_native``, used when it builds) and
-the pure-PyTorch path here (always available; ``backend="torch"`` forces it).
+Three implementations give identical bits: a compiled C kernel (``_native``, the CPU path, used when it
+builds), the pure-PyTorch path here (the reference, always available; ``backend="torch"`` forces it) and a
+Triton kernel (``_triton``, the CUDA path: CUDA tensors are drawn on their device; on CPU tensors it runs in
+Triton's interpreter, which is how the CPU-only test suite checks it). All three take the same description
+of a draw: the resolved ``Draw``, the seed, the ``Launch``es and the block's global indices.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -370,15 +374,18 @@ def offset_increment(kind: str, dtype: torch.dtype, numel: int, profile: DeviceP
 
 
 def _scan_index_torch(index: torch.Tensor):
+    from vescale.random._native import IndexScan  # a plain NamedTuple; importing _native builds nothing
+
     low, high = torch.aminmax(index)
-    return int(low), int(high), None
+    step_one = index.numel() == 1 or bool((index[1:] - index[:-1] == 1).all())
+    return IndexScan(int(low), int(high), step_one)
 
 
-def _check_generate_args(out, seed, offset, global_shape, dim_indices, scan_index):
+def _check_generate_args(out, seed, offset, global_shape, dim_indices, scan_index, devices=("cpu",)):
     """Validated (global_shape, dim_indices, per-dim index scans); ``scan_index`` reads an index tensor once
-    and returns (min, max, ...) (the compiled kernel's scan also says whether it is a step-1 range)."""
-    if not isinstance(out, torch.Tensor) or out.device.type != "cpu" or not out.is_contiguous():
-        raise ValueError("vescale.random kernel: out must be a contiguous CPU tensor")
+    and returns (min, max, whether it is a step-1 range)."""
+    if not isinstance(out, torch.Tensor) or out.device.type not in devices or not out.is_contiguous():
+        raise ValueError(f"vescale.random kernel: out must be a contiguous tensor on {' or '.join(devices)}")
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
         raise ValueError(f"vescale.random kernel: seed must be an int in [0, 2**64), got {seed!r}")
     if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < 2**62 or offset % 4:
@@ -423,7 +430,7 @@ def _probabilities(p: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"vescale.random kernel: bernoulli p has shape {tuple(p.shape)}, out has {tuple(out.shape)}")
     if not p.dtype.is_floating_point:
         raise ValueError(f"vescale.random kernel: bernoulli p must have a floating dtype, got {p.dtype}")
-    prob = p.detach().to(device="cpu", dtype=torch.float64 if out.dtype == torch.float64 else torch.float32)
+    prob = p.detach().to(device=out.device, dtype=torch.float64 if out.dtype == torch.float64 else torch.float32)
     prob = prob.contiguous()
     if prob.numel() and not bool(((prob >= 0) & (prob <= 1)).all()):
         raise ValueError("vescale.random kernel: bernoulli p values must lie in [0, 1]")
@@ -448,17 +455,30 @@ def generate(
     j = sum_d dim_indices[d][c_d] * global_stride[d] (C-contiguous global strides). Work is O(local
     elements); the global tensor is never built. ``params``: uniform ``low, high``; normal ``mean, std``;
     bernoulli ``p`` (float, or a tensor of out's shape); random ``low, high`` (ints, high exclusive;
-    both omitted: random_(); ``high=None``: up to the dtype's maximum). ``backend``: "auto" (compiled
-    kernel when available), "native" (compiled kernel, error if it cannot be built) or "torch"."""
-    if backend not in ("auto", "native", "torch"):
-        raise ValueError(f"vescale.random kernel: backend must be 'auto', 'native' or 'torch', got {backend!r}")
+    both omitted: random_(); ``high=None``: up to the dtype's maximum). ``backend``: "auto" (a CUDA ``out``:
+    the Triton kernel; a CPU one: the compiled C kernel when available, else the PyTorch path), "native"
+    (compiled C kernel, error if it cannot be built), "torch", or "triton" (the Triton kernel; on a CPU
+    ``out`` it runs in Triton's interpreter, which is how tests check it). All give the same bits."""
+    if backend not in BACKENDS:
+        raise ValueError(f"vescale.random kernel: backend must be one of {BACKENDS}, got {backend!r}")
+    on_cuda = isinstance(out, torch.Tensor) and out.device.type == "cuda"
+    if on_cuda and backend == "auto":
+        from vescale.random import _triton
+
+        if not _triton.available():
+            _warn_no_triton()
+            return _generate_on_cpu_and_copy(out, kind, seed, offset, global_shape, dim_indices, profile, params)
+        backend = "triton"
     native = None
-    if backend != "torch":
+    if backend in ("auto", "native") or (backend == "triton" and not on_cuda):
         from vescale.random import _native  # imported here: building it is a first-use cost, not an import one
 
         native = _native.load(required=backend == "native")
     scan_index = native.scan_index if native is not None else _scan_index_torch
-    global_shape, dim_indices, scans = _check_generate_args(out, seed, offset, global_shape, dim_indices, scan_index)
+    devices = ("cpu", "cuda") if backend == "triton" else ("cpu",)
+    global_shape, dim_indices, scans = _check_generate_args(
+        out, seed, offset, global_shape, dim_indices, scan_index, devices
+    )
     draw = resolve_draw(kind, out.dtype, params)
     prob = _probabilities(params["p"], out) if draw.op == OP_BERNOULLI_TENSOR else None
     if out.numel() == 0:
@@ -468,10 +488,36 @@ def generate(
         launches = [Launch(0, numel, 0, offset // 4)]  # threads unused: the mapping is j -> (j // 4, j % 4)
     else:
         launches = _launches(numel, out.element_size(), draw.unroll, offset, profile)[0]
-    if native is not None:
+    if backend == "triton":
+        from vescale.random import _triton
+
+        _triton.fill(out, draw, seed, launches, global_shape, dim_indices, scans, prob)
+    elif native is not None:
         native.fill(out, draw, seed, launches, global_shape, dim_indices, scans, prob)
     else:
         _fill_torch(out, draw, seed, launches, global_shape, dim_indices, prob)
+
+
+BACKENDS = ("auto", "native", "torch", "triton")
+
+
+@functools.lru_cache(maxsize=1)  # once per process
+def _warn_no_triton() -> None:
+    warnings.warn(
+        "vescale.random: triton is not installed, so random ops on CUDA tensors are drawn on the CPU and "
+        "copied to the GPU (same values, slower). Install triton to draw them on the GPU.",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+def _generate_on_cpu_and_copy(out, kind, seed, offset, global_shape, dim_indices, profile, params) -> None:
+    buffer = torch.empty(out.shape, dtype=out.dtype)
+    if isinstance(params.get("p"), torch.Tensor):
+        params = dict(params, p=params["p"].cpu())
+    generate(buffer, kind, seed=seed, offset=offset, global_shape=global_shape, dim_indices=dim_indices,
+             profile=profile, **params)
+    out.copy_(buffer)
 
 
 # ---- the pure-PyTorch path ---------------------------------------------------------------------------

@@ -284,8 +284,10 @@ def fill(
             return
         # The kernel's own tensor ops are plain arithmetic: no dispatch mode (ours included) may see them.
         with _disable_current_modes():
-            direct = out.device.type == "cpu" and out.is_contiguous()
-            buf = out if direct else torch.empty(out.shape, dtype=out.dtype)
+            # CUDA tensors are drawn on their device (the Triton kernel), everything else on the CPU
+            device = out.device if out.device.type == "cuda" else torch.device("cpu")
+            direct = out.device == device and out.is_contiguous()
+            buf = out if direct else torch.empty(out.shape, dtype=out.dtype, device=device)
             kernel.generate(
                 buf,
                 call.kind,
