@@ -6,11 +6,13 @@
 
 The public surface is small on purpose; everything else lives in one package per concept:
 ``plan`` (VescalePlan and its IR), ``parallel`` (parallelize), ``random`` (single-device-semantic
-distributed RNG), ``comm`` (gradient reduction), ``zoo`` (ready models and plans).
+distributed RNG), ``dispatch`` (fast eager DTensor dispatch), ``static`` (Static Eager mode),
+``comm`` (gradient reduction), ``zoo`` (ready models and plans).
 """
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from . import dispatch, static  # packages users reach as vescale.dispatch / vescale.static
 from .mesh import init_mesh
 from .parallel import explain, parallelize
 from .plan import INIT, RUN, PlanError, VescalePlan

@@ -1,0 +1,125 @@
+"""Static Eager mode refuses what it cannot replay, and says which module and what to write.
+
+A module that computes a size that sharding changes (here a global head count in a ``view``)
+computes something else on local shards without any error of its own: per-head softmax over 1
+element instead of 2. The first static step checks every size-taking op against the shapes the
+eager step recorded and raises, naming the module and the ``plan.eager`` line that fixes it; with
+that line the model trains exactly as in eager mode.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import vescale
+from vescale import PlanError, Replicate, Shard, VescalePlan
+from vescale.testing import run_on_ranks
+
+
+class GlobalHeads(nn.Module):
+    HEADS = 4  # the global head count, as a config would give it
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8, bias=False)
+        self.out = nn.Linear(8, 8, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        heads = self.proj(x).view(b, s, self.HEADS, -1).softmax(-1)  # wrong on local shards
+        return self.out(heads.reshape(b, s, -1))
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = GlobalHeads()
+
+    def forward(self, x):
+        return self.attn(x).pow(2).mean()
+
+
+def _plan(eager: bool) -> VescalePlan:
+    plan = VescalePlan()
+    plan.shard(r"attn\.proj\.weight", Shard(0), mesh="TP")
+    plan.shard(r"attn\.out\.weight", Shard(1), mesh="TP")
+    plan.shard(r"attn\.<in>", Replicate(), mesh="TP")
+    if eager:
+        plan.eager(r"attn")
+    return plan
+
+
+def _train(mode: str, eager: bool, steps: int = 4):
+    mesh = vescale.init_mesh((2,), ("TP",))
+    torch.manual_seed(0)
+    model = vescale.parallelize(Model(), _plan(eager), mesh, mode=mode)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for step in range(steps):
+        x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(step))
+        loss = model(x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.full_tensor().item())
+    return losses, model
+
+
+def _global_size_error():
+    try:
+        _train("static", eager=False)
+    except PlanError as e:
+        return str(e)
+    return None
+
+
+def _with_eager_line():
+    eager, _ = _train("eager", eager=False)
+    static, model = _train("static", eager=True)
+    rt = model._vescale_static
+    return eager, static, (rt.recorded_steps, rt.static_steps), vescale.static.export_plan(model)
+
+
+@pytest.mark.multiproc
+def test_a_global_size_fails_in_the_first_static_step_naming_module_and_fix():
+    message = run_on_ranks(_global_size_error, 2)[0]
+    assert message is not None, "static mode computed with a global head count on local shards"
+    assert "module 'attn'" in message and "plan.eager('attn')" in message, message
+
+
+@pytest.mark.multiproc
+def test_plan_eager_keeps_the_module_on_dtensors_and_trains_like_eager():
+    eager, static, steps, exported = run_on_ranks(_with_eager_line, 2)[0]
+    assert static == eager  # the same ops and collectives: equal to the last bit
+    assert steps[1] >= 2, f"no static step ran: {steps}"
+    assert "plan.eager('attn')  # plan.eager" in exported
+
+
+def test_bad_mode_and_bad_eager_path_are_refused(fake_world_2):
+    mesh = vescale.init_mesh((2,), ("TP",))
+    with pytest.raises(ValueError, match="mode must be 'eager' or 'static'"):
+        vescale.parallelize(Model(), _plan(False), mesh, mode="fast")
+    plan = _plan(False).eager(r"atn")
+    with pytest.raises(PlanError, match=r"plan.eager\('atn'\): matches no module that runs forward; closest real paths: attn"):
+        vescale.parallelize(Model(), plan, mesh, mode="static")
+    with pytest.raises(ValueError, match="not parallelized with mode='static'"):
+        vescale.static.export_plan(Model())
+    model = vescale.parallelize(Model(), _plan(False), mesh, mode="static")
+    with pytest.raises(ValueError, match="nothing recorded yet"):
+        vescale.static.export_plan(model)
+
+
+@pytest.fixture
+def fake_world_2():
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=0, world_size=2)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
