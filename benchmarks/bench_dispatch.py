@@ -7,6 +7,8 @@ same model's own arithmetic. Variants, interleaved round by round in one run:
 * ``local``: the per-rank work on plain tensors, hand-written Megatron style: the same model with
   this rank's share of every projection, of the vocabulary and of the batch, and plain-tensor
   stand-ins for the sequence-parallel collectives (see ``_megatron_rank``);
+* ``torch``: PyTorch's own stack used the TorchTitan way (``_torchtitan``): parallelize_module,
+  loss_parallel, fully_shard for ZeRO-3;
 * ``torch-dispatch``: vescale eager with PyTorch's own sharding search, miss path and optimiser on
   DTensors (vescale.dispatch uninstalled): where the project stood before;
 * ``eager``: vescale eager mode with vescale.dispatch (cheap misses, shape-free cache, local
@@ -23,7 +25,7 @@ against a repeated one. Run:
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import contextlib
 import logging
 import math
 import statistics
@@ -32,6 +34,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+from torch.distributed.tensor.parallel import loss_parallel
 
 import vescale
 from vescale import dispatch
@@ -75,13 +78,58 @@ def _megatron_rank(dp: int, tp: int, sp: bool) -> LlamaForCausalLM:
     return model
 
 
+def _torchtitan(model: LlamaForCausalLM, mesh, sp: bool, zero3: bool) -> None:
+    """PyTorch's own stack, used the way TorchTitan parallelises LLaMA: ``parallelize_module`` with
+    Colwise/Rowwise/SequenceParallel/PrepareModuleInput (attention and MLP bodies then run on local
+    tensors), ``loss_parallel`` around the step, and ``fully_shard`` per layer for ZeRO-3."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module,
+    )
+
+    tp = mesh["TP"]
+    between = Shard(1) if sp else Replicate()
+    parallelize_module(model, tp, {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
+        "model.norm": SequenceParallel() if sp else None,
+        "lm_head": ColwiseParallel(input_layouts=between, output_layouts=Shard(-1), use_local_output=False),
+    } if sp else {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
+        "lm_head": ColwiseParallel(input_layouts=between, output_layouts=Shard(-1), use_local_output=False),
+    })
+    for layer in model.model.layers:
+        plan = {
+            "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": between},
+                                            desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(output_layouts=between),
+            "mlp": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=between),
+        }
+        if sp:
+            plan.update({"input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel()})
+        parallelize_module(layer, tp, plan)
+    if zero3:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh["DP"]).set_force_sum_reduction_for_comms(True)
+        fully_shard(model, mesh=mesh["DP"]).set_force_sum_reduction_for_comms(True)
+
+
 class Runner:
     """One variant: a model, its optimiser and a step function."""
 
     def __init__(self, variant: str, mesh, dp: int, tp: int, sp: bool, zero3: bool):
         torch.manual_seed(0)
         self.variant, self.batch = variant, BATCH
-        if variant == "local":
+        if variant == "torch":
+            self.model = LlamaForCausalLM(MODEL)
+            _torchtitan(self.model, mesh, sp, zero3)
+            self.batch = BATCH // dp  # each DP rank loads its own part of the batch
+            self.vocab = MODEL.vocab_size
+        elif variant == "local":
             self.model = _megatron_rank(dp, tp, sp)
             self.batch = BATCH // dp
             self.vocab = MODEL.vocab_size // tp  # ids of this rank's vocabulary shard (no masking)
@@ -103,8 +151,9 @@ class Runner:
             dispatch.install()
         (x, y), = synthetic_batches(1, self.batch, seq, self.vocab, seed=seq)
         t0 = time.perf_counter()
-        loss = self.model(input_ids=x, labels=y).loss
-        loss.backward()
+        with loss_parallel() if self.variant == "torch" else contextlib.nullcontext():
+            loss = self.model(input_ids=x, labels=y).loss
+            loss.backward()
         self.opt.step()
         self.opt.zero_grad()
         return time.perf_counter() - t0
@@ -170,7 +219,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--configs", default="tp8,dp2tp4")
-    ap.add_argument("--variants", default="local,torch-dispatch,eager,static")
+    ap.add_argument("--variants", default="local,torch,torch-dispatch,eager,static")
     args = ap.parse_args()
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     torch.set_num_threads(1)

@@ -11,7 +11,8 @@ pre-hook hands the step each DTensor parameter's local tensor (the same storage,
 in the DTensor), its gradient's local tensor, and its state's local tensors; the post-hook puts the
 DTensor parameters back and keeps the state as DTensors laid out like their parameters, so
 ``optimizer.state_dict()``, DCP checkpoints and resharding see what they always saw. Optimisers that
-are not elementwise (Adafactor, LBFGS, anything unknown) keep running on DTensors, which is correct.
+are not elementwise (Adafactor, LBFGS, anything unknown), and steps whose gradients are not laid
+out like their parameters, keep running on DTensors, which is correct.
 """
 
 from __future__ import annotations
@@ -32,9 +33,19 @@ _HANDLES: list = []
 
 
 def _uses_local_step(opt: torch.optim.Optimizer) -> bool:
+    """Elementwise class, DTensor parameters, and every gradient laid out exactly like its
+    parameter: a Partial or differently sharded gradient (PyTorch's own TP leaves such gradients)
+    must go through DTensor, which redistributes it; its local values are not the update's input."""
     if type(opt) not in ELEMENTWISE_OPTIMIZERS:  # subclasses may add non-elementwise logic
         return False
-    return any(isinstance(p, DTensor) for g in opt.param_groups for p in g["params"])
+    params = [p for g in opt.param_groups for p in g["params"]]
+    if not any(isinstance(p, DTensor) for p in params):
+        return False
+    return all(
+        p.grad is None or (isinstance(p.grad, DTensor) and p.grad._spec == p._spec)
+        for p in params
+        if isinstance(p, DTensor)
+    )
 
 
 def _to_local(opt: torch.optim.Optimizer) -> None:

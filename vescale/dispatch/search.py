@@ -16,7 +16,10 @@ declines and the inputs match no rule as they are (tensor lists, foreach ops, ``
 inputs that need to move).
 
 Only the search changes. Any strategy it returns is a valid one of the op's own rules, so results
-are what DTensor computes; PyTorch's caches and C++ fast path for hits are untouched.
+are what DTensor computes; PyTorch's caches and C++ fast path for hits are untouched. In-place and
+``out=`` ops never take the priority-queue search, which does not know that their result must keep
+its tensor's placements: they take a match of the inputs as they are that does, or the full
+expansion (whose filter does).
 """
 
 from __future__ import annotations
@@ -74,6 +77,17 @@ def _zero_cost_match(mesh, strategy_schema: OpSchema, info, out_meta):
     return prepared.try_propagate(mesh, tuple(s.placements for s in specs), specs)
 
 
+def _keeps_placements(found: OpStrategy, strategy_schema: OpSchema) -> bool:
+    """An in-place op writes into its first argument, an out= op into ``out``: the result must be
+    laid out as that tensor already is."""
+    spec = found.strategies[0].output_spec
+    if strategy_schema.is_inplace_op():
+        target = strategy_schema.args_schema[0]
+    else:
+        target = next((v for k, v in strategy_schema.kwargs_schema.items() if isinstance(v, OpStrategy)), None)
+    return isinstance(target, OpStrategy) and spec.placements == target.strategies[0].output_spec.placements
+
+
 def _searched(info):
     """An op-strategy function: PyTorch's priority-queue search over ``info``, full expansion as fallback."""
 
@@ -82,9 +96,16 @@ def _searched(info):
         mesh = strategy_schema.get_mesh_from_args()
         # Already computed by the caller for this very schema: a hit in PyTorch's meta cache.
         out_meta = prop._propagate_tensor_meta(_specs_schema(strategy_schema))
-        found = _dijkstra_expand_single_dim_strategy_to_mesh(mesh, strategy_schema, info, out_meta)
-        if found is None:
+        if strategy_schema.is_inplace_op() or strategy_schema.is_out_variant_op():
+            # The priority-queue search ignores that an in-place (or out=) result must keep its
+            # tensor's placements (it turned `param.add_(partial_grad)` into a Partial param).
             found = _zero_cost_match(mesh, strategy_schema, info, out_meta)
+            if found is not None and not _keeps_placements(found, strategy_schema):
+                found = None
+        else:
+            found = _dijkstra_expand_single_dim_strategy_to_mesh(mesh, strategy_schema, info, out_meta)
+            if found is None:
+                found = _zero_cost_match(mesh, strategy_schema, info, out_meta)
         if found is not None:
             return found
         expand = _expand_single_dim_strategy_to_mesh(mesh, strategy_schema, info, out_meta)
