@@ -15,11 +15,13 @@ same model's own arithmetic. Variants, interleaved round by round in one run:
   optimiser steps);
 * ``static``: ``parallelize(..., mode="static")``.
 
-Printed: steady step time (median and the 25-75% spread over rounds) and its ratio to ``local``;
-the first step of a fresh model with cold sharding caches; a step with a new sequence length
-against a repeated one. Run:
+Printed: steady step time (median and the 25-75% spread over rounds) and its ratio to ``local``
+and to ``torch``; the first step of a fresh model with cold sharding caches; a step with a new
+sequence length against a repeated one (static mode records again for new shapes). ``--gloo``
+runs the same on real gloo ranks (one process each; ``local`` left out: its stand-in collectives
+do not communicate; 4 ranks oversubscribe 2 cores, so read ratios, not absolutes). Run:
 
-    .venv/bin/python benchmarks/bench_dispatch.py [--rounds 7] [--configs tp8,dp2tp4]
+    .venv/bin/python benchmarks/bench_dispatch.py [--rounds 7] [--configs tp8,dp2tp4] [--gloo tp2,dp2tp2]
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ CONFIGS = {  # name: (mesh shape, mesh names, sequence parallel, zero3)
     "tp8": ((1, 8), ("DP", "TP"), True, False),
     "dp2tp4": ((2, 4), ("DP", "TP"), True, True),
     "dp2tp2": ((2, 2), ("DP", "TP"), True, True),
+    "tp2": ((1, 2), ("DP", "TP"), True, False),
 }
 # The issue's model: hidden 256, 4 layers, 8 heads, vocab 512, batch 8, sequence 64.
 MODEL = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
@@ -171,18 +174,10 @@ def _fresh_caches() -> None:
         cache.clear()
 
 
-def bench(config: str, rounds: int, variants: list[str]) -> None:
-    shape, names, sp, zero3 = CONFIGS[config]
+def _measure(mesh, shape, sp, zero3, rounds, variants) -> dict:
+    """First step, steady steps (interleaved rounds) and new-length ratios of every variant."""
     dp, tp = shape
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", rank=0, world_size=math.prod(shape))
-    mesh = vescale.init_mesh(shape, names)
-    vescale.manual_seed(0)
-    print(f"\n## {config}: mesh {dict(zip(names, shape))}, SP={sp}, ZeRO-3={zero3}; rank 0 of {math.prod(shape)} (fake group)")
-
-    first = {}
-    runners = {}
+    first, runners = {}, {}
     for v in variants:  # first step: fresh model, cold sharding caches
         _fresh_caches()
         runners[v] = Runner(v, mesh, dp, tp, sp, zero3)
@@ -201,18 +196,57 @@ def bench(config: str, rounds: int, variants: list[str]) -> None:
             new = runners[v].step(seq)
             again = min(runners[v].step(seq) for _ in range(2))
             fresh_len[v].append(new / again)
-
-    base = _stats(steady["local"])[0] if "local" in steady else None
-    print(f"{'variant':16s} {'steady ms (p25-p75)':>24s} {'x local':>8s} {'first step s':>13s} {'new length x':>13s}")
-    for v in variants:
-        med, lo, hi = _stats(steady[v])
-        ratio = f"{med / base:8.2f}" if base else "       -"
-        print(f"{v:16s} {med*1e3:9.1f} ({lo*1e3:6.1f}-{hi*1e3:6.1f}) {ratio} {first[v]:13.2f} "
-              f"{statistics.median(fresh_len[v]):13.2f}")
+    eager_modules = None
     if "static" in runners:
         rt = runners["static"].model._vescale_static
-        print(f"static: {rt.recorded_steps} recorded step(s), {rt.static_steps} static; eager modules: "
-              f"{sorted(set(rt.latest().unsafe) | rt.forced_eager)}")
+        eager_modules = sorted(set(rt.latest().unsafe) | rt.forced_eager)
+    return {"first": first, "steady": steady, "fresh_len": fresh_len, "eager_modules": eager_modules}
+
+
+def _report(title: str, r: dict, base_name: str) -> None:
+    print(title)
+    base = _stats(r["steady"][base_name])[0] if base_name in r["steady"] else None
+    torch_med = _stats(r["steady"]["torch"])[0] if "torch" in r["steady"] and base_name != "torch" else None
+    print(f"{'variant':16s} {'steady ms (p25-p75)':>24s} {'x ' + base_name:>9s} {'x torch':>8s} {'first step s':>13s} {'new length x':>13s}")
+    for v, times in r["steady"].items():
+        med, lo, hi = _stats(times)
+        ratio = f"{med / base:9.2f}" if base else "        -"
+        vs_torch = f"{med / torch_med:8.2f}" if torch_med else "       -"
+        print(f"{v:16s} {med*1e3:9.1f} ({lo*1e3:6.1f}-{hi*1e3:6.1f}) {ratio} {vs_torch} {r['first'][v]:13.2f} "
+              f"{statistics.median(r['fresh_len'][v]):13.2f}")
+    if r["eager_modules"] is not None:
+        print(f"static: modules kept eager: {r['eager_modules']}")
+
+
+def bench(config: str, rounds: int, variants: list[str]) -> None:
+    shape, names, sp, zero3 = CONFIGS[config]
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=0, world_size=math.prod(shape))
+    mesh = vescale.init_mesh(shape, names)
+    vescale.manual_seed(0)
+    r = _measure(mesh, shape, sp, zero3, rounds, variants)
+    _report(f"\n## {config}: mesh {dict(zip(names, shape))}, SP={sp}, ZeRO-3={zero3}; rank 0 of "
+            f"{math.prod(shape)} (fake group)", r, "local")
+
+
+def _on_gloo_rank(config: str, rounds: int, variants: list[str]):
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    shape, names, sp, zero3 = CONFIGS[config]
+    mesh = vescale.init_mesh(shape, names)
+    vescale.manual_seed(0)
+    r = _measure(mesh, shape, sp, zero3, rounds, variants)
+    return r if dist.get_rank() == 0 else None
+
+
+def bench_gloo(config: str, rounds: int, variants: list[str]) -> None:
+    from vescale.testing import run_on_ranks
+
+    shape, names, sp, zero3 = CONFIGS[config]
+    variants = [v for v in variants if v != "local"]  # its stand-in collectives do not communicate
+    r = run_on_ranks(_on_gloo_rank, math.prod(shape), config, rounds, variants, timeout=1800)[0]
+    _report(f"\n## {config} on {math.prod(shape)} gloo ranks (processes): mesh {dict(zip(names, shape))}, "
+            f"SP={sp}, ZeRO-3={zero3}; rank 0's times", r, "torch")
 
 
 def main() -> None:
@@ -220,12 +254,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--configs", default="tp8,dp2tp4")
     ap.add_argument("--variants", default="local,torch,torch-dispatch,eager,static")
+    ap.add_argument("--gloo", default="", help="configs to run on real gloo ranks too, e.g. tp2,dp2tp2")
     args = ap.parse_args()
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}; 1 intra-op thread; {args.rounds} interleaved rounds")
-    for config in args.configs.split(","):
+    for config in filter(None, args.configs.split(",")):
         bench(config, args.rounds, args.variants.split(","))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    for config in filter(None, args.gloo.split(",")):
+        bench_gloo(config, args.rounds, args.variants.split(","))
 
 
 if __name__ == "__main__":
