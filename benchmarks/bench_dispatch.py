@@ -174,6 +174,83 @@ def _fresh_caches() -> None:
         cache.clear()
 
 
+def _op_cases(mesh):
+    """(name, local fn, DTensor fn factory over a size) for per-op overhead on a DP x TP mesh."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    def dt(*shape, placements):
+        return DTensor.from_local(torch.randn(*shape), mesh, placements, run_check=False)
+
+    def cases(n):  # n: a size that changes to force PyTorch's sharding-cache misses
+        x = dt(4, n, 64, placements=[Shard(0), Replicate()])
+        w = dt(64, 32, placements=[Replicate(), Shard(1)])
+        h = dt(4, n, 32, placements=[Shard(0), Shard(2)])
+        q = dt(4, 4, n, 16, placements=[Shard(0), Shard(1)])
+        return {
+            "mm (linear)": lambda: x @ w,
+            "add": lambda: h + h,
+            "view": lambda: h.view(8, n, 8, 8),  # global sizes (local shape x mesh)
+            "transpose": lambda: q.transpose(2, 3),
+            "bmm (attention)": lambda: q @ q.transpose(2, 3),
+        }
+
+    return cases
+
+
+def per_op(mesh, repeat: int = 200) -> None:
+    """Per-op time: plain local tensors of the local shape, DTensor hit, DTensor miss (new size)."""
+    from torch.distributed.tensor import DTensor
+
+    cases = _op_cases(mesh)
+    print(f"{'op':16s} {'local us':>9s} {'hit us':>8s} {'miss us, PyTorch':>17s} {'miss us, vescale':>17s}")
+    for name in cases(64):
+        timings = {}
+        for installed in (False, True):
+            _fresh_caches()
+            (dispatch.install if installed else dispatch.uninstall)()
+            misses = []
+            for n in range(8, 8 + 8 * 6, 8):  # a new sequence length per call: all misses
+                fn = cases(n)[name]
+                t0 = time.perf_counter()
+                fn()
+                misses.append(time.perf_counter() - t0)
+            timings[installed] = statistics.median(misses[1:])
+        fn = cases(64)[name]
+        fn()
+        hit = min(_timeit(fn, repeat) for _ in range(3))
+        out = fn()
+        local_fn = _local_twin(name, out)
+        local = min(_timeit(local_fn, repeat) for _ in range(3))
+        print(f"{name:16s} {local*1e6:9.1f} {hit*1e6:8.1f} {timings[False]*1e6:17.1f} {timings[True]*1e6:17.1f}")
+    dispatch.install()
+
+
+def _timeit(fn, repeat: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    return (time.perf_counter() - t0) / repeat
+
+
+def _local_twin(name: str, out):
+    """The same op on plain tensors with this rank's local shapes."""
+    shape = out._local_tensor.shape
+    if name == "mm (linear)":
+        a, b = torch.randn(*shape[:-1], 64), torch.randn(64, shape[-1])
+        return lambda: a @ b
+    if name == "add":
+        a = torch.randn(shape)
+        return lambda: a + a
+    if name == "view":
+        a = torch.randn(shape[0], shape[1], shape[2] * shape[3])
+        return lambda: a.view(shape)
+    if name == "transpose":
+        a = torch.randn(shape[0], shape[1], shape[3], shape[2])
+        return lambda: a.transpose(2, 3)
+    a = torch.randn(shape[0], shape[1], shape[2], 16)
+    return lambda: a @ a.transpose(2, 3)
+
+
 def _measure(mesh, shape, sp, zero3, rounds, variants) -> dict:
     """First step, steady steps (interleaved rounds) and new-length ratios of every variant."""
     dp, tp = shape
@@ -255,10 +332,16 @@ def main() -> None:
     ap.add_argument("--configs", default="tp8,dp2tp4")
     ap.add_argument("--variants", default="local,torch,torch-dispatch,eager,static")
     ap.add_argument("--gloo", default="", help="configs to run on real gloo ranks too, e.g. tp2,dp2tp2")
+    ap.add_argument("--ops", action="store_true", help="per-op overhead on a DP=2 x TP=2 mesh first")
     args = ap.parse_args()
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}; 1 intra-op thread; {args.rounds} interleaved rounds")
+    if args.ops:
+        dist.init_process_group("fake", rank=0, world_size=4)
+        print("\n## per-op time on a DP=2 x TP=2 mesh (fake group), microseconds")
+        per_op(vescale.init_mesh((2, 2), ("DP", "TP")))
+        dist.destroy_process_group()
     for config in filter(None, args.configs.split(",")):
         bench(config, args.rounds, args.variants.split(","))
     if dist.is_initialized():
