@@ -11,6 +11,7 @@ distributed RNG), ``comm`` (gradient reduction), ``zoo`` (ready models and plans
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from .comm.grad import no_grad_sync
 from .mesh import init_mesh
 from .parallel import explain, parallelize
 from .plan import INIT, RUN, PlanError, VescalePlan
@@ -24,6 +25,6 @@ def manual_seed(seed: int) -> None:
 
 
 __all__ = [
-    "init_mesh", "VescalePlan", "parallelize", "explain", "manual_seed",
+    "init_mesh", "VescalePlan", "parallelize", "explain", "manual_seed", "no_grad_sync",
     "Shard", "Replicate", "Partial", "INIT", "RUN", "PlanError",
 ]

@@ -14,7 +14,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from .. import random as vescale_random
-from ..comm.grad import attach_grad_reduction
+from ..comm.grad import DEFAULT_BUCKET_MB, GradReducer, attach_grad_reduction
+from ..comm.groups import prepare_groups
 from ..dispatch import install_semantic_handlers
 from ..plan import PlanIR, VescalePlan, lower
 from .hooks import enable_implicit_replication, install_module_hooks, root_hooks
@@ -93,7 +94,14 @@ def _distribute_tensors(model: nn.Module, ir: PlanIR, mesh: DeviceMesh) -> None:
                 mod._buffers[name] = place(b, mesh, placements[(mpath, name)], f"{mpath}.{name}")
 
 
-def parallelize(model: nn.Module, plan: VescalePlan, mesh: DeviceMesh) -> nn.Module:
+def parallelize(
+    model: nn.Module,
+    plan: VescalePlan,
+    mesh: DeviceMesh,
+    *,
+    bucket_mb: float | None = DEFAULT_BUCKET_MB,
+    fuse_dims: bool = True,
+) -> nn.Module:
     """Parallelise ``model`` in place according to ``plan`` on ``mesh`` and return it.
 
     After this call, parameters are DTensor parameters (use ``model.parameters()`` with any stock
@@ -101,6 +109,13 @@ def parallelize(model: nn.Module, plan: VescalePlan, mesh: DeviceMesh) -> nn.Mod
     forward meet DTensors as Replicate (or as ``plan.factory`` says), and gradients arrive reduced to
     their parameters' placements. Plain tensors are taken as global tensors from here on in this
     thread (DTensor implicit replication), so a loss computed outside the model works unchanged.
+
+    Gradient communication (``vescale.comm``): gradients are reduced in buckets of ``bucket_mb``
+    MiB, one collective per bucket, overlapped with backward and finished when ``backward()``
+    returns; a gradient Partial on several mesh dims is reduced once over their flattened sub-mesh
+    (``fuse_dims=False``: one dim at a time). ZeRO-3 gathers take one collective per parameter and
+    their gradients are reduce-scattered in the same buckets. ``bucket_mb=None``: DTensor's
+    per-tensor redistribution of each gradient and gather (the reference path).
     """
     if getattr(model, "_vescale_ir", None) is not None:
         raise RuntimeError("this model is already parallelized; build a fresh model to apply another plan")
@@ -108,6 +123,10 @@ def parallelize(model: nn.Module, plan: VescalePlan, mesh: DeviceMesh) -> nn.Mod
     _check_same_weights(model, mesh)
     _distribute_tensors(model, ir, mesh)
 
+    reducer = None
+    if bucket_mb is not None:
+        prepare_groups(mesh)  # collective: every rank makes the flattened groups, in one order
+        reducer = GradReducer(mesh, bucket_mb, fuse_dims)
     enable_implicit_replication()
     # Random ops on the model's DTensors draw single-device numbers (and refuse to run, with a
     # message, until vescale.manual_seed is called) instead of the same numbers on every rank.
@@ -119,10 +138,11 @@ def parallelize(model: nn.Module, plan: VescalePlan, mesh: DeviceMesh) -> nn.Mod
     for (mpath, hook), entries in ir.hooks().items():
         per_module.setdefault(mpath, {})[hook] = entries
     for mpath, hook_entries in per_module.items():
-        handles += install_module_hooks(modules[mpath], mpath, hook_entries, mesh)
-    handles += attach_grad_reduction(model.parameters())
+        handles += install_module_hooks(modules[mpath], mpath, hook_entries, mesh, reducer)
+    handles += attach_grad_reduction(model.parameters(), reducer)
 
     model._vescale_ir = ir
     model._vescale_mesh = mesh
     model._vescale_handles = handles
+    model._vescale_reducer = reducer
     return model

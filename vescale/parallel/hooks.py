@@ -28,6 +28,8 @@ from torch.overrides import TorchFunctionMode
 
 from ..plan.ir import Entry, PlanError
 from ..plan.lower import forward_arg_names
+from ..comm.gather import gather
+from ..comm.layout import NOTHING
 from .placing import place
 
 __all__ = ["install_module_hooks", "GatheredParam"]
@@ -39,11 +41,25 @@ __all__ = ["install_module_hooks", "GatheredParam"]
 
 
 class GatheredParam:
-    """A parameter gathered to its RUN placements for one forward call of its module."""
+    """A parameter gathered to its RUN placements for one forward call of its module.
 
-    def __init__(self, param: DTensor, mesh: DeviceMesh, run_placements):
+    ``value`` is the gathered DTensor the module runs with. Without a reducer it is
+    ``param.redistribute(RUN)``, autograd-tracked (its backward reduce-scatters per tensor). With a
+    reducer (bucketed mode) it is a leaf gathered by one collective over the (flattened) group of the
+    mesh dims involved (``vescale.comm.gather``); its gradient is handed to the reducer, which
+    reduce-scatters whole buckets into ``param.grad`` at the end of backward.
+    """
+
+    def __init__(self, param: DTensor, mesh: DeviceMesh, run_placements, reducer=None):
         self.param, self.mesh, self.run_placements = param, mesh, tuple(run_placements)
-        self.value: DTensor = param.redistribute(mesh, self.run_placements)
+        self.reducer = reducer
+        if reducer is None:
+            self.value: DTensor = param.redistribute(mesh, self.run_placements)
+        else:
+            self.value = gather(param, mesh, self.run_placements, reducer.stats)
+            if param.requires_grad:
+                self.value.requires_grad_(True)
+                self.value.register_post_accumulate_grad_hook(self._grad_ready)
         storage = self.value._local_tensor.untyped_storage()
         self.nbytes = storage.nbytes()
         # A gather over mesh dims of size 1 is a no-op that returns the parameter's own storage:
@@ -63,7 +79,10 @@ class GatheredParam:
         if self.resident:
             return
         with torch.no_grad():
-            fresh = self.param.redistribute(self.mesh, self.run_placements)._local_tensor
+            if self.reducer is None:
+                fresh = self.param.redistribute(self.mesh, self.run_placements)._local_tensor
+            else:
+                fresh = gather(self.param, self.mesh, self.run_placements, self.reducer.stats)._local_tensor
         local = self.value._local_tensor
         local.untyped_storage().resize_(self.nbytes)
         # A new tensor over the same storage has its own version counter, so this copy does not
@@ -72,9 +91,22 @@ class GatheredParam:
         view.set_(local.untyped_storage(), local.storage_offset(), local.size(), local.stride())
         view.copy_(fresh)
 
+    def _grad_ready(self, value: DTensor) -> None:
+        """Bucketed mode: the gathered copy's gradient goes to the reducer; the copy is freed."""
+        grad, value.grad = value.grad, None
+        plan = self.reducer.plan(self.param, grad)
+        if plan is None:  # no bucketed form: DTensor reduces this one on its own
+            grad, plan = grad.redistribute(self.param.device_mesh, self.param.placements), NOTHING
+        self.reducer.add(self.param, grad, plan)
+        self.free()
+        gathered = getattr(self.param, "_vescale_gathered", [])
+        if self in gathered:
+            gathered.remove(self)
+
 
 def _free_after_grad(param: nn.Parameter) -> None:
-    """Once the parameter's gradient is accumulated, its gathered copies are no longer needed."""
+    """Per-tensor mode: once the parameter's gradient is accumulated, its gathered copies are no
+    longer needed."""
     if getattr(param, "_vescale_free_hook", False):
         return
 
@@ -83,7 +115,6 @@ def _free_after_grad(param: nn.Parameter) -> None:
             g.free()
         p._vescale_gathered.clear()
 
-    param._vescale_gathered = []
     param.register_post_accumulate_grad_hook(hook)
     param._vescale_free_hook = True
 
@@ -199,8 +230,9 @@ def _register_once_on_grads(output, fn: Callable[[], None]) -> None:
         t.register_hook(hook)
 
 
-def install_module_hooks(module: nn.Module, path: str, hook_entries: dict[str, list[Entry]], mesh: DeviceMesh) -> list:
-    """Install the fused hooks of one module; returns the handles."""
+def install_module_hooks(module: nn.Module, path: str, hook_entries: dict[str, list[Entry]], mesh: DeviceMesh, reducer=None) -> list:
+    """Install the fused hooks of one module; returns the handles. ``reducer``: the model's
+    ``GradReducer`` (bucketed ZeRO-3 gathers and gradients), or None for the per-tensor path."""
     gathers = [e for e in hook_entries.get("forward_pre", []) if e.action == "gather"]
     inputs = [e for e in hook_entries.get("forward_pre", []) if e.action == "redist"]
     outputs = hook_entries.get("forward", [])
@@ -213,7 +245,7 @@ def install_module_hooks(module: nn.Module, path: str, hook_entries: dict[str, l
         live.clear()  # left over only if the previous forward raised
         for e in gathers:
             store = mod._parameters if e.tensor in mod._parameters else mod._buffers
-            g = GatheredParam(store[e.tensor], mesh, e.targets)
+            g = GatheredParam(store[e.tensor], mesh, e.targets, reducer)
             store[e.tensor] = g.value  # the forward sees the gathered tensor
             live.append(g)
         if factory:
@@ -239,7 +271,10 @@ def install_module_hooks(module: nn.Module, path: str, hook_entries: dict[str, l
         live.clear()
         if gathered and torch.is_grad_enabled() and any(g.value.requires_grad for g in gathered):
             for g in gathered:
-                _free_after_grad(g.param)
+                if not hasattr(g.param, "_vescale_gathered"):
+                    g.param._vescale_gathered = []
+                if reducer is None:
+                    _free_after_grad(g.param)
                 g.param._vescale_gathered.append(g)
                 g.free()
             _register_once_on_grads(output, lambda: [g.refill() for g in gathered])
