@@ -48,6 +48,7 @@ def _run(shape, names, plan_kw, bucket_mb, fuse=True, backwards=1, no_sync=0):
                   for n, p in model.named_parameters(remove_duplicate=False)},
         "comms": comm.total,
         "ours": dict(reducer.stats) if reducer else {},
+        "prefetched": dict(model._vescale_gathers.stats) if reducer else {},
     }
 
 
@@ -128,9 +129,13 @@ def test_sp_and_zero3_on_two_ranks():
         _check_same(r[(BIG, True, 1, 0)], ref, "ZeRO-3")
         _check_same(r[(BIG, True, 2, 0)], r[(None, True, 2, 0)], "ZeRO-3, two backwards")
         _check_single_device(ref)
-        # 9 ZeRO-3 weights: 9 gathers in forward, 9 again in backward, one reduce-scatter for all;
-        # the tied in/out weight is plain DP: one all-reduce.
-        assert r[(BIG, True, 1, 0)]["ours"] == {"all_gather": 18, "reduce_scatter": 1, "all_reduce": 1}
+        # 9 ZeRO-3 weights in 3 blocks: one gather per block in forward and again in backward, one
+        # reduce-scatter for all; the tied in/out weight is plain DP: one all-reduce.
+        assert r[(BIG, True, 1, 0)]["ours"] == {"all_gather": 6, "reduce_scatter": 1, "all_reduce": 1}
+        # Backward prefetches the next block (reverse forward order) at once; forward from the
+        # second step on, once it knows the order.
+        assert r[(BIG, True, 1, 0)]["prefetched"] == {"backward_prefetched": 2}
+        assert r[(BIG, True, 2, 0)]["prefetched"] == {"backward_prefetched": 4, "forward_prefetched": 2}
 
 
 @pytest.mark.multiproc
@@ -150,7 +155,8 @@ def test_dp_x_tp_x_sp_fused_and_zero3_on_four_ranks():
         ref = r[(None, True, 1, 0)]
         _check_same(r[(BIG, True, 1, 0)], ref, "DPxTP+SP+ZeRO-3")
         _check_single_device(ref)
-        # One gather per weight and pass (the column-parallel ones over DP x TP at once), two
-        # reduce-scatter buckets (over DP x TP; over DP for the row-parallel weights), one all-reduce.
-        assert r[(BIG, True, 1, 0)]["ours"] == {"all_gather": 18, "reduce_scatter": 2, "all_reduce": 1}
+        # One gather per block and pass over DP x TP (column-parallel weights are sharded on both),
+        # two reduce-scatter buckets (over DP x TP; over DP for the row-parallel weights), one
+        # all-reduce (the tied weight, Partial on DP and TP, fused).
+        assert r[(BIG, True, 1, 0)]["ours"] == {"all_gather": 6, "reduce_scatter": 2, "all_reduce": 1}
         assert r[(BIG, True, 1, 0)]["comms"] < ref["comms"]

@@ -30,7 +30,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-__all__ = ["Transfer", "NOTHING", "reduce_plan", "gather_plan", "pack_rows", "unpack_row", "unpack_gather"]
+__all__ = [
+    "Transfer", "NOTHING", "reduce_plan", "gather_plan", "pack_rows", "unpack_row", "pack_gather", "unpack_gather",
+]
 
 Block = tuple[tuple[int, ...], tuple[int, ...]]  # (shape, global offset)
 
@@ -89,9 +91,11 @@ def _grow(dims: set[int], src, dst) -> set[int]:
     return dims | {j for j, p in enumerate(src) if isinstance(p, Shard) and p.dim in tensor_dims}
 
 
-def _plan(kind, shape, mesh_shape, coord, src, dst) -> Transfer | None:
+def _plan(kind, shape, mesh_shape, coord, src, dst, forced=None) -> Transfer | None:
     changed = {i for i in range(len(src)) if src[i] != dst[i]}
-    for dims in (changed, _grow(changed, src, dst)):
+    if forced is not None and not changed <= set(forced):
+        return None
+    for dims in ((set(forced),) if forced is not None else (changed, _grow(changed, src, dst))):
         dims_t = tuple(sorted(dims))
         base_pl = [Replicate() if i in dims else src[i] for i in range(len(src))]
         base = _block(shape, mesh_shape, coord, base_pl)
@@ -133,7 +137,7 @@ def _reduce_plan(shape, mesh_shape, coord, src, dst) -> Transfer | None:
 
 
 @functools.lru_cache(maxsize=4096)
-def _gather_plan(shape, mesh_shape, coord, src, dst) -> Transfer | None:
+def _gather_plan(shape, mesh_shape, coord, src, dst, dims) -> Transfer | None:
     if src == dst:
         return NOTHING
     if not all(type(p) in (Shard, Replicate) for p in (*src, *dst)):
@@ -141,7 +145,7 @@ def _gather_plan(shape, mesh_shape, coord, src, dst) -> Transfer | None:
     changed = [i for i in range(len(src)) if src[i] != dst[i]]
     if not all(isinstance(src[i], Shard) for i in changed):
         return None  # Replicate -> Shard is a local slice: DTensor does it without communication
-    return _plan("all_gather", shape, mesh_shape, coord, src, dst)
+    return _plan("all_gather", shape, mesh_shape, coord, src, dst, dims)
 
 
 def reduce_plan(shape, mesh: DeviceMesh, src, dst) -> Transfer | None:
@@ -149,9 +153,10 @@ def reduce_plan(shape, mesh: DeviceMesh, src, dst) -> Transfer | None:
     return _reduce_plan(tuple(shape), tuple(mesh.shape), tuple(mesh.get_coordinate()), tuple(src), tuple(dst))
 
 
-def gather_plan(shape, mesh: DeviceMesh, src, dst) -> Transfer | None:
-    """How to gather a parameter from ``src`` (at rest) to ``dst`` (to run)."""
-    return _gather_plan(tuple(shape), tuple(mesh.shape), tuple(mesh.get_coordinate()), tuple(src), tuple(dst))
+def gather_plan(shape, mesh: DeviceMesh, src, dst, dims: tuple[int, ...] | None = None) -> Transfer | None:
+    """How to gather a parameter from ``src`` (at rest) to ``dst`` (to run); ``dims`` forces the
+    group (a superset of the dims that change), so that several parameters share one collective."""
+    return _gather_plan(tuple(shape), tuple(mesh.shape), tuple(mesh.get_coordinate()), tuple(src), tuple(dst), dims)
 
 
 def _slices(block: Block, base: Block):

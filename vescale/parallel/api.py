@@ -19,6 +19,7 @@ from ..comm.groups import prepare_groups
 from ..dispatch import install_semantic_handlers
 from ..plan import PlanIR, VescalePlan, lower
 from .hooks import enable_implicit_replication, install_module_hooks, root_hooks
+from .zero import GatherScheduler
 from .placing import place
 
 __all__ = ["parallelize", "explain"]
@@ -101,6 +102,7 @@ def parallelize(
     *,
     bucket_mb: float | None = DEFAULT_BUCKET_MB,
     fuse_dims: bool = True,
+    prefetch: bool = True,
 ) -> nn.Module:
     """Parallelise ``model`` in place according to ``plan`` on ``mesh`` and return it.
 
@@ -113,8 +115,9 @@ def parallelize(
     Gradient communication (``vescale.comm``): gradients are reduced in buckets of ``bucket_mb``
     MiB, one collective per bucket, overlapped with backward and finished when ``backward()``
     returns; a gradient Partial on several mesh dims is reduced once over their flattened sub-mesh
-    (``fuse_dims=False``: one dim at a time). ZeRO-3 gathers take one collective per parameter and
-    their gradients are reduce-scattered in the same buckets. ``bucket_mb=None``: DTensor's
+    (``fuse_dims=False``: one dim at a time). ZeRO-3 gathers one unit (a block of a ModuleList, or
+    everything outside such lists) with one collective, prefetching the next unit in forward and in
+    backward (``prefetch=False``: no prefetch); their gradients are reduce-scattered in the buckets. ``bucket_mb=None``: DTensor's
     per-tensor redistribution of each gradient and gather (the reference path).
     """
     if getattr(model, "_vescale_ir", None) is not None:
@@ -123,26 +126,28 @@ def parallelize(
     _check_same_weights(model, mesh)
     _distribute_tensors(model, ir, mesh)
 
-    reducer = None
+    reducer = scheduler = None
     if bucket_mb is not None:
         prepare_groups(mesh)  # collective: every rank makes the flattened groups, in one order
         reducer = GradReducer(mesh, bucket_mb, fuse_dims)
+        scheduler = GatherScheduler(mesh, reducer, prefetch)
     enable_implicit_replication()
     # Random ops on the model's DTensors draw single-device numbers (and refuse to run, with a
     # message, until vescale.manual_seed is called) instead of the same numbers on every rank.
     vescale_random.install()
     install_semantic_handlers()  # loss.item() of a Partial loss is the global loss
-    handles = root_hooks(model)
+    handles = root_hooks(model, scheduler)
     modules = dict(model.named_modules(remove_duplicate=False))
     per_module: dict[str, dict[str, list]] = {}
     for (mpath, hook), entries in ir.hooks().items():
         per_module.setdefault(mpath, {})[hook] = entries
     for mpath, hook_entries in per_module.items():
-        handles += install_module_hooks(modules[mpath], mpath, hook_entries, mesh, reducer)
+        handles += install_module_hooks(modules[mpath], mpath, hook_entries, mesh, scheduler)
     handles += attach_grad_reduction(model.parameters(), reducer)
 
     model._vescale_ir = ir
     model._vescale_mesh = mesh
     model._vescale_handles = handles
     model._vescale_reducer = reducer
+    model._vescale_gathers = scheduler
     return model
