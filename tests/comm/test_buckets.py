@@ -124,10 +124,13 @@ def test_sp_and_zero3_on_two_ranks():
         # Partial on TP: the 3 norms and the tied in/out weight, one all-reduce for all four.
         assert r[(BIG, True, 1, 0)]["ours"] == {"all_reduce": 1}
         assert r[(TINY, True, 1, 0)]["ours"] == {"all_reduce": 4}
-    for r in run_on_ranks(_all_ways, 2, (2,), ("DP",), dict(dp=True, zero3=True), cases + [(BIG, True, 2, 0), (None, True, 2, 0)]):
+    more = [(BIG, True, 2, 0), (None, True, 2, 0), (BIG, True, 1, 1)]
+    for r in run_on_ranks(_all_ways, 2, (2,), ("DP",), dict(dp=True, zero3=True), cases + more):
         ref = r[(None, True, 1, 0)]
         _check_same(r[(BIG, True, 1, 0)], ref, "ZeRO-3")
         _check_same(r[(BIG, True, 2, 0)], r[(None, True, 2, 0)], "ZeRO-3, two backwards")
+        _check_same(r[(BIG, True, 1, 1)], r[(None, True, 2, 0)], "ZeRO-3, no_grad_sync")
+        assert r[(BIG, True, 1, 1)]["ours"]["reduce_scatter"] == 1  # the micro-step reduced nothing
         _check_single_device(ref)
         # 9 ZeRO-3 weights in 3 blocks: one gather per block in forward and again in backward, one
         # reduce-scatter for all; the tied in/out weight is plain DP: one all-reduce.
