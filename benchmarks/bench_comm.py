@@ -173,24 +173,30 @@ def _report_parts12(out, alpha_beta, shape, title):
     print(f"\n{title}: {n_grads} gradients reduced per step, {total / 1024:.1f} KiB")
     head = f"{'mode':>15} {'coll/step':>10} {'grad coll':>10} {'step ms':>9} {'x per-tensor':>13} {'ring model: coll':>17} {'bytes (2SB)':>12}"
     if alpha_beta:
-        head += f" {'pred. ms':>9} {'pred. x':>8}"
+        head += f" {'pred. ms':>9} {'pred. x':>8} {'pred. step x':>13}"
     print(head)
     preds = {}
     for name in MODES:
         r = out[name]
         n, moved = _ring_cost(records, shape, fused=name == "bucketed+fused", per_tensor=name == "per-tensor")
-        # Per-tensor: DTensor reduces each gradient one Partial mesh dim at a time.
-        grad_coll = r["grad_coll"] if r["grad_coll"] is not None else sum(len(d) for d, _ in records)
+        # Per-tensor: the step's collectives less the others (the same in every mode, measured in
+        # the fused run as its total less its reducer's own count).
+        fused = out["bucketed+fused"]
+        grad_coll = r["grad_coll"] if r["grad_coll"] is not None else r["collectives"] - (fused["collectives"] - fused["grad_coll"])
         line = (f"{name:>15} {r['collectives']:>10} {grad_coll:>10.0f} {r['time'] * 1e3:>9.1f} "
                 f"{r['time'] / base['time']:>13.3f} {n:>17} {moved / (2 * total):>12.3f}")
         if alpha_beta:
             alpha, beta = alpha_beta
             preds[name] = n * alpha + moved * beta
-            line += f" {preds[name] * 1e3:>9.2f} {preds[name] / preds['per-tensor']:>8.3f}"
+            # The rest of the step (compute, SP collectives) taken from the per-tensor run.
+            rest = base["time"] - preds["per-tensor"]
+            line += (f" {preds[name] * 1e3:>9.2f} {preds[name] / preds['per-tensor']:>8.3f}"
+                     f" {(rest + preds[name]) / base['time']:>13.3f}")
         print(line)
     if alpha_beta:
         print(f"  (alpha = {alpha_beta[0] * 1e6:.0f} us per all-reduce, beta = {alpha_beta[1] * 1e9:.2f} ns per byte, "
-              "measured on these ranks; the prediction covers gradient reduction only)")
+              "measured on these ranks; pred. ms/x: gradient reduction alone; pred. step x: the per-tensor step with its "
+              "predicted reduction time replaced by this mode's)")
 
 
 def _fake_rank0(shape, width, depth, tokens, steps):
@@ -271,7 +277,7 @@ def _llama_steps(kind: str, steps: int):
         opt.zero_grad()
         times.append(time.perf_counter() - start)
         counts.append(dict(c.counts))
-        losses.append(loss.full_tensor().item() if hasattr(loss, "full_tensor") else loss.item())
+        losses.append((loss.full_tensor().item() if hasattr(loss, "full_tensor") else loss.item()) / scale)
     return dict(time=statistics.median(times[2:]), counts=counts[-1], loss=losses[0])
 
 
@@ -285,7 +291,7 @@ def part3(steps: int):
         print(f"{name:>22} {sum(c.values()):>10} {str(kinds):>42} {r['time'] * 1e3:>9.1f} {r['time'] / rows['titan']['time']:>8.3f}")
     losses = ", ".join(f"{k} {r['loss']:.6f}" for k, r in rows.items())
     print(f"  (first-step losses: {losses}; "
-          "the TorchTitan-style loss is one DP rank's half of the batch)")
+          "the TorchTitan-style loss is rank 0's half of the batch)")
 
 
 def main():

@@ -31,7 +31,7 @@ def gather(param: DTensor, mesh: DeviceMesh, placements, stats: collections.Coun
             return param.detach().redistribute(mesh, placements)
         row = pack_gather(param._local_tensor, plan)
         out = row.new_empty(len(plan.members) * plan.row)
-        dist.all_gather_into_tensor(out, row, group=group_of(mesh, plan.dims))
+        dist.all_gather_single(out, row, group=group_of(mesh, plan.dims))
         if stats is not None:
             stats["all_gather"] += 1
         local = unpack_gather(out, plan)
@@ -61,7 +61,7 @@ class GroupGather:
             rows = torch.cat([pack_gather(items[i][0]._local_tensor.detach(), t) for i, t in self.plans.items()])
             self.width = rows.numel()
             self.out = rows.new_empty(len(next(iter(self.plans.values())).members) * self.width)
-            self.work = dist.all_gather_into_tensor(self.out, rows, group=group_of(mesh, dims), async_op=True)
+            self.work = dist.all_gather_single(self.out, rows, group=group_of(mesh, dims), async_op=True)
             if stats is not None:
                 stats["all_gather"] += 1
 
