@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 
 import torch
@@ -91,24 +92,40 @@ def _grow(dims: set[int], src, dst) -> set[int]:
     return dims | {j for j, p in enumerate(src) if isinstance(p, Shard) and p.dim in tensor_dims}
 
 
-def _plan(kind, shape, mesh_shape, coord, src, dst, forced=None) -> Transfer | None:
+def _fits(kind, shape, mesh_shape, coord, src, dst, dims) -> Transfer | None:
+    """The transfer for this coordinate over group ``dims``, if every block it needs is inside the
+    group's base block."""
+    base_pl = [Replicate() if i in dims else src[i] for i in range(len(src))]
+    base = _block(shape, mesh_shape, coord, base_pl)
+    coords = _member_coords(coord, mesh_shape, dims)
+    own = _block(shape, mesh_shape, coord, src)
+    out = _block(shape, mesh_shape, coord, dst)
+    members = tuple(_block(shape, mesh_shape, c, dst if kind == "reduce_scatter" else src) for c in coords)
+    if not (all(_inside(m, base) for m in members) and _inside(out, base) and _inside(own, base)):
+        return None
+    row = max(math.prod(m[0]) for m in members)
+    contributes = all(coord[i] == 0 for i in dims if isinstance(src[i], Replicate))
+    return Transfer(kind, dims, base, own, out, members, row, contributes, _even(base, members))
+
+
+@functools.lru_cache(maxsize=4096)
+def _group_dims(kind, shape, mesh_shape, src, dst, forced) -> tuple[int, ...] | None:
+    """The group of the collective: the same on every rank (checked at every coordinate), or a
+    rank could pick another collective than its peers."""
     changed = {i for i in range(len(src)) if src[i] != dst[i]}
     if forced is not None and not changed <= set(forced):
         return None
+    coords = list(itertools.product(*(range(n) for n in mesh_shape)))
     for dims in ((set(forced),) if forced is not None else (changed, _grow(changed, src, dst))):
         dims_t = tuple(sorted(dims))
-        base_pl = [Replicate() if i in dims else src[i] for i in range(len(src))]
-        base = _block(shape, mesh_shape, coord, base_pl)
-        coords = _member_coords(coord, mesh_shape, dims_t)
-        own = _block(shape, mesh_shape, coord, src)
-        out = _block(shape, mesh_shape, coord, dst)
-        members = tuple(_block(shape, mesh_shape, c, dst if kind == "reduce_scatter" else src) for c in coords)
-        if all(_inside(m, base) for m in members) and _inside(out, base) and _inside(own, base):
-            row = max(math.prod(m[0]) for m in members)
-            contributes = all(coord[i] == 0 for i in dims_t if isinstance(src[i], Replicate))
-            even = _even(base, members)
-            return Transfer(kind, dims_t, base, own, out, members, row, contributes, even)
+        if all(_fits(kind, shape, mesh_shape, c, src, dst, dims_t) is not None for c in coords):
+            return dims_t
     return None
+
+
+def _plan(kind, shape, mesh_shape, coord, src, dst, forced=None) -> Transfer | None:
+    dims = _group_dims(kind, shape, mesh_shape, src, dst, forced)
+    return None if dims is None else _fits(kind, shape, mesh_shape, coord, src, dst, dims)
 
 
 def _even(base: Block, members) -> bool:
