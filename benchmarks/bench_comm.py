@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import multiprocessing as mp
 import statistics
 import time
 
@@ -35,7 +36,7 @@ from torch.distributed.tensor import Replicate, Shard
 import vescale
 from vescale import VescalePlan
 from vescale.debug import CollectiveCounter
-from vescale.testing import forget_dtensor_caches, run_on_ranks
+from vescale.testing import run_on_ranks
 
 MODES = {
     "per-tensor": dict(bucket_mb=None),
@@ -130,39 +131,69 @@ def _alpha_beta(group=None, repeat: int = 20) -> tuple[float, float]:
     return alpha, beta
 
 
-def _train_steps(model, x, steps: int):
-    times, counts = [], []
-    for _ in range(steps):
-        start = time.perf_counter()
-        with CollectiveCounter() as c:
-            model(x).backward()
-        times.append(time.perf_counter() - start)
-        counts.append(c.total)
-        for p in model.parameters():
-            p.grad = None
-    return times, counts
+def _one_step(model, x) -> tuple[float, int]:
+    start = time.perf_counter()
+    with CollectiveCounter() as c:
+        model(x).backward()
+    elapsed = time.perf_counter() - start
+    for p in model.parameters():
+        p.grad = None
+    return elapsed, c.total
 
 
-def _part12(shape, width, depth, tokens, steps, fake: bool):
+def _mode_steps(name, shape, width, depth, tokens, steps, fake: bool):
+    """One mode on fresh processes: modes must not share one, because the flattened sub-meshes that
+    bucketed+fused registers on the mesh are also used by DTensor's own redistribution, which
+    would make the per-tensor baseline partly fused."""
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     mesh = vescale.init_mesh(shape, ("DP", "TP"))
     x = torch.randn(tokens, width, generator=torch.Generator().manual_seed(0))
-    alpha_beta = None if fake else _alpha_beta()
-    out = {}
-    for name, kw in MODES.items():
-        torch.manual_seed(0)
-        model = vescale.parallelize(ManySmall(width, depth), _plan(), mesh, **kw)
-        records = []
-        if model._vescale_reducer is not None:
-            records = _grad_records(model)
-        _train_steps(model, x, 2)  # warm-up: sharding propagation caches
-        n_records = len(records)
-        times, counts = _train_steps(model, x, steps)
-        # Gradient-reduction collectives per step: the reducer's own count (warm-up included).
-        grad_coll = sum(model._vescale_reducer.stats.values()) / (steps + 2) if model._vescale_reducer else None
-        out[name] = dict(time=statistics.median(times), collectives=counts[-1],
-                         records=records[:n_records // 2] if records else None, grad_coll=grad_coll)
-    return out, alpha_beta
+    torch.manual_seed(0)
+    model = vescale.parallelize(ManySmall(width, depth), _plan(), mesh, **MODES[name])
+    reducer = model._vescale_reducer
+    records = _grad_records(model) if reducer is not None else None
+    _one_step(model, x)  # warm-up: sharding propagation caches
+    if reducer is not None:
+        records = list(records)  # one backward's gradients
+        reducer.stats.clear()
+    times, counts = zip(*(_one_step(model, x) for _ in range(steps)))
+    return dict(times=list(times), collectives=counts[-1], records=records,
+                grad_coll=sum(reducer.stats.values()) / steps if reducer else None,
+                alpha_beta=None if fake or name != "per-tensor" else _alpha_beta())
+
+
+def _fake_child(name, shape, width, depth, tokens, steps, conn):
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers the "fake" backend
+
+    dist.init_process_group("fake", rank=0, world_size=shape[0] * shape[1])
+    conn.send(_mode_steps(name, shape, width, depth, tokens, steps, True))
+    dist.destroy_process_group()
+
+
+def _fake_mode(*args):
+    """``_mode_steps`` as rank 0 of a fake process group, in a forked process of its own."""
+    ctx = mp.get_context("fork")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_fake_child, args=(*args, child))
+    proc.start()
+    out = parent.recv()
+    proc.join()
+    return out
+
+
+def _part12(shape, width, depth, tokens, steps, fake: bool, rounds: int = 2):
+    out: dict[str, dict] = {}
+    for _ in range(rounds):  # the modes take turns, so that load changes touch each alike
+        for name in MODES:
+            args = (name, shape, width, depth, tokens, steps)
+            r = _fake_mode(*args) if fake else run_on_ranks(_mode_steps, 4, *args, False)[0]
+            if name in out:
+                out[name]["times"] += r["times"]
+            else:
+                out[name] = r
+    for r in out.values():
+        r["time"] = statistics.median(r["times"])
+    return out, out["per-tensor"]["alpha_beta"]
 
 
 def _report_parts12(out, alpha_beta, shape, title):
@@ -197,18 +228,6 @@ def _report_parts12(out, alpha_beta, shape, title):
         print(f"  (alpha = {alpha_beta[0] * 1e6:.0f} us per all-reduce, beta = {alpha_beta[1] * 1e9:.2f} ns per byte, "
               "measured on these ranks; pred. ms/x: gradient reduction alone; pred. step x: the per-tensor step with its "
               "predicted reduction time replaced by this mode's)")
-
-
-def _fake_rank0(shape, width, depth, tokens, steps):
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers the "fake" backend
-
-    world = shape[0] * shape[1]
-    dist.init_process_group("fake", rank=0, world_size=world)
-    try:
-        return _part12(shape, width, depth, tokens, steps, fake=True)
-    finally:
-        dist.destroy_process_group()
-        forget_dtensor_caches()  # entries made while simulating rank 0 of 64 must not leak
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,7 +267,12 @@ def _titan_style(model, mesh):
     return model
 
 
+STACKS = ("titan", "vescale per-tensor", "vescale bucketed")
+
+
 def _llama_steps(kind: str, steps: int):
+    """One stack on fresh ranks (stacks do not share a process: vescale's thread-local DTensor
+    settings would change how the plain-PyTorch stack runs)."""
     from vescale.zoo import llama_plan, synthetic_batches, tiny_llama
 
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
@@ -263,8 +287,8 @@ def _llama_steps(kind: str, steps: int):
         batches = [(x.chunk(dp)[dp_rank], y.chunk(dp)[dp_rank]) for x, y in batches]
         scale = 1.0 / dp
     else:
-        vescale.parallelize(model, llama_plan(mesh, model.config, sequence_parallel=True, zero3=True), mesh,
-                            **(dict(bucket_mb=None) if kind == "vescale per-tensor" else {}))
+        plan = llama_plan(mesh, model.config, sequence_parallel=True, zero3=True)
+        vescale.parallelize(model, plan, mesh, **(dict(bucket_mb=None) if kind == "vescale per-tensor" else {}))
         scale = 1.0
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     times, counts, losses = [], [], []
@@ -278,35 +302,42 @@ def _llama_steps(kind: str, steps: int):
         times.append(time.perf_counter() - start)
         counts.append(dict(c.counts))
         losses.append((loss.full_tensor().item() if hasattr(loss, "full_tensor") else loss.item()) / scale)
-    return dict(time=statistics.median(times[2:]), counts=counts[-1], loss=losses[0])
+    return dict(times=times[2:], counts=counts[-1], loss=losses[0])  # after 2 warm-up steps
 
 
-def part3(steps: int):
+def part3(steps: int, rounds: int = 2):
     print("\nPart 3: zoo LLaMA (4 layers), DP=2 x TP=2 + SP + ZeRO-3 (FSDP2), 4 gloo ranks, AdamW steps")
     print(f"{'stack':>22} {'coll/step':>10} {'(all-gather, reduce-scatter, all-reduce)':>42} {'step ms':>9} {'x titan':>8}")
-    rows = {k: run_on_ranks(_llama_steps, 4, k, steps)[0] for k in ("titan", "vescale per-tensor", "vescale bucketed")}
+    rows: dict[str, dict] = {}
+    for _ in range(rounds):  # the stacks take turns, so that load changes touch each alike
+        for kind in STACKS:
+            r = run_on_ranks(_llama_steps, 4, kind, steps)[0]
+            rows.setdefault(kind, dict(r, times=[]))["times"] += r["times"]
+    for name, r in rows.items():
+        r["time"] = statistics.median(r["times"])
     for name, r in rows.items():
         c = r["counts"]
         kinds = (c.get("all_gather", 0), c.get("reduce_scatter", 0), c.get("all_reduce", 0))
         print(f"{name:>22} {sum(c.values()):>10} {str(kinds):>42} {r['time'] * 1e3:>9.1f} {r['time'] / rows['titan']['time']:>8.3f}")
     losses = ", ".join(f"{k} {r['loss']:.6f}" for k, r in rows.items())
-    print(f"  (first-step losses: {losses}; "
+    print(f"  (median of {rounds} x {steps} steps per stack; first-step losses: {losses}; "
           "the TorchTitan-style loss is rank 0's half of the batch)")
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--part", type=int, choices=(1, 2, 3))
-    ap.add_argument("--depth", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--depth", type=int, default=64, help="blocks of the part 1 model")
+    ap.add_argument("--fake-depth", type=int, default=32, help="blocks of the part 2 model")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per run (each run twice)")
     args = ap.parse_args()
     width, tokens = 64, 256
     if args.part in (None, 1):
-        out, ab = run_on_ranks(_part12, 4, (2, 2), width, args.depth, tokens, args.steps, False)[0]
+        out, ab = _part12((2, 2), width, args.depth, tokens, args.steps, fake=False)
         _report_parts12(out, ab, (2, 2), f"Part 1: {args.depth} blocks (width {width}), 4 gloo ranks DP=2 x TP=2 + SP")
     if args.part in (None, 2):
-        out, _ = _fake_rank0((8, 8), width, args.depth, tokens, args.steps)
-        _report_parts12(out, None, (8, 8), f"Part 2: {args.depth} blocks (width {width}), fake process group, DP=8 x TP=8 + SP")
+        out, _ = _part12((8, 8), width, args.fake_depth, tokens, args.steps, fake=True)
+        _report_parts12(out, None, (8, 8), f"Part 2: {args.fake_depth} blocks (width {width}), fake process group, DP=8 x TP=8 + SP")
     if args.part in (None, 3):
         part3(args.steps)
 
