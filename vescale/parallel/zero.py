@@ -168,7 +168,8 @@ class GatherScheduler:
         for e in entries:
             local = ready.pop((id(module), e.tensor), None)  # None: called again; gathered alone
             out.append(GatheredParam(_stored(module, e.tensor), self.mesh, e.targets, self.reducer, local))
-        self.live.setdefault(unit, []).extend(out)
+        if torch.is_grad_enabled():  # kept for backward's unit refill; no-grad copies just go
+            self.live.setdefault(unit, []).extend(out)
         return out
 
     def held_bytes(self) -> int:
