@@ -27,6 +27,7 @@ import logging
 import multiprocessing as mp
 import statistics
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -145,6 +146,7 @@ def _mode_steps(name, shape, width, depth, tokens, steps, fake: bool):
     """One mode on fresh processes: modes must not share one, because the flattened sub-meshes that
     bucketed+fused registers on the mesh are also used by DTensor's own redistribution, which
     would make the per-tensor baseline partly fused."""
+    warnings.filterwarnings("ignore")
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     mesh = vescale.init_mesh(shape, ("DP", "TP"))
     x = torch.randn(tokens, width, generator=torch.Generator().manual_seed(0))
@@ -274,6 +276,8 @@ def _llama_steps(kind: str, steps: int):
     """One stack on fresh ranks (stacks do not share a process: vescale's thread-local DTensor
     settings would change how the plain-PyTorch stack runs)."""
     from vescale.zoo import llama_plan, synthetic_batches, tiny_llama
+
+    warnings.filterwarnings("ignore")  # FSDP2's and c10d's deprecation notes, once per rank
 
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     mesh = vescale.init_mesh((2, 2), ("DP", "TP"))

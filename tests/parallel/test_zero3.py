@@ -86,6 +86,9 @@ def _prefetch_spy():
         unit = unit_of(name.rsplit(".", 1)[0])
         unit_bytes[unit] = unit_bytes.get(unit, 0) + p.numel() * p.element_size()
     held_after = sched.held_bytes()
+    with torch.no_grad():  # an evaluation forward gathers too, but keeps nothing for a backward
+        model(input_ids=input_ids, labels=labels)
+    held_after += sched.held_bytes()
     return dict(sched.stats), peak[0], unit_bytes, held_after, dict(model._vescale_reducer.stats)
 
 
@@ -94,14 +97,14 @@ def test_zero3_prefetch_keeps_memory_bounded():
     for stats, peak, units, held_after, comm in run_on_ranks(_prefetch_spy, 2):
         # 5 units (4 blocks + the rest): after the first step each forward finds the next unit
         # already gathering (4 times), and each backward too (reverse order).
-        assert stats == {"forward_prefetched": 4, "backward_prefetched": 7}, stats
-        # One gather per unit and pass, one reduce-scatter bucket, per step.
-        assert comm == {"all_gather": 2 * 2 * 5, "reduce_scatter": 2}, comm
+        assert stats == {"forward_prefetched": 4 + 4, "backward_prefetched": 7}, stats
+        # One gather per unit and pass, one reduce-scatter bucket, per step; 5 for the no-grad forward.
+        assert comm == {"all_gather": 2 * 2 * 5 + 5, "reduce_scatter": 2}, comm
         # Prefetch holds at most the unit outside the blocks (embeddings and head, needed at both
         # ends of forward), the running block and the next one: never the whole model.
         block = max(b for u, b in units.items() if u)
         assert peak <= units[""] + 2 * block < sum(units.values()), (peak, units)
-        assert held_after == 0  # everything freed after backward
+        assert held_after == 0  # everything freed after backward, and after a no-grad forward
 
 
 @pytest.mark.multiproc
