@@ -115,10 +115,12 @@ def parallelize(
     Gradient communication (``vescale.comm``): gradients are reduced in buckets of ``bucket_mb``
     MiB, one collective per bucket, overlapped with backward and finished when ``backward()``
     returns; a gradient Partial on several mesh dims is reduced once over their flattened sub-mesh
-    (``fuse_dims=False``: one dim at a time). ZeRO-3 gathers one unit (a block of a ModuleList, or
-    everything outside such lists) with one collective, prefetching the next unit in forward and in
-    backward (``prefetch=False``: no prefetch); their gradients are reduce-scattered in the buckets. ``bucket_mb=None``: DTensor's
-    per-tensor redistribution of each gradient and gather (the reference path).
+    (``fuse_dims=False``: all-reduces go one dim at a time, for comparison). ZeRO-3 gathers one unit
+    (a block of a ModuleList, or everything outside such lists) with one collective, prefetching the
+    next unit in forward and in backward (``prefetch=False``: no prefetch); their gradients are
+    reduce-scattered in the buckets. ``bucket_mb=None``: DTensor's per-tensor redistribution of each
+    gradient and gather (the reference path). Use ``vescale.no_grad_sync(model)`` for accumulation
+    micro-steps.
     """
     if getattr(model, "_vescale_ir", None) is not None:
         raise RuntimeError("this model is already parallelized; build a fresh model to apply another plan")
