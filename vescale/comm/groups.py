@@ -21,7 +21,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["prepare_groups", "group_of", "group_size"]
 
-_CACHE: dict[tuple[int, tuple[int, ...]], dist.ProcessGroup] = {}
+# (id(mesh), dims) -> (mesh, group). Holding the mesh keeps its id from being reused by another.
+_CACHE: dict[tuple[int, tuple[int, ...]], tuple[DeviceMesh, dist.ProcessGroup]] = {}
 
 
 def _flat_name(mesh: DeviceMesh, dims: tuple[int, ...]) -> str:
@@ -39,7 +40,7 @@ def prepare_groups(mesh: DeviceMesh) -> None:
             if key not in _CACHE:
                 names = tuple(mesh.mesh_dim_names[d] for d in dims)
                 sub = mesh[names] if len(dims) < mesh.ndim else mesh
-                _CACHE[key] = sub._flatten(_flat_name(mesh, dims)).get_group()
+                _CACHE[key] = (mesh, sub._flatten(_flat_name(mesh, dims)).get_group())
 
 
 def group_of(mesh: DeviceMesh, dims: tuple[int, ...]) -> dist.ProcessGroup:
@@ -47,7 +48,7 @@ def group_of(mesh: DeviceMesh, dims: tuple[int, ...]) -> dist.ProcessGroup:
     if len(dims) == 1:
         return mesh.get_group(dims[0])
     try:
-        return _CACHE[(id(mesh), dims)]
+        return _CACHE[(id(mesh), dims)][1]
     except KeyError:
         raise RuntimeError(
             f"vescale.comm: no flattened group for mesh dims {dims}; prepare_groups(mesh) must run on "
