@@ -45,7 +45,7 @@ class Net(nn.Module):
 def net_plan(mesh, *, tp: bool = False, dp: bool = False, zero3: bool = False) -> VescalePlan:
     """DP: tokens split on DP. SP (on TP): tokens also split on TP outside the MLPs, so every weight
     used there (norms, tied in/out) gets a Partial gradient on TP; the MLPs are Megatron TP.
-    ZeRO-3 on the blocks' weights."""
+    ZeRO-3 on the blocks' weights, the unused expert included (gathered with its block, no gradient)."""
     plan = VescalePlan()
     if dp:
         plan.shard("<in>", Shard(0), mesh="DP")
@@ -56,8 +56,8 @@ def net_plan(mesh, *, tp: bool = False, dp: bool = False, zero3: bool = False) -
         plan.shard(r"layers\.\d+\.mlp\.2\.weight", Shard(1), mesh="TP")
         plan.shard(r"layers\.\d+\.mlp\.<out>", Shard(0), mesh="TP")
     if zero3:
-        plan.shard(r"layers\.\d+\.(mlp\.\d+\.weight|norm)", Shard(0), mesh="DP", phase=INIT)
-        plan.shard(r"layers\.\d+\.(mlp\.\d+\.weight|norm)", Replicate(), mesh="DP", phase=RUN)
+        plan.shard(r"layers\.\d+\.(mlp\.\d+\.weight|norm|expert\.weight)", Shard(0), mesh="DP", phase=INIT)
+        plan.shard(r"layers\.\d+\.(mlp\.\d+\.weight|norm|expert\.weight)", Replicate(), mesh="DP", phase=RUN)
     return plan
 
 
