@@ -48,6 +48,7 @@ def _run(shape, names, plan_kw, bucket_mb, fuse=True, backwards=1, no_sync=0):
                   for n, p in model.named_parameters(remove_duplicate=False)},
         "comms": comm.total,
         "ours": dict(reducer.stats) if reducer else {},
+        "early": reducer.launched_during_backward if reducer else 0,
         "prefetched": dict(model._vescale_gathers.stats) if reducer else {},
     }
 
@@ -104,6 +105,9 @@ def test_dp_buckets_and_accumulation():
         # 10 weights get Partial gradients (the tied one once; the unused expert and frozen never).
         assert r[(BIG, True, 1, 0)]["ours"] == {"all_reduce": 1}
         assert r[(TINY, True, 1, 0)]["ours"] == {"all_reduce": 10}
+        # Overlap: a full bucket is launched at once, while backward goes on; the last partly
+        # filled one at the end.
+        assert r[(TINY, True, 1, 0)]["early"] == 10 and r[(BIG, True, 1, 0)]["early"] == 0
         assert 1 < r[(0.0005, True, 1, 0)]["ours"]["all_reduce"] < 10  # uneven buckets
         assert r[(BIG, True, 1, 0)]["comms"] == ref["comms"] - 10 + 1  # per-tensor: one all-reduce each
         # Accumulation: a second backward adds into the reduced gradients ...

@@ -105,6 +105,7 @@ class GradReducer:
         self.mesh, self.bucket_bytes, self.fuse = mesh, int(bucket_mb * 2**20), fuse
         self.sync = True
         self.stats: collections.Counter = collections.Counter()  # collectives launched, by kind
+        self.launched_during_backward = 0  # buckets that filled up and left before backward ended
         self._pending: dict[tuple, _Entry] = {}  # no-sync accumulation, by (param, grad placements)
         self._open: dict[tuple, _Bucket] = {}
         self._launched: list[_Bucket] = []
@@ -141,6 +142,7 @@ class GradReducer:
         bucket.add(e)
         if bucket.nbytes >= self.bucket_bytes:
             self._launch(self._open.pop(key))
+            self.launched_during_backward += 1
 
     def _launch(self, bucket: _Bucket) -> None:
         bucket.launch(self.mesh, self.stats)
