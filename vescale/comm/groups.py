@@ -32,8 +32,13 @@ def _flat_name(mesh: DeviceMesh, dims: tuple[int, ...]) -> str:
 def prepare_groups(mesh: DeviceMesh) -> None:
     """Make (collectively, on every rank, in a fixed order) the flattened group of every set of two or
     more mesh dimensions. Cheap for the 2-4 dimensional meshes of real runs; idempotent."""
+    if mesh.ndim < 2:
+        return
     if mesh.mesh_dim_names is None:
-        raise ValueError("vescale.comm: the mesh needs named dimensions (vescale.init_mesh gives them)")
+        raise ValueError(
+            "vescale.comm: fused reduction on a multi-dimensional mesh needs named mesh dimensions "
+            "(vescale.init_mesh gives them); name them, or pass bucket_mb=None to parallelize"
+        )
     for n in range(2, mesh.ndim + 1):
         for dims in itertools.combinations(range(mesh.ndim), n):
             key = (id(mesh), dims)
