@@ -13,6 +13,7 @@ distributed RNG), ``dispatch`` (fast eager DTensor dispatch), ``static`` (Static
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from . import dispatch, static  # packages users reach as vescale.dispatch / vescale.static
+from .comm.grad import no_grad_sync
 from .mesh import init_mesh
 from .parallel import explain, parallelize
 from .plan import INIT, RUN, PlanError, VescalePlan
@@ -26,6 +27,6 @@ def manual_seed(seed: int) -> None:
 
 
 __all__ = [
-    "init_mesh", "VescalePlan", "parallelize", "explain", "manual_seed",
+    "init_mesh", "VescalePlan", "parallelize", "explain", "manual_seed", "no_grad_sync",
     "Shard", "Replicate", "Partial", "INIT", "RUN", "PlanError",
 ]

@@ -10,6 +10,7 @@ import torch.distributed as dist
 import vescale
 from vescale.debug import bytes_at_rest
 from vescale.parallel.hooks import GatheredParam
+from vescale.parallel.zero import unit_of
 from vescale.testing import run_on_ranks
 from vescale.zoo import llama_plan, synthetic_batches, tiny_llama
 
@@ -37,9 +38,9 @@ def _measure():
     calls = {"refill": 0}
     original = GatheredParam.refill
 
-    def counting_refill(self):
+    def counting_refill(self, *args):
         calls["refill"] += 1
-        return original(self)
+        return original(self, *args)
 
     GatheredParam.refill = counting_refill  # test-local instrumentation of the forked rank
     spy: dict = {}
@@ -62,6 +63,48 @@ def test_state_at_rest_falls_as_one_over_dp(world):
             assert sharded[kind] * world == replicated[kind], (kind, sharded, replicated)
         # AdamW's scalar `step` tensors are not sharded: allow their few bytes.
         assert sharded["optimizer"] * world <= replicated["optimizer"] + 8 * world * n_weights
+
+
+def _prefetch_spy():
+    """Two steps of a 4-layer LLaMA under ZeRO-3 (DP=2): prefetch counts and the most gathered
+    bytes held at any module's start, in the second step's forward."""
+    mesh = vescale.init_mesh((dist.get_world_size(),), ("DP",))
+    torch.manual_seed(0)
+    model = vescale.parallelize(tiny_llama(num_hidden_layers=4), llama_plan(mesh, zero3=True), mesh)
+    sched = model._vescale_gathers
+    peak = [0]
+    hooks = [m.register_forward_pre_hook(lambda *_: peak.__setitem__(0, max(peak[0], sched.held_bytes())))
+             for m in model.modules()]
+    input_ids, labels = synthetic_batches(1, 4, 16, 128, seed=1)[0]
+    model(input_ids=input_ids, labels=labels).loss.backward()
+    peak[0] = 0
+    model(input_ids=input_ids, labels=labels).loss.backward()
+    for h in hooks:
+        h.remove()
+    unit_bytes: dict[str, int] = {}
+    for name, p in model.named_parameters():  # gathered (RUN) size of each unit's parameters
+        unit = unit_of(name.rsplit(".", 1)[0])
+        unit_bytes[unit] = unit_bytes.get(unit, 0) + p.numel() * p.element_size()
+    held_after = sched.held_bytes()
+    with torch.no_grad():  # an evaluation forward gathers too, but keeps nothing for a backward
+        model(input_ids=input_ids, labels=labels)
+    held_after += sched.held_bytes()
+    return dict(sched.stats), peak[0], unit_bytes, held_after, dict(model._vescale_reducer.stats)
+
+
+@pytest.mark.multiproc
+def test_zero3_prefetch_keeps_memory_bounded():
+    for stats, peak, units, held_after, comm in run_on_ranks(_prefetch_spy, 2):
+        # 5 units (4 blocks + the rest): after the first step each forward finds the next unit
+        # already gathering (4 times), and each backward too (reverse order).
+        assert stats == {"forward_prefetched": 4 + 4, "backward_prefetched": 7}, stats
+        # One gather per unit and pass, one reduce-scatter bucket, per step; 5 for the no-grad forward.
+        assert comm == {"all_gather": 2 * 2 * 5 + 5, "reduce_scatter": 2}, comm
+        # Prefetch holds at most the unit outside the blocks (embeddings and head, needed at both
+        # ends of forward), the running block and the next one: never the whole model.
+        block = max(b for u, b in units.items() if u)
+        assert peak <= units[""] + 2 * block < sum(units.values()), (peak, units)
+        assert held_after == 0  # everything freed after backward, and after a no-grad forward
 
 
 @pytest.mark.multiproc

@@ -1,23 +1,188 @@
-"""Gradient reduction: bring each parameter's gradient to the parameter's own placements.
+"""Gradient reduction: bring each parameter's gradient to the parameter's own placements, in buckets.
 
 Under data or sequence parallelism a weight gradient comes out of backward as ``Partial`` (each rank
-holds a partial sum). Before it is accumulated into ``param.grad`` it is reduced to the parameter's
-placements (all-reduce to Replicate, or reduce-scatter to Shard), so optimisers, gradient clipping and
-gradient accumulation only ever see gradients laid out like their parameters.
+holds a partial sum); under ZeRO-3 it must also be scattered to the parameter's shard. ``GradReducer``
+packs such gradients into flat buffers, one collective per bucket, and writes the reduced results,
+laid out like their parameters, into ``param.grad`` before ``backward()`` returns:
 
-This is the single seam where gradient communication happens; ZeRO-3 gradients arrive already
-reduce-scattered (by the backward of the RUN-phase gather) and pass through unchanged.
+* **Buckets.** Gradients that need the same collective over the same mesh dimensions, with the same
+  dtype, share a bucket (``bucket_mb``); a bucket is launched asynchronously as soon as it is full,
+  so communication overlaps the rest of backward. The last, partly filled buckets are launched, and
+  every bucket is waited for and unpacked, in a callback queued on the autograd engine, which runs
+  when the backward pass ends: ``optimizer.step()`` needs no extra call.
+* **N-D fusion.** A gradient Partial on several mesh dimensions (SP's TP and DP) is reduced once over
+  the flattened sub-mesh (``vescale.comm.groups``), see ``vescale.comm.layout`` for the plans.
+* **Accumulation.** ``with no_grad_sync(model):`` keeps micro-step gradients local (summed as
+  Partial, per parameter); the next backward outside the context reduces them together with its own.
+
+Buckets are filled in the order gradients become ready, which is the same on every rank because
+every rank runs the same program (SPMD); a parameter that gets no gradient in a step is simply not
+in any bucket, on every rank, and its ``grad`` is left as it was.
+
+The seam is per parameter (``attach_grad_reduction``): a pre-accumulation hook takes the DTensor
+gradient out of autograd's accumulation, ``add`` files it, and the reduced gradient lands in
+``param.grad`` at the end of backward. ZeRO-3 gathers hand their gradients to ``add`` directly
+(``vescale.parallel.hooks``). ``bucket_mb=None`` keeps the per-tensor path (DTensor
+``redistribute`` of each gradient in its hook): the reference the buckets are tested against.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
+from dataclasses import dataclass, field
+
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-__all__ = ["attach_grad_reduction"]
+from .groups import group_of
+from .layout import NOTHING, Transfer, pack_rows, reduce_plan, unpack_row
+
+__all__ = ["GradReducer", "attach_grad_reduction", "no_grad_sync", "DEFAULT_BUCKET_MB"]
+
+DEFAULT_BUCKET_MB = 25.0  # as torch DDP: large enough to fill the links, small enough to overlap
 
 
-def _reduce_to_param_layout(param: DTensor):
+@dataclass
+class _Entry:
+    param: torch.Tensor
+    local: torch.Tensor
+    plan: Transfer
+
+
+@dataclass
+class _Bucket:
+    """Gradients for one collective: same kind, same (flattened) mesh dims, same dtype."""
+
+    kind: str
+    dims: tuple[int, ...]
+    fuse: bool
+    entries: list[_Entry] = field(default_factory=list)
+    nbytes: int = 0
+    work: object = None
+    out: torch.Tensor | None = None
+
+    def add(self, e: _Entry) -> None:
+        self.entries.append(e)
+        rows = len(e.plan.members) * e.plan.row if self.kind == "reduce_scatter" else e.local.numel()
+        self.nbytes += rows * e.local.element_size()
+
+    def launch(self, mesh: DeviceMesh, stats: collections.Counter) -> None:
+        if self.kind == "all_reduce":
+            self.out = torch.cat([e.local.reshape(-1) for e in self.entries])
+            # Unfused: one mesh dim at a time (the first now, the others when waited for).
+            dims = self.dims if self.fuse else self.dims[:1]
+            self.work = dist.all_reduce(self.out, group=group_of(mesh, dims), async_op=True)
+        else:
+            rows = torch.cat([pack_rows(e.local, e.plan) for e in self.entries], dim=1)
+            self.out = rows.new_empty(rows.shape[1])
+            self.work = dist.reduce_scatter_single(self.out, rows.reshape(-1), group=group_of(mesh, self.dims), async_op=True)
+        stats[self.kind] += 1
+
+    def wait(self, mesh: DeviceMesh, stats: collections.Counter):
+        """Yields (param, reduced local tensor) per entry."""
+        self.work.wait()
+        if self.kind == "all_reduce" and not self.fuse:
+            for d in self.dims[1:]:
+                dist.all_reduce(self.out, group=group_of(mesh, (d,)))
+                stats[self.kind] += 1
+        at = 0
+        for e in self.entries:
+            n = e.local.numel() if self.kind == "all_reduce" else e.plan.row
+            piece = self.out[at : at + n]
+            at += n
+            yield e.param, (piece.view(e.local.shape) if self.kind == "all_reduce" else unpack_row(piece, e.plan))
+
+
+class GradReducer:
+    """Bucketed, fused, overlapped reduction of the gradients of one parallelised model."""
+
+    def __init__(self, mesh: DeviceMesh, bucket_mb: float = DEFAULT_BUCKET_MB, fuse: bool = True):
+        if bucket_mb <= 0:
+            raise ValueError(f"bucket_mb must be positive (or None for per-tensor reduction), got {bucket_mb}")
+        self.mesh, self.bucket_bytes, self.fuse = mesh, int(bucket_mb * 2**20), fuse
+        self.sync = True
+        self.stats: collections.Counter = collections.Counter()  # collectives launched, by kind
+        self.launched_during_backward = 0  # buckets that filled up and left before backward ended
+        self._pending: dict[tuple, _Entry] = {}  # no-sync accumulation, by (param, grad placements)
+        self._open: dict[tuple, _Bucket] = {}
+        self._launched: list[_Bucket] = []
+        self._ready: list[tuple[torch.Tensor, torch.Tensor]] = []  # reduced without a bucket
+        self._queued = False
+
+    def plan(self, param: DTensor, grad: DTensor) -> Transfer | None:
+        """The collective for this gradient; ``NOTHING`` if none is needed, ``None`` if it has no
+        bucketed form (the caller then redistributes it itself)."""
+        if grad.device_mesh is not self.mesh and grad.device_mesh != self.mesh:
+            return None
+        return reduce_plan(grad.shape, self.mesh, grad.placements, param.placements)
+
+    def add(self, param: DTensor, grad: DTensor, plan: Transfer) -> None:
+        """File a gradient of ``param`` (called from backward hooks)."""
+        local = grad._local_tensor
+        key = (id(param), tuple(grad.placements))
+        if not self.sync:
+            held = self._pending.get(key)
+            self._pending[key] = _Entry(param, local if held is None else held.local + local, plan)
+            return
+        held = self._pending.pop(key, None)
+        if held is not None:
+            local = held.local + local
+        self._queue_finish()
+        self._file(_Entry(param, local, plan))
+
+    def _file(self, e: _Entry) -> None:
+        if e.plan is NOTHING:
+            self._ready.append((e.param, e.local))
+            return
+        key = (e.plan.kind, e.plan.dims, e.local.dtype, e.local.device)
+        bucket = self._open.setdefault(key, _Bucket(e.plan.kind, e.plan.dims, self.fuse))
+        bucket.add(e)
+        if bucket.nbytes >= self.bucket_bytes:
+            self._launch(self._open.pop(key))
+            self.launched_during_backward += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        bucket.launch(self.mesh, self.stats)
+        self._launched.append(bucket)
+
+    def _queue_finish(self) -> None:
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+
+    def finish(self) -> None:
+        """Launch what is left, wait for every bucket, write the results into ``param.grad``.
+        Runs at the end of backward (queued callback); the same order on every rank."""
+        self._queued = False
+        if self.sync:
+            for e in self._pending.values():  # accumulated in earlier micro-steps, no gradient now
+                self._file(e)
+            self._pending.clear()
+        for key in list(self._open):
+            self._launch(self._open.pop(key))
+        launched, self._launched = self._launched, []
+        for bucket in launched:
+            for param, local in bucket.wait(self.mesh, self.stats):
+                _accumulate(param, local)
+        ready, self._ready = self._ready, []
+        for param, local in ready:
+            _accumulate(param, local)
+
+
+def _accumulate(param: DTensor, local: torch.Tensor) -> None:
+    """``param.grad += reduced`` where ``reduced`` is already laid out like ``param``."""
+    if param.grad is None:
+        param.grad = DTensor.from_local(
+            local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+        )
+    else:
+        param.grad._local_tensor.add_(local)
+
+
+def _per_tensor_hook(param: DTensor):
     def hook(grad: torch.Tensor) -> torch.Tensor:
         if isinstance(grad, DTensor) and grad.placements != param.placements:
             return grad.redistribute(param.device_mesh, param.placements)
@@ -26,7 +191,56 @@ def _reduce_to_param_layout(param: DTensor):
     return hook
 
 
-def attach_grad_reduction(params) -> list:
-    """Register the reduction on every DTensor parameter (before gradient accumulation). Returns the
-    hook handles so that callers can remove them."""
-    return [p.register_hook(_reduce_to_param_layout(p)) for p in params if isinstance(p, DTensor) and p.requires_grad]
+def _bucketed_hooks(param: DTensor, reducer: GradReducer) -> list:
+    """A pre-accumulation hook moves ``param.grad`` aside so that autograd stores the raw gradient
+    alone (no Partial + Replicate addition, which DTensor would reduce per tensor); the
+    post-accumulation hook files that gradient with the reducer and puts the old ``grad`` back."""
+    state = {"taken": False, "kept": None, "plan": None}
+
+    def pre(grad: torch.Tensor) -> torch.Tensor:
+        plan = reducer.plan(param, grad) if isinstance(grad, DTensor) else NOTHING
+        if plan is None:  # no bucketed form: reduce this one on its own, as the per-tensor path does
+            return grad.redistribute(param.device_mesh, param.placements)
+        if plan is NOTHING:
+            return grad
+        state.update(taken=True, kept=param.grad, plan=plan)
+        param.grad = None
+        return grad
+
+    def post(p: torch.Tensor) -> None:
+        if state["taken"]:
+            grad, p.grad = p.grad, state["kept"]
+            plan = state["plan"]
+            state.update(taken=False, kept=None, plan=None)
+            reducer.add(p, grad, plan)
+
+    return [param.register_hook(pre), param.register_post_accumulate_grad_hook(post)]
+
+
+def attach_grad_reduction(params, reducer: GradReducer | None = None) -> list:
+    """Register the reduction on every DTensor parameter that requires grad: bucketed through
+    ``reducer``, or per tensor when it is None. Returns the hook handles."""
+    handles = []
+    for p in params:
+        if isinstance(p, DTensor) and p.requires_grad:
+            handles += [p.register_hook(_per_tensor_hook(p))] if reducer is None else _bucketed_hooks(p, reducer)
+    return handles
+
+
+@contextlib.contextmanager
+def no_grad_sync(model: torch.nn.Module):
+    """Skip gradient reduction for the backward passes inside (accumulation micro-steps): their
+    gradients stay local, and the first backward after the block reduces them with its own, so
+    ``param.grad`` then equals what reducing every micro-step would give. A model with per-tensor
+    reduction (``bucket_mb=None``) reduces every step regardless."""
+    reducer = getattr(model, "_vescale_reducer", None)
+    if reducer is None:
+        if getattr(model, "_vescale_ir", None) is None:
+            raise ValueError("no_grad_sync: the model is not parallelized (call vescale.parallelize first)")
+        yield
+        return
+    previous, reducer.sync = reducer.sync, False
+    try:
+        yield
+    finally:
+        reducer.sync = previous

@@ -14,10 +14,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from .. import random as vescale_random
-from ..comm.grad import attach_grad_reduction
+from ..comm.grad import DEFAULT_BUCKET_MB, GradReducer, attach_grad_reduction
+from ..comm.groups import prepare_groups
 from .. import dispatch
 from ..plan import PlanIR, VescalePlan, lower
 from .hooks import enable_implicit_replication, install_module_hooks, root_hooks
+from .zero import GatherScheduler
 from .placing import place
 
 __all__ = ["parallelize", "explain"]
@@ -93,7 +95,16 @@ def _distribute_tensors(model: nn.Module, ir: PlanIR, mesh: DeviceMesh) -> None:
                 mod._buffers[name] = place(b, mesh, placements[(mpath, name)], f"{mpath}.{name}")
 
 
-def parallelize(model: nn.Module, plan: VescalePlan, mesh: DeviceMesh, mode: str = "eager") -> nn.Module:
+def parallelize(
+    model: nn.Module,
+    plan: VescalePlan,
+    mesh: DeviceMesh,
+    mode: str = "eager",
+    *,
+    bucket_mb: float | None = DEFAULT_BUCKET_MB,
+    fuse_dims: bool = True,
+    prefetch: bool = True,
+) -> nn.Module:
     """Parallelise ``model`` in place according to ``plan`` on ``mesh`` and return it.
 
     After this call, parameters are DTensor parameters (use ``model.parameters()`` with any stock
@@ -104,6 +115,16 @@ def parallelize(model: nn.Module, plan: VescalePlan, mesh: DeviceMesh, mode: str
 
     ``mode="static"`` (Static Eager): after one eager step per set of input shapes, modules run on
     their local shards with no DTensor dispatch; see ``vescale.static``. Same results as eager.
+
+    Gradient communication (``vescale.comm``): gradients are reduced in buckets of ``bucket_mb``
+    MiB, one collective per bucket, overlapped with backward and finished when ``backward()``
+    returns; a gradient Partial on several mesh dims is reduced once over their flattened sub-mesh
+    (``fuse_dims=False``: all-reduces go one dim at a time, for comparison). ZeRO-3 gathers one unit
+    (a block of a ModuleList, or everything outside such lists) with one collective, prefetching the
+    next unit in forward and in backward (``prefetch=False``: no prefetch); their gradients are
+    reduce-scattered in the buckets. ``bucket_mb=None``: DTensor's per-tensor redistribution of each
+    gradient and gather (the reference path). Use ``vescale.no_grad_sync(model)`` for accumulation
+    micro-steps.
     """
     if mode not in ("eager", "static"):
         raise ValueError(f"parallelize: mode must be 'eager' or 'static', got {mode!r}")
@@ -113,20 +134,25 @@ def parallelize(model: nn.Module, plan: VescalePlan, mesh: DeviceMesh, mode: str
     _check_same_weights(model, mesh)
     _distribute_tensors(model, ir, mesh)
 
+    reducer = scheduler = None
+    if bucket_mb is not None:
+        prepare_groups(mesh)  # collective: every rank makes the flattened groups, in one order
+        reducer = GradReducer(mesh, bucket_mb, fuse_dims)
+        scheduler = GatherScheduler(mesh, reducer, prefetch)
     enable_implicit_replication()
     # Random ops on the model's DTensors draw single-device numbers (and refuse to run, with a
     # message, until vescale.manual_seed is called) instead of the same numbers on every rank.
     vescale_random.install()
     # loss.item() of a Partial loss is the global loss; cheap sharding-propagation misses.
     dispatch.install()
-    handles = root_hooks(model)
+    handles = root_hooks(model, scheduler)
     modules = dict(model.named_modules(remove_duplicate=False))
     per_module: dict[str, dict[str, list]] = {}
     for (mpath, hook), entries in ir.hooks().items():
         per_module.setdefault(mpath, {})[hook] = entries
     for mpath, hook_entries in per_module.items():
-        handles += install_module_hooks(modules[mpath], mpath, hook_entries, mesh)
-    handles += attach_grad_reduction(model.parameters())
+        handles += install_module_hooks(modules[mpath], mpath, hook_entries, mesh, scheduler)
+    handles += attach_grad_reduction(model.parameters(), reducer)
     if mode == "static":
         from ..static import install_static
 
@@ -135,4 +161,6 @@ def parallelize(model: nn.Module, plan: VescalePlan, mesh: DeviceMesh, mode: str
     model._vescale_ir = ir
     model._vescale_mesh = mesh
     model._vescale_handles = handles
+    model._vescale_reducer = reducer
+    model._vescale_gathers = scheduler
     return model

@@ -7,12 +7,10 @@ raised).
 * factory: a TorchFunctionMode, active only during the module's forward, that turns tensors made by
   factory functions (torch.zeros, arange, ...) into DTensors with the planned placement.
 
-ZeRO-3 memory: a gathered parameter is a fresh DTensor ``W = P.redistribute(RUN)`` whose backward
-reduce-scatters the gradient to ``P``'s INIT layout. After the module's forward, W's storage is freed
-(``resize_(0)``; autograd keeps only the storage-less tensor). When the gradient reaches one of the
-module's outputs, W is gathered again into the same storage for the module's backward, and freed once
-more after ``P``'s gradient is accumulated. So between uses only the 1/DP shard of each parameter is
-resident, in forward and in backward.
+ZeRO-3 (``GatheredParam``, ``GatherScheduler`` in ``vescale.parallel.zero``): the pre-hook swaps the
+module's at-rest parameter for its gathered copy; the post-hook frees the copy and arranges for it to
+be gathered again when backward reaches one of the module's outputs. Per-tensor mode gathers each
+parameter with DTensor's ``redistribute``; bucketed mode gathers whole units through the scheduler.
 """
 
 from __future__ import annotations
@@ -29,6 +27,7 @@ from torch.overrides import TorchFunctionMode
 from ..plan.ir import Entry, PlanError
 from ..plan.lower import forward_arg_names
 from .placing import place
+from .zero import GatheredParam
 
 __all__ = ["install_module_hooks", "GatheredParam"]
 
@@ -38,43 +37,9 @@ __all__ = ["install_module_hooks", "GatheredParam"]
 # ---------------------------------------------------------------------------------------------
 
 
-class GatheredParam:
-    """A parameter gathered to its RUN placements for one forward call of its module."""
-
-    def __init__(self, param: DTensor, mesh: DeviceMesh, run_placements):
-        self.param, self.mesh, self.run_placements = param, mesh, tuple(run_placements)
-        self.value: DTensor = param.redistribute(mesh, self.run_placements)
-        storage = self.value._local_tensor.untyped_storage()
-        self.nbytes = storage.nbytes()
-        # A gather over mesh dims of size 1 is a no-op that returns the parameter's own storage:
-        # that one must never be freed.
-        self.owns_storage = storage.data_ptr() != param._local_tensor.untyped_storage().data_ptr()
-
-    @property
-    def resident(self) -> bool:
-        return self.value._local_tensor.untyped_storage().nbytes() > 0
-
-    def free(self) -> None:
-        if self.owns_storage:
-            self.value._local_tensor.untyped_storage().resize_(0)
-
-    def refill(self) -> None:
-        """Gather again into the freed storage, without touching autograd's version counter."""
-        if self.resident:
-            return
-        with torch.no_grad():
-            fresh = self.param.redistribute(self.mesh, self.run_placements)._local_tensor
-        local = self.value._local_tensor
-        local.untyped_storage().resize_(self.nbytes)
-        # A new tensor over the same storage has its own version counter, so this copy does not
-        # invalidate the tensors autograd saved from `local`.
-        view = torch.empty(0, dtype=local.dtype, device=local.device)
-        view.set_(local.untyped_storage(), local.storage_offset(), local.size(), local.stride())
-        view.copy_(fresh)
-
-
 def _free_after_grad(param: nn.Parameter) -> None:
-    """Once the parameter's gradient is accumulated, its gathered copies are no longer needed."""
+    """Per-tensor mode: once the parameter's gradient is accumulated, its gathered copies are no
+    longer needed."""
     if getattr(param, "_vescale_free_hook", False):
         return
 
@@ -83,7 +48,6 @@ def _free_after_grad(param: nn.Parameter) -> None:
             g.free()
         p._vescale_gathered.clear()
 
-    param._vescale_gathered = []
     param.register_post_accumulate_grad_hook(hook)
     param._vescale_free_hook = True
 
@@ -199,8 +163,12 @@ def _register_once_on_grads(output, fn: Callable[[], None]) -> None:
         t.register_hook(hook)
 
 
-def install_module_hooks(module: nn.Module, path: str, hook_entries: dict[str, list[Entry]], mesh: DeviceMesh) -> list:
-    """Install the fused hooks of one module; returns the handles."""
+def install_module_hooks(
+    module: nn.Module, path: str, hook_entries: dict[str, list[Entry]], mesh: DeviceMesh, scheduler=None
+) -> list:
+    """Install the fused hooks of one module; returns the handles. ``scheduler``: the model's
+    ``GatherScheduler`` (bucketed mode: unit gathers with prefetch, gradients to the reducer), or
+    None for the per-tensor path."""
     gathers = [e for e in hook_entries.get("forward_pre", []) if e.action == "gather"]
     inputs = [e for e in hook_entries.get("forward_pre", []) if e.action == "redist"]
     outputs = hook_entries.get("forward", [])
@@ -211,11 +179,15 @@ def install_module_hooks(module: nn.Module, path: str, hook_entries: dict[str, l
 
     def pre_hook(mod, args, kwargs):
         live.clear()  # left over only if the previous forward raised
-        for e in gathers:
+        if scheduler is not None and gathers:
+            live.extend(scheduler.take(mod, path, gathers))
+        else:
+            for e in gathers:
+                store = mod._parameters if e.tensor in mod._parameters else mod._buffers
+                live.append(GatheredParam(store[e.tensor], mesh, e.targets))
+        for e, g in zip(gathers, live):
             store = mod._parameters if e.tensor in mod._parameters else mod._buffers
-            g = GatheredParam(store[e.tensor], mesh, e.targets)
             store[e.tensor] = g.value  # the forward sees the gathered tensor
-            live.append(g)
         if factory:
             mode = _FactoryMode(mesh, factory[0].targets, path)
             mode.__enter__()
@@ -239,13 +211,21 @@ def install_module_hooks(module: nn.Module, path: str, hook_entries: dict[str, l
         live.clear()
         if gathered and torch.is_grad_enabled() and any(g.value.requires_grad for g in gathered):
             for g in gathered:
-                _free_after_grad(g.param)
+                if not hasattr(g.param, "_vescale_gathered"):
+                    g.param._vescale_gathered = []
+                if scheduler is None:
+                    _free_after_grad(g.param)
                 g.param._vescale_gathered.append(g)
                 g.free()
-            _register_once_on_grads(output, lambda: [g.refill() for g in gathered])
+            if scheduler is None:
+                _register_once_on_grads(output, lambda: [g.refill() for g in gathered])
+            else:
+                _register_once_on_grads(output, lambda: scheduler.refill(path, gathered))
         return output
 
     handles = []
+    if scheduler is not None and gathers:
+        scheduler.register(module, path, gathers)
     if gathers or inputs or factory:
         handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
     if gathers or factory:
@@ -265,15 +245,20 @@ def enable_implicit_replication() -> None:
     torch._C._set_dtensor_allow_implicit_replication(True)
 
 
-def root_hooks(root: nn.Module) -> list:
+def root_hooks(root: nn.Module, scheduler=None) -> list:
     """Hooks on the root module: implicit replication for whichever thread runs forward, and Partial
     outputs (a loss reduced over a sharded batch) resolved to Replicate, so that ``loss.item()`` and
-    ``loss.backward()`` mean what they mean on one device."""
+    ``loss.backward()`` mean what they mean on one device. With a ZeRO-3 gather scheduler, they also
+    mark the start and end of each forward (the unit order it prefetches by)."""
 
     def pre_hook(mod, args):
         enable_implicit_replication()
+        if scheduler is not None:
+            scheduler.begin_forward()
 
     def post_hook(mod, args, output):
+        if scheduler is not None:
+            scheduler.end_forward()
         return _map_tensors(_resolve_partial, output)
 
     return [root.register_forward_pre_hook(pre_hook), root.register_forward_hook(post_hook)]

@@ -1,0 +1,226 @@
+"""Which collective turns a local tensor from one DTensor layout into another, and how to pack it.
+
+DTensor's ``redistribute`` works one mesh dimension at a time. Here a change of layout is planned as
+a single collective over the (flattened) group of every mesh dimension involved:
+
+* ``all_reduce``: every changed dimension goes Partial -> Replicate (DP / SP gradients).
+* ``reduce_scatter``: Partial -> Shard on some dimension (ZeRO-3 gradients). Each rank embeds its
+  local gradient into the *base block* (the region its group shares), cuts the base block into the
+  target blocks of the group's members, one padded row each, and a reduce-scatter gives every member
+  the sum of its own row. Blocks a rank does not hold are zeros, so a dimension that is Shard in
+  the gradient and must stay Shard under another split (a weight sharded on TP and DP) is handled in
+  the same collective.
+* ``all_gather``: Shard -> Replicate on some dimensions (ZeRO-3 gathers), the reverse: every member
+  sends its block, the base block is assembled and the target block sliced from it.
+
+Where a weight is sharded on the same tensor dimension by an outer dimension that changes (DP) and
+an inner one that does not (TP), the inner one joins the group: one collective over DP x TP instead
+of DTensor's two steps. Anything else (other placement types, Partial targets) is ``None``: the
+caller falls back to DTensor's per-tensor ``redistribute``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+__all__ = [
+    "Transfer", "NOTHING", "reduce_plan", "gather_plan", "pack_rows", "unpack_row", "pack_gather", "unpack_gather",
+]
+
+Block = tuple[tuple[int, ...], tuple[int, ...]]  # (shape, global offset)
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """One collective over mesh dims ``dims`` (flattened). For all_reduce only kind and dims matter."""
+
+    kind: str  # "all_reduce" | "reduce_scatter" | "all_gather"
+    dims: tuple[int, ...]
+    base: Block = ((), ())  # the region the group shares, at this rank's coordinates
+    src: Block = ((), ())  # this rank's input block
+    out: Block = ((), ())  # this rank's output block
+    members: tuple[Block, ...] = ()  # per member (flattened order): its target (RS) or source (AG) block
+    row: int = 0  # padded numel of one member's row
+    contributes: bool = True  # False where the input is Replicate on a group dim and coord != 0
+    even: bool = False  # members' rows are the base block's dim-0 chunks, in order: no copies needed
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        return self.out[0]
+
+
+NOTHING = Transfer("none", ())  # layouts already equal
+
+
+def _supported(p) -> bool:
+    return type(p) in (Shard, Replicate) or (type(p) is Partial and p.reduce_op == "sum")
+
+
+def _block(shape, mesh_shape, coord, placements) -> Block:
+    s, o = _compute_local_shape_and_global_offset(shape, mesh_shape, list(coord), placements)
+    return tuple(s), tuple(o)
+
+
+def _member_coords(coord, mesh_shape, dims):
+    """Coordinates of the group's members (row-major over ``dims``), others equal to ``coord``."""
+    out = []
+    for r in range(math.prod(mesh_shape[d] for d in dims)):
+        c = list(coord)
+        for d in reversed(dims):
+            c[d] = r % mesh_shape[d]
+            r //= mesh_shape[d]
+        out.append(tuple(c))
+    return out
+
+
+def _inside(inner: Block, outer: Block) -> bool:
+    (s, o), (bs, bo) = inner, outer
+    return all(bo[i] <= o[i] and o[i] + s[i] <= bo[i] + bs[i] for i in range(len(s)))
+
+
+def _grow(dims: set[int], src, dst) -> set[int]:
+    """Add the unchanged dims that shard a tensor dim which a changing dim also shards (nesting)."""
+    tensor_dims = {p.dim for i in dims for p in (src[i], dst[i]) if isinstance(p, Shard)}
+    return dims | {j for j, p in enumerate(src) if isinstance(p, Shard) and p.dim in tensor_dims}
+
+
+def _fits(kind, shape, mesh_shape, coord, src, dst, dims) -> Transfer | None:
+    """The transfer for this coordinate over group ``dims``, if every block it needs is inside the
+    group's base block."""
+    base_pl = [Replicate() if i in dims else src[i] for i in range(len(src))]
+    base = _block(shape, mesh_shape, coord, base_pl)
+    coords = _member_coords(coord, mesh_shape, dims)
+    own = _block(shape, mesh_shape, coord, src)
+    out = _block(shape, mesh_shape, coord, dst)
+    members = tuple(_block(shape, mesh_shape, c, dst if kind == "reduce_scatter" else src) for c in coords)
+    if not (all(_inside(m, base) for m in members) and _inside(out, base) and _inside(own, base)):
+        return None
+    row = max(math.prod(m[0]) for m in members)
+    contributes = all(coord[i] == 0 for i in dims if isinstance(src[i], Replicate))
+    return Transfer(kind, dims, base, own, out, members, row, contributes, _even(base, members))
+
+
+@functools.lru_cache(maxsize=4096)
+def _group_dims(kind, shape, mesh_shape, src, dst, forced) -> tuple[int, ...] | None:
+    """The group of the collective: the same on every rank (checked at every coordinate), or a
+    rank could pick another collective than its peers."""
+    changed = {i for i in range(len(src)) if src[i] != dst[i]}
+    if forced is not None and not changed <= set(forced):
+        return None
+    coords = list(itertools.product(*(range(n) for n in mesh_shape)))
+    for dims in ((set(forced),) if forced is not None else (changed, _grow(changed, src, dst))):
+        dims_t = tuple(sorted(dims))
+        if all(_fits(kind, shape, mesh_shape, c, src, dst, dims_t) is not None for c in coords):
+            return dims_t
+    return None
+
+
+def _plan(kind, shape, mesh_shape, coord, src, dst, forced=None) -> Transfer | None:
+    dims = _group_dims(kind, shape, mesh_shape, src, dst, forced)
+    return None if dims is None else _fits(kind, shape, mesh_shape, coord, src, dst, dims)
+
+
+def _even(base: Block, members) -> bool:
+    """Members' blocks are equal consecutive dim-0 slices that tile the base block exactly."""
+    (bs, bo) = base
+    at = bo[0] if bs else 0
+    for s, o in members:
+        if tuple(s[1:]) != tuple(bs[1:]) or tuple(o[1:]) != tuple(bo[1:]) or o[0] != at or s != members[0][0]:
+            return False
+        at += s[0]
+    return bool(bs) and at == bo[0] + bs[0]
+
+
+@functools.lru_cache(maxsize=4096)
+def _reduce_plan(shape, mesh_shape, coord, src, dst) -> Transfer | None:
+    if src == dst:
+        return NOTHING
+    if not all(_supported(p) for p in (*src, *dst)):
+        return None
+    changed = [i for i in range(len(src)) if src[i] != dst[i]]
+    if any(dst[i].is_partial() for i in changed):
+        return None
+    if all(src[i].is_partial() and dst[i].is_replicate() for i in changed):
+        return Transfer("all_reduce", tuple(changed))
+    return _plan("reduce_scatter", shape, mesh_shape, coord, src, dst)
+
+
+@functools.lru_cache(maxsize=4096)
+def _gather_plan(shape, mesh_shape, coord, src, dst, dims) -> Transfer | None:
+    if src == dst:
+        return NOTHING
+    if not all(type(p) in (Shard, Replicate) for p in (*src, *dst)):
+        return None
+    changed = [i for i in range(len(src)) if src[i] != dst[i]]
+    if not all(isinstance(src[i], Shard) for i in changed):
+        return None  # Replicate -> Shard is a local slice: DTensor does it without communication
+    return _plan("all_gather", shape, mesh_shape, coord, src, dst, dims)
+
+
+def reduce_plan(shape, mesh: DeviceMesh, src, dst) -> Transfer | None:
+    """How to reduce a gradient laid out as ``src`` to ``dst`` (a parameter's placements)."""
+    return _reduce_plan(tuple(shape), tuple(mesh.shape), tuple(mesh.get_coordinate()), tuple(src), tuple(dst))
+
+
+def gather_plan(shape, mesh: DeviceMesh, src, dst, dims: tuple[int, ...] | None = None) -> Transfer | None:
+    """How to gather a parameter from ``src`` (at rest) to ``dst`` (to run); ``dims`` forces the
+    group (a superset of the dims that change), so that several parameters share one collective."""
+    return _gather_plan(tuple(shape), tuple(mesh.shape), tuple(mesh.get_coordinate()), tuple(src), tuple(dst), dims)
+
+
+def _slices(block: Block, base: Block):
+    (s, o), (_, bo) = block, base
+    return tuple(slice(o[i] - bo[i], o[i] - bo[i] + s[i]) for i in range(len(s)))
+
+
+def pack_rows(local: torch.Tensor, t: Transfer) -> torch.Tensor:
+    """(members, row) input of a reduce-scatter: this rank's contribution to each member's block."""
+    if t.even and t.contributes and t.src[0] == t.base[0]:
+        return local.reshape(len(t.members), t.row)
+    base = torch.zeros(t.base[0], dtype=local.dtype, device=local.device)
+    if t.contributes:
+        base[_slices(t.src, t.base)] = local
+    if t.even:
+        return base.reshape(len(t.members), t.row)
+    rows = torch.zeros(len(t.members), t.row, dtype=local.dtype, device=local.device)
+    for i, m in enumerate(t.members):
+        blk = base[_slices(m, t.base)].reshape(-1)
+        rows[i, : blk.numel()] = blk
+    return rows
+
+
+def unpack_row(row: torch.Tensor, t: Transfer) -> torch.Tensor:
+    """This rank's output block from its (padded) reduce-scatter row."""
+    return row[: math.prod(t.out[0])].view(t.out[0])
+
+
+def pack_gather(local: torch.Tensor, t: Transfer) -> torch.Tensor:
+    """This rank's padded row for an all-gather."""
+    flat = local.reshape(-1)
+    if flat.numel() == t.row:
+        return flat
+    row = torch.zeros(t.row, dtype=local.dtype, device=local.device)
+    row[: flat.numel()] = flat
+    return row
+
+
+def unpack_gather(rows: torch.Tensor, t: Transfer) -> torch.Tensor:
+    """This rank's output block from the gathered (members, row) tensor (contiguous)."""
+    rows = rows.view(len(t.members), t.row)
+    if t.even:
+        base = rows.view(t.base[0])
+    else:
+        base = torch.empty(t.base[0], dtype=rows.dtype, device=rows.device)
+        for i, m in enumerate(t.members):
+            base[_slices(m, t.base)] = rows[i, : math.prod(m[0])].view(m[0])
+    if t.out == t.base:
+        return base
+    return base[_slices(t.out, t.base)].contiguous()

@@ -1,0 +1,241 @@
+"""ZeRO-3 at run time: gathered parameters (``GatheredParam``) and, in bucketed mode, the
+``GatherScheduler`` that gathers a whole unit of parameters with one collective and prefetches the
+next unit while the current one computes.
+
+ZeRO-3 memory: a gathered parameter is a DTensor ``W`` with the RUN placements; its storage is freed
+(``resize_(0)``; autograd keeps only the storage-less tensor) right after its module's forward, refilled
+(into the same storage, through a separate tensor so autograd's version counters are untouched) when
+backward reaches the module, and freed again once its gradient is taken. So between uses only the
+at-rest shard of each parameter is resident, in forward and in backward.
+
+Units: the parameters of one block, i.e. everything under the same ``<ModuleList>.<index>`` prefix
+(``model.layers.3``), and one unit for all parameters outside such lists (embeddings, final norm,
+head), like FSDP's per-block wrapping. A unit is gathered when its first module runs, with one
+all-gather over the union of its parameters' groups; the next unit (in the order of the previous
+forward, or backward) is gathered asynchronously at the same time.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from ..comm.gather import GroupGather, gather
+from ..comm.layout import NOTHING
+
+__all__ = ["GatheredParam", "GatherScheduler", "unit_of"]
+
+
+class GatheredParam:
+    """A parameter gathered to its RUN placements for one forward call of its module.
+
+    ``value`` is the gathered DTensor the module runs with. Without a reducer it is
+    ``param.redistribute(RUN)``, autograd-tracked (its backward reduce-scatters per tensor). With a
+    reducer (bucketed mode) it is a leaf made from ``local`` (gathered by ``vescale.comm``); its
+    gradient is handed to the reducer, which reduce-scatters whole buckets into ``param.grad`` at
+    the end of backward.
+    """
+
+    def __init__(self, param: DTensor, mesh: DeviceMesh, run_placements, reducer=None, local=None):
+        self.param, self.mesh, self.run_placements = param, mesh, tuple(run_placements)
+        self.reducer = reducer
+        if reducer is None:
+            self.value: DTensor = param.redistribute(mesh, self.run_placements)
+        else:
+            if local is None:
+                local = gather(param, mesh, self.run_placements, reducer.stats)._local_tensor
+            self.value = DTensor.from_local(
+                local, mesh, self.run_placements, run_check=False, shape=param.shape, stride=param.stride()
+            )
+            if param.requires_grad:
+                self.value.requires_grad_(True)
+                self.value.register_post_accumulate_grad_hook(self._grad_ready)
+        storage = self.value._local_tensor.untyped_storage()
+        self.nbytes = storage.nbytes()
+        # A gather over mesh dims of size 1 is a no-op that returns the parameter's own storage:
+        # that one must never be freed.
+        self.owns_storage = storage.data_ptr() != param._local_tensor.untyped_storage().data_ptr()
+
+    @property
+    def resident(self) -> bool:
+        return self.value._local_tensor.untyped_storage().nbytes() > 0
+
+    def free(self) -> None:
+        if self.owns_storage:
+            self.value._local_tensor.untyped_storage().resize_(0)
+
+    def refill(self, fresh: torch.Tensor | None = None) -> None:
+        """Gather again (or take ``fresh``, gathered by the scheduler) into the freed storage,
+        without touching autograd's version counter."""
+        if self.resident:
+            return
+        if fresh is None:
+            with torch.no_grad():
+                if self.reducer is None:
+                    fresh = self.param.redistribute(self.mesh, self.run_placements)._local_tensor
+                else:
+                    fresh = gather(self.param, self.mesh, self.run_placements, self.reducer.stats)._local_tensor
+        local = self.value._local_tensor
+        local.untyped_storage().resize_(self.nbytes)
+        # A new tensor over the same storage has its own version counter, so this copy does not
+        # invalidate the tensors autograd saved from `local`.
+        view = torch.empty(0, dtype=local.dtype, device=local.device)
+        view.set_(local.untyped_storage(), local.storage_offset(), local.size(), local.stride())
+        view.copy_(fresh)
+
+    def _grad_ready(self, value: DTensor) -> None:
+        """Bucketed mode: the gathered copy's gradient goes to the reducer; the copy is freed."""
+        grad, value.grad = value.grad, None
+        plan = self.reducer.plan(self.param, grad)
+        if plan is None:  # no bucketed form: DTensor reduces this one on its own
+            grad, plan = grad.redistribute(self.param.device_mesh, self.param.placements), NOTHING
+        self.reducer.add(self.param, grad, plan)
+        self.free()
+        gathered = getattr(self.param, "_vescale_gathered", [])
+        if self in gathered:
+            gathered.remove(self)
+
+
+def unit_of(path: str) -> str:
+    """The gather unit of a module: its path up to the first index (``model.layers.3``), or "" ."""
+    m = re.match(r"^(.*?\.\d+)(\.|$)", path) or re.match(r"^(\d+)(\.|$)", path)
+    return m.group(1) if m else ""
+
+
+class GatherScheduler:
+    """Unit gathers with one-unit-ahead prefetch, in forward and backward (bucketed mode)."""
+
+    def __init__(self, mesh: DeviceMesh, reducer, prefetch: bool = True):
+        self.mesh, self.reducer, self.prefetch = mesh, reducer, prefetch
+        self.units: dict[str, list[tuple[nn.Module, str, tuple]]] = {}
+        self.order: list[str] = []  # units in first-use order of the last forward
+        self.bwd_order: list[str] = []  # units in refill order of the last backward
+        self.stats: collections.Counter = collections.Counter()  # prefetches used, per direction
+        self._reset_forward()
+        self._bwd: list[str] = []
+        self._refills: dict[str, tuple[GroupGather, list[GatheredParam]]] = {}
+        self._bwd_queued = False
+
+    def register(self, module: nn.Module, path: str, entries) -> None:
+        self.units.setdefault(unit_of(path), []).extend((module, e.tensor, tuple(e.targets)) for e in entries)
+
+    # -- forward ---------------------------------------------------------------------------------
+
+    def _reset_forward(self) -> None:
+        self._fwd: list[str] = []
+        self._inflight: dict[str, GroupGather] = {}
+        self._ready: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
+        self.live: dict[str, list[GatheredParam]] = {}
+
+    def begin_forward(self) -> None:
+        for g in self._inflight.values():  # predicted but not used: finish it (all ranks did launch it)
+            g.wait()
+        self._reset_forward()
+
+    def end_forward(self) -> None:
+        if self._fwd:
+            self.order = self._fwd
+        for g in self._inflight.values():
+            g.wait()
+        self._inflight, self._ready = {}, {}
+
+    def _launch_unit(self, unit: str) -> GroupGather:
+        items = [(_stored(m, t), run) for m, t, run in self.units[unit]]
+        return GroupGather(items, self.mesh, self.reducer.stats)
+
+    def take(self, module: nn.Module, path: str, entries) -> list[GatheredParam]:
+        """The module's gathered parameters, from its unit's gather (made now, or prefetched)."""
+        unit = unit_of(path)
+        if unit not in self._ready and unit not in self._fwd:
+            self._fwd.append(unit)
+            if unit in self._inflight:
+                self.stats["forward_prefetched"] += 1
+            else:
+                self._inflight[unit] = self._launch_unit(unit)
+            nxt = _after(self.order, unit)
+            if self.prefetch and nxt is not None and nxt not in self._fwd and nxt not in self._inflight:
+                self._inflight[nxt] = self._launch_unit(nxt)
+        if unit in self._inflight:
+            locals_ = self._inflight.pop(unit).wait()
+            self._ready[unit] = {(id(m), t): x for (m, t, _), x in zip(self.units[unit], locals_)}
+        ready = self._ready.get(unit, {})
+        out = []
+        for e in entries:
+            local = ready.pop((id(module), e.tensor), None)  # None: called again; gathered alone
+            out.append(GatheredParam(_stored(module, e.tensor), self.mesh, e.targets, self.reducer, local))
+        if torch.is_grad_enabled():  # kept for backward's unit refill; no-grad copies just go
+            self.live.setdefault(unit, []).extend(out)
+        return out
+
+    def held_bytes(self) -> int:
+        """Bytes of gathered copies this scheduler holds now: resident gathered parameters, gathered
+        ones waiting for their module, and gathers in flight (for tests of ZeRO-3's memory)."""
+        live = sum(g.nbytes for gs in self.live.values() for g in gs if g.resident and g.owns_storage)
+        ready = sum(x.untyped_storage().nbytes() for r in self._ready.values() for x in r.values())
+        flight = sum(g.out.untyped_storage().nbytes() for g in self._inflight.values() if g.out is not None)
+        return live + ready + flight
+
+    # -- backward --------------------------------------------------------------------------------
+
+    def refill(self, path: str, gathered: list[GatheredParam]) -> None:
+        """Backward reached a module: bring back its whole unit with one collective (or take the
+        prefetched one), and start bringing back the next unit."""
+        unit = unit_of(path)
+        if not self._bwd_queued:
+            self._bwd_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
+        if unit not in self._bwd:
+            self._bwd.append(unit)
+        todo = [g for g in gathered if not g.resident]
+        if todo:
+            if unit in self._refills:
+                self.stats["backward_prefetched"] += 1
+            else:
+                self._refills[unit] = self._launch_refill(unit, todo)
+            done = self._finish_refill(unit)
+            for g in todo:
+                if not g.resident:  # not in the unit's gather: gathers alone
+                    g.refill(done.get(id(g)))
+        order = self.bwd_order or list(reversed(self.order))
+        nxt = _after(order, unit)
+        if self.prefetch and nxt is not None and nxt not in self._bwd and nxt not in self._refills:
+            waiting = [g for g in self.live.get(nxt, []) if not g.resident]
+            if waiting:
+                self._refills[nxt] = self._launch_refill(nxt, waiting)
+
+    def _launch_refill(self, unit: str, extra: list[GatheredParam]):
+        todo = list({id(g): g for g in [*self.live.get(unit, []), *extra] if not g.resident and g.owns_storage}.values())
+        return GroupGather([(g.param, g.run_placements) for g in todo], self.mesh, self.reducer.stats), todo
+
+    def _finish_refill(self, unit: str) -> dict[int, torch.Tensor]:
+        gg, todo = self._refills.pop(unit)
+        done = {id(g): x for g, x in zip(todo, gg.wait())}
+        for g in todo:  # the rest of the unit, needed by modules backward reaches next
+            if id(g) in done:
+                g.refill(done[id(g)])
+        return done
+
+    def end_backward(self) -> None:
+        self._bwd_queued = False
+        for gg, _ in self._refills.values():  # prefetched but never needed: complete it
+            gg.wait()
+        self._refills = {}
+        if self._bwd:
+            self.bwd_order, self._bwd = self._bwd, []
+
+
+def _stored(module: nn.Module, name: str) -> DTensor:
+    return module._parameters[name] if name in module._parameters else module._buffers[name]
+
+
+def _after(order: list[str], unit: str) -> str | None:
+    try:
+        i = order.index(unit)
+    except ValueError:
+        return None
+    return order[i + 1] if i + 1 < len(order) else None
