@@ -194,3 +194,25 @@ def test_a_gradient_laid_out_unlike_its_parameter_keeps_the_step_on_dtensors(mes
         torch.optim.SGD([p], lr=0.1).step()
         results.append(p._local_tensor.clone())
     assert torch.equal(results[0], results[1])
+
+
+def test_a_replayed_decision_carries_the_ops_own_mesh(mesh):
+    """DeviceMesh equality ignores the rank that built a mesh: a decision learned as rank 0 must not
+    hand rank 1 a spec on rank 0's mesh (vescale.random would then draw rank 0's numbers)."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _fresh(True)
+    _attention_like(mesh, 8)  # learned on this mesh
+    dist.destroy_process_group()
+    dist.init_process_group("fake", rank=1, world_size=4)
+    try:
+        other = vescale.init_mesh((2, 2), ("DP", "TP"))
+        assert other == mesh and other.get_coordinate() != mesh.get_coordinate()
+        _clear_sharding_prop_cache()  # PyTorch's own caches forgotten; vescale's shape-free one kept
+        hits = dispatch.shape_free_cache().hits
+        out = _attention_like(other, 12)
+        assert dispatch.shape_free_cache().hits > hits
+        assert out._spec.mesh is other and out.device_mesh.get_coordinate() == other.get_coordinate()
+    finally:
+        dist.destroy_process_group()
+        dist.init_process_group("fake", rank=0, world_size=4)

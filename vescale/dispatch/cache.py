@@ -119,10 +119,28 @@ def _output_metas(spec):
     return tuple(None if s is None else s.tensor_meta for s in spec)  # None marks a masked-off output
 
 
-def _with_metas(template, metas):
+def _with_metas(template, metas, mesh):
+    """The template's placements with new metadata, on ``mesh``: the op's own mesh object, never
+    the one the template was learned on (DeviceMesh equality ignores the rank that built it, so a
+    mesh from another process or simulated rank compares equal but holds other coordinates)."""
+
+    def one(spec, meta):
+        if spec is None:
+            return None
+        return DTensorSpec(mesh, spec.placements, tensor_meta=meta,
+                           use_strided_shard_as_shard_order=spec.use_strided_shard_as_shard_order)
+
     if isinstance(template, DTensorSpec):
-        return template.shallow_copy_with_tensor_meta(metas)
-    return tuple(None if s is None else s.shallow_copy_with_tensor_meta(m) for s, m in zip(template, metas))
+        return one(template, metas)
+    return tuple(one(s, m) for s, m in zip(template, metas))
+
+
+def _mesh_of(op_schema: OpSchema):
+    for a in (*op_schema.args_schema, *op_schema.kwargs_schema.values()):
+        for x in (a if isinstance(a, (list, tuple)) else (a,)):
+            if isinstance(x, DTensorSpec):
+                return x.mesh
+    return None
 
 
 class ShapeFreeCache:
@@ -157,7 +175,10 @@ class ShapeFreeCache:
             return None
         if isinstance(template, tuple) and (not isinstance(metas, tuple) or len(metas) != len(template)):
             return None
-        spec = _with_metas(template, metas)
+        mesh = _mesh_of(op_schema)
+        if mesh is None:
+            return None
+        spec = _with_metas(template, metas, mesh)
         if kind == "plain":
             return OutputSharding(spec)
         local_args = self.propagator._adjust_shape_and_stride_args(metas, op_schema, spec)
