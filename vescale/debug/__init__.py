@@ -10,7 +10,9 @@
 See docs/debug.md.
 """
 
+from .comparing import Comparison, RecordMismatch, compare_runs
 from .distributed_pdb import breakpoint
 from .memory import bytes_at_rest
+from .record import record
 
-__all__ = ["breakpoint", "bytes_at_rest"]
+__all__ = ["breakpoint", "record", "compare_runs", "Comparison", "RecordMismatch", "bytes_at_rest"]
