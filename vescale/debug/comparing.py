@@ -120,7 +120,7 @@ class TensorDiff:
         lines += [
             f"  shape {self.shape_a} {self.entry['dtype']}: {self.beyond} of {self.numel} elements beyond tolerance",
             f"  max |a-b| = {self.max_abs:.3e}   max |a-b|/|a| = {self.max_rel:.3e}",
-            "  worst elements (a = " + a_name + ", b = " + b_name + "):",
+            "  worst elements:",
             f"    {'index':<18} {'a':>14} {'b':>14} {'|a-b|':>10}",
         ]
         lines += [f"    {str(i):<18} {x:>14.7g} {y:>14.7g} {d:>10.3e}" for i, x, y, d in self.worst]

@@ -171,11 +171,17 @@ class _Rendezvous:
             self.abort(problem)
             raise ValueError(problem)
 
-    def abort(self, why: str) -> None:
+    def abort(self, why: str, wait_s: float = 5.0) -> None:
+        """Make every other rank raise ``why``; wait (a little) until they have read it, since the
+        rank hosting the store may be this one, about to end."""
         self.store.set(self.key("abort"), why)
+        deadline = time.monotonic() + wait_s
+        while self.store.add(self.key("abort_seen"), 0) < self.world - 1 and time.monotonic() < deadline:
+            time.sleep(_POLL_MIN_S)
 
     def aborted(self) -> str | None:
         if self.store.check([self.key("abort")]):
+            self.store.add(self.key("abort_seen"), 1)
             return self.store.get(self.key("abort")).decode()
         return None
 
@@ -281,11 +287,17 @@ class _Rendezvous:
     def wait_until_released(self) -> None:
         """Wait, answering gather requests, until every debugged rank has continued."""
         pause = _POLL_MIN_S
-        while self.continued() < len(self.debug_ranks):
-            before = self.answered
-            self.poll()
-            pause = _POLL_MIN_S if self.answered != before else min(pause * 2, _POLL_MAX_S)
-            time.sleep(pause)
+        try:
+            while self.continued() < len(self.debug_ranks):
+                before = self.answered
+                self.poll()
+                pause = _POLL_MIN_S if self.answered != before else min(pause * 2, _POLL_MAX_S)
+                time.sleep(pause)
+        except dist.DistError as e:  # the store's host (rank 0 without torchrun's agent) has ended
+            raise RuntimeError(
+                f"vescale.debug.breakpoint: rank {self.rank} lost the process group's store while waiting "
+                f"({type(e).__name__}); the rank that hosts it has ended"
+            ) from e
 
 
 # ---------------------------------------------------------------------------------------------
@@ -326,14 +338,24 @@ class _Terminal:
             if not ready:
                 self._idle()
                 continue
-            conn, _ = self.listener.accept()
-            if self._authenticated(conn):
-                self.conn, self.inbox = conn, b""
-                self._send(self.banner)
-                self._send("".join(self.pending) if self.pending else self.on_reattach())
-                self.pending.clear()
-            else:
-                conn.close()
+            self._accept()
+
+    def _accept(self) -> None:
+        """Take a waiting connection; with the right token it replaces the attached terminal (which
+        may be a dead ssh session the user cannot close)."""
+        conn, _ = self.listener.accept()
+        inbox = self.inbox
+        if not self._authenticated(conn):
+            self.inbox = inbox
+            conn.close()
+            return
+        if self.conn is not None:
+            self._send("\n*** another terminal attached to this rank; this one is detached\n")
+            self._detach()
+        self.conn = conn
+        self._send(self.banner)
+        self._send("".join(self.pending) if self.pending else self.on_reattach())
+        self.pending.clear()
 
     def _authenticated(self, conn: socket.socket) -> bool:
         """The first line must be the token; a client has 10 s to send it."""
@@ -355,7 +377,7 @@ class _Terminal:
             except OSError:
                 pass
             return False
-        self.inbox = rest
+        self.inbox = rest  # anything typed right after the token
         return True
 
     def _idle(self) -> None:
@@ -383,16 +405,17 @@ class _Terminal:
     def readline(self) -> str:
         while True:
             if self.conn is None:
-                inbox = self.inbox
                 self._attach()
-                self.inbox = inbox + self.inbox
             line, newline, rest = self.inbox.partition(b"\n")
             if newline:
                 self.inbox = rest
                 return line.decode(errors="replace") + "\n"
-            ready, _, _ = select.select([self.conn], [], [], 0.05)
+            ready, _, _ = select.select([self.conn, self.listener], [], [], 0.05)
             if not ready:
                 self._idle()
+                continue
+            if self.listener in ready:
+                self._accept()
                 continue
             try:
                 data = self.conn.recv(4096)
