@@ -504,7 +504,17 @@ class DistributedPdb(pdb.Pdb):
         if self.terminal is not None:
             self.message(f"rank {self.session.rank}: all ranks go on")
             self.terminal.close()
+        self._let_go()
         return super().do_continue(arg)
+
+    def _let_go(self) -> None:
+        """Drop what this pdb holds of the run: pdb stays reachable after ``continue`` (the outermost
+        frame keeps its trace function), and so would the store, the frames and pdb's snapshot of
+        the frame's locals (DTensors, their mesh and process group) until interpreter exit."""
+        if self.session is not None:
+            self.session.store = self.session.frame = None
+        self.session = self.terminal = None
+        self.curframe_locals = {}
 
     do_c = do_cont = do_continue
 
