@@ -231,3 +231,19 @@ def test_quit_ends_the_waiting_ranks_too(tmp_path):
     thread.join(timeout=90)
     message = str(errors[0].value)
     assert "BdbQuit" in message and "vescale.debug.breakpoint aborted: rank 0 quit the debugger" in message, message
+
+
+def _disagreeing_ranks(tmp: str) -> str:
+    rank = dist.get_rank()
+    _stderr_to(os.path.join(tmp, f"rank{rank}.err"))
+    vescale.debug.breakpoint(rank=rank)  # wrong: every rank must name the same debugged ranks
+    return "went on"
+
+
+@pytest.mark.multiproc
+def test_ranks_that_disagree_about_rank_all_raise(tmp_path):
+    with pytest.raises(RuntimeError) as failure:
+        run_on_ranks(_disagreeing_ranks, 2, str(tmp_path), timeout=60)
+    message = str(failure.value)
+    assert "failure on 2 rank(s)" in message, message
+    assert "where another rank called it with rank=" in message and "every rank must make the same breakpoint() calls" in message
