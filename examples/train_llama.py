@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 import vescale
+import vescale.debug
 import vescale.random
 from vescale.zoo.data import synthetic_batches
 from vescale.zoo.hf import tiny_hf_llama, tiny_llama
@@ -55,6 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dropout", type=float, default=0.0,
                         help="attention and residual dropout probability (HF's model has attention dropout only)")
     parser.add_argument("--seed", type=int, default=0, help="seeds weight initialisation and data")
+    parser.add_argument("--record", metavar="DIR",
+                        help="record the first 2 steps' module outputs, parameters and gradients (global tensors) "
+                             "into DIR with vescale.debug.record; compare two runs with python -m vescale.debug.compare")
     return parser.parse_args(argv)
 
 
@@ -125,7 +129,11 @@ def main(argv=None) -> None:
     batches = synthetic_batches(args.steps, args.batch_size, args.seq_len, vocab_size, seed=args.seed)
     progress = tqdm(batches, desc=f"{args.model}, {mode}", unit="step", disable=rank != 0)
     single_device_rng = vescale.random.consistent() if not distributed else contextlib.nullcontext()
-    with single_device_rng:
+    recording = (
+        vescale.debug.record(model, args.record, steps=min(2, args.steps), overwrite=True)
+        if args.record else contextlib.nullcontext()
+    )
+    with single_device_rng, recording:
         losses = train(model, optimizer, progress)
 
     if rank == 0:

@@ -128,17 +128,23 @@ class _FactoryMode(TorchFunctionMode):
 def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj):
     """Apply ``fn`` to every tensor in a module output: tensors, tuples/lists, dicts (incl. HF
     ModelOutput) and dataclasses (the last two are updated in place, as their identity may matter)."""
+    return _map_named_tensors(lambda _, t: fn(t), obj)
+
+
+def _map_named_tensors(fn: Callable[[str, torch.Tensor], torch.Tensor], obj, path: str = ""):
+    """``_map_tensors`` that also tells ``fn`` where each tensor sits: ``""`` for the output itself,
+    ``[0]`` for a tuple item, ``.loss`` for a dict key or dataclass field (nested: ``.hidden[1]``)."""
     if isinstance(obj, torch.Tensor):
-        return fn(obj)
+        return fn(path, obj)
     if isinstance(obj, (tuple, list)):
-        items = [_map_tensors(fn, v) for v in obj]
+        items = [_map_named_tensors(fn, v, f"{path}[{i}]") for i, v in enumerate(obj)]
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     if isinstance(obj, dict):
         for k, v in list(obj.items()):
-            obj[k] = _map_tensors(fn, v)
+            obj[k] = _map_named_tensors(fn, v, f"{path}.{k}")
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
-            object.__setattr__(obj, f.name, _map_tensors(fn, getattr(obj, f.name)))
+            object.__setattr__(obj, f.name, _map_named_tensors(fn, getattr(obj, f.name), f"{path}.{f.name}"))
     return obj
 
 

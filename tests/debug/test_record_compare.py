@@ -1,0 +1,160 @@
+"""vescale.debug.record + compare on real faults: each injected fault must be named at its module.
+
+One single-device run and several 2-rank tensor-parallel runs of ``fault_models.Net`` (2 SGD steps
+each) are recorded once per module; each test compares two of them. Tolerance: the comparer's
+default (1e-5 relative and absolute): the clean 2-rank run differs from the single-device run only
+by fp32 reduction order (measured largest |a-b| ~1e-7), while every fault moves its module's output
+by more than 1e-2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import vescale
+import vescale.debug
+import vescale.random
+from vescale.debug import RecordMismatch, compare_runs
+from vescale.debug.comparing import main as compare_main
+from vescale.testing import run_on_ranks
+
+from fault_models import build, tp_plan, train
+
+
+def _distributed_runs(root: str) -> dict:
+    """On 2 ranks: the clean run and one run per fault, plus bad-input checks that need ranks."""
+    mesh = vescale.init_mesh((2,), ("TP",))
+    runs = {
+        "clean": dict(model={}, wrong_scan_placement=False, seed=0),
+        "wrong_placement": dict(model={}, wrong_scan_placement=True, seed=0),
+        "wrong_seed": dict(model={}, wrong_scan_placement=False, seed=1),
+        "global_view": dict(model={"global_view": True}, wrong_scan_placement=False, seed=0),
+    }
+    losses = {}
+    for name, how in runs.items():
+        vescale.manual_seed(how["seed"])
+        model = vescale.parallelize(build(**how["model"]), tp_plan(how["wrong_scan_placement"]), mesh)
+        losses[name] = train(model, os.path.join(root, name))
+    try:
+        vescale.debug.breakpoint(rank=2)
+        bad_rank = None
+    except ValueError as e:
+        bad_rank = str(e)
+    return {"losses": losses, "bad_rank": bad_rank, "rank": dist.get_rank()}
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory) -> dict:
+    root = str(tmp_path_factory.mktemp("records"))
+    single = {}
+    for name, kwargs in {"single": {}, "single_view": {"global_view": True}, "single_no_scan": {"skip_scan": True}}.items():
+        model = build(**kwargs)  # outside consistent(): initialisation draws from torch's generator
+        vescale.manual_seed(0)
+        with vescale.random.consistent():  # dropout draws what the distributed runs draw
+            single[name] = train(model, os.path.join(root, name))
+    model = build()
+    vescale.manual_seed(0)
+    with vescale.random.consistent():
+        train(model, os.path.join(root, "single_1step"), steps=1)
+    results = run_on_ranks(_distributed_runs, 2, root)
+    return {"root": root, "single": single, "ranks": results}
+
+
+def _path(records, name):
+    return os.path.join(records["root"], name)
+
+
+def test_clean_run_agrees_with_single_device(records, capsys):
+    assert compare_main([_path(records, "single"), _path(records, "clean")]) == 0
+    out = capsys.readouterr().out
+    assert "OK: the runs agree" in out, out
+    result = compare_runs(_path(records, "single"), _path(records, "clean"))
+    index = json.load(open(os.path.join(_path(records, "clean"), "index.json")))
+    kinds = {e["kind"] for e in index["entries"]}
+    assert kinds == {"param", "out", "grad"}
+    # 6 parameters (values and grads) and 9 module outputs (the root's included) per step, 2 steps.
+    assert result.checked == 2 * (6 + 6 + 9), result.checked
+    # Recorded tensors are global: the TP-sharded q weight has its full shape, its gradient too.
+    entry = {e["key"]: e for e in index["entries"] if e["step"] == 0}
+    assert entry["param:block.q.weight"]["shape"] == [8, 8] and entry["grad:block.q.weight"]["shape"] == [8, 8]
+    assert index["world_size"] == 2 and index["steps"] == 2
+
+
+def test_wrong_input_placement_is_found_at_its_module(records, capsys):
+    assert compare_main([_path(records, "single"), _path(records, "wrong_placement")]) == 1
+    out = capsys.readouterr().out
+    result = compare_runs(_path(records, "single"), _path(records, "wrong_placement"))
+    first = result.first
+    assert (first.step, first.key) == (0, "out:scan#0"), out
+    assert first.max_abs > 1e-2
+    assert "FIRST DIFFERENCE: step 0, output of module 'scan' (call 0)" in out
+    assert "worst elements" in out and "FAIL:" in out
+
+
+def test_dropout_with_another_seed_is_found_at_the_dropout(records, capsys):
+    assert compare_main([_path(records, "single"), _path(records, "wrong_seed")]) == 1
+    first = compare_runs(_path(records, "single"), _path(records, "wrong_seed")).first
+    assert (first.step, first.key) == (0, "out:block.mix#0"), capsys.readouterr().out
+
+
+def test_global_shape_view_is_found_at_its_module(records, capsys):
+    # The same model on one device is right (there the global head count is the local one).
+    assert compare_main([_path(records, "single"), _path(records, "single_view")]) == 0
+    assert compare_main([_path(records, "single_view"), _path(records, "global_view")]) == 1
+    first = compare_runs(_path(records, "single_view"), _path(records, "global_view")).first
+    assert (first.step, first.key) == (0, "out:block.norm#0"), capsys.readouterr().out
+
+
+def test_the_command_line_exit_codes(records, capsys):
+    # One real `python -m` run (each costs a torch import); the other exit codes through main().
+    differ = subprocess.run(
+        [sys.executable, "-m", "vescale.debug.compare", _path(records, "single"), _path(records, "wrong_seed"),
+         "--rtol", "0", "--atol", "1e-3"],
+        capture_output=True, text=True,
+    )
+    assert differ.returncode == 1 and "FIRST DIFFERENCE: step 0, output of module 'block.mix'" in differ.stdout, (
+        differ.stdout + differ.stderr
+    )
+    assert compare_main([_path(records, "single"), _path(records, "clean")]) == 0
+    assert compare_main([_path(records, "single"), _path(records, "single_1step")]) == 2
+    err = capsys.readouterr().err
+    assert "holds steps 0..1" in err and "holds steps 0..0" in err, err
+
+
+def test_records_that_cannot_be_compared_say_why(records, tmp_path):
+    with pytest.raises(RecordMismatch, match=r"holds steps 0\.\.1 .* holds steps 0\.\.0"):
+        compare_runs(_path(records, "single"), _path(records, "single_1step"))
+    with pytest.raises(RecordMismatch, match=r"different tensor sets; only in .*single \(2\): step 0 out:scan#0, step 1 out:scan#0"):
+        compare_runs(_path(records, "single"), _path(records, "single_no_scan"))
+    other = tmp_path / "other_model"
+    with vescale.debug.record(torch.nn.Linear(8, 8), str(other)) as rec:
+        for _ in range(2):
+            rec.model(torch.ones(1, 8)).sum().backward()
+    with pytest.raises(RecordMismatch, match=r"records fault_models.Net and .*records torch.nn.modules.linear.Linear, which are not the same model .*parameters only in .*block.o.weight"):
+        compare_runs(_path(records, "single"), str(other))
+    with pytest.raises(RecordMismatch, match=r"holds no record"):
+        compare_runs(_path(records, "single"), str(tmp_path / "nothing"))
+
+
+def test_recording_over_a_record_needs_overwrite(records):
+    with pytest.raises(FileExistsError, match=r"already holds a record .*overwrite=True"):
+        vescale.debug.record(build(), _path(records, "single")).__enter__()
+
+
+def test_breakpoint_rank_outside_the_world_is_refused(records):
+    for result in records["ranks"]:
+        assert result["bad_rank"] and "rank(s) [2] are outside this run of 2 rank(s)" in result["bad_rank"]
+
+
+def test_recording_does_not_change_training(records):
+    # The recorder only reads: the clean distributed run's losses are the single-device ones.
+    single, clean = records["single"]["single"], records["ranks"][0]["losses"]["clean"]
+    assert all(abs(a - b) <= 1e-5 for a, b in zip(single, clean)), (single, clean)
+    assert records["ranks"][0]["losses"]["wrong_seed"] != clean
