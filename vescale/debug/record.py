@@ -83,6 +83,7 @@ class Recorder:
         self.tensors: dict[str, torch.Tensor] = {}  # this step's, until written
         self.entries: list[dict] = []
         self.handles: list = []
+        self._arrived: list = []  # (name, param) whose gradient this backward produced, in order
 
     @property
     def recording(self) -> bool:
@@ -167,11 +168,25 @@ class Recorder:
         return hook
 
     def _grad_hook(self, name: str):
+        """Notes that ``name``'s gradient arrived; it is saved when backward ends. vescale.comm's
+        bucketed reduction writes a Partial gradient into ``param.grad`` only in its own
+        end-of-backward callback, which was queued before this one, so by then every ``grad``
+        holds its reduced value; the arrival order is kept."""
+
         def hook(param):
-            if self.recording and param.grad is not None:
-                self._save("grad", name, param.grad, name=name)
+            if not self.recording:
+                return
+            if not self._arrived:
+                torch.autograd.Variable._execution_engine.queue_callback(self._save_arrived_grads)
+            self._arrived.append((name, param))
 
         return hook
+
+    def _save_arrived_grads(self) -> None:
+        arrived, self._arrived = self._arrived, []
+        for name, param in arrived:
+            if param.grad is not None:
+                self._save("grad", name, param.grad, name=name)
 
     def __enter__(self) -> "Recorder":
         self._check_directory()
