@@ -11,7 +11,7 @@ of the first ``steps`` steps the recorder saves, in execution order:
 * ``out:PATH#CALL.FIELD`` every tensor in every module's forward output (``PATH`` the module path,
   ``<root>`` for the model itself, ``CALL`` how many times that module ran before in the step,
   ``.FIELD`` / ``[i]`` where the tensor sits in the output), when the module returns;
-* ``grad:NAME`` every parameter's gradient, when backward accumulates it.
+* ``grad:NAME`` every parameter's gradient, reduced, once backward has ended.
 
 DTensors are saved as the global tensors they stand for (``full_tensor()``: every rank takes part,
 so every rank must run the same steps inside the ``with``); plain tensors as they are. Only rank 0
@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ..parallel.hooks import _map_named_tensors
+from ..parallel.hooks import _map_named_tensors, _tensors_in
 
 __all__ = ["record", "Recorder", "FORMAT", "INDEX", "model_fingerprint"]
 
@@ -83,7 +83,7 @@ class Recorder:
         self.tensors: dict[str, torch.Tensor] = {}  # this step's, until written
         self.entries: list[dict] = []
         self.handles: list = []
-        self._arrived: list = []  # (name, param) whose gradient this backward produced, in order
+        self._backward_seen = False  # this step's backward has reached the root's outputs
 
     @property
     def recording(self) -> bool:
@@ -149,6 +149,7 @@ class Recorder:
             self._write_step()  # the previous step's backward is over
         self.step += 1
         self.calls.clear()
+        self._backward_seen = False
         if self.recording:
             for name, p in self.model.named_parameters():
                 self._save("param", name, p, name=name)
@@ -160,6 +161,10 @@ class Recorder:
             call = self.calls[path]
             self.calls[path] += 1
             module_name = path or "<root>"
+            if not path:  # the root: its outputs are where backward starts
+                for t in _tensors_in(output):
+                    if t.requires_grad:
+                        t.register_hook(self._on_backward)
             _map_named_tensors(
                 lambda field, t: self._save("out", f"{module_name}#{call}{field}", t, module=module_name, call=call) or t,
                 output,
@@ -167,26 +172,22 @@ class Recorder:
 
         return hook
 
-    def _grad_hook(self, name: str):
-        """Notes that ``name``'s gradient arrived; it is saved when backward ends. vescale.comm's
-        bucketed reduction writes a Partial gradient into ``param.grad`` only in its own
-        end-of-backward callback, which was queued before this one, so by then every ``grad``
-        holds its reduced value; the arrival order is kept."""
+    def _on_backward(self, grad):
+        """Backward reached the root's outputs: save every gradient once it has ended. Gradients do
+        not all pass through autograd's accumulation (vescale.comm's buckets and ZeRO-3 units write
+        reduced gradients into ``param.grad`` in their own end-of-backward callback), so the saving
+        callback queues itself once more, behind every callback queued during backward."""
+        if self.recording and not self._backward_seen:
+            self._backward_seen = True
+            queue = torch.autograd.Variable._execution_engine.queue_callback
+            queue(lambda: queue(self._save_grads))
+        return grad
 
-        def hook(param):
-            if not self.recording:
-                return
-            if not self._arrived:
-                torch.autograd.Variable._execution_engine.queue_callback(self._save_arrived_grads)
-            self._arrived.append((name, param))
-
-        return hook
-
-    def _save_arrived_grads(self) -> None:
-        arrived, self._arrived = self._arrived, []
-        for name, param in arrived:
-            if param.grad is not None:
-                self._save("grad", name, param.grad, name=name)
+    def _save_grads(self) -> None:
+        # Reverse module order: roughly the order backward produces them.
+        for name, p in reversed(list(self.model.named_parameters())):
+            if p.grad is not None:
+                self._save("grad", name, p.grad, name=name)
 
     def __enter__(self) -> "Recorder":
         self._check_directory()
@@ -194,9 +195,6 @@ class Recorder:
         # Appended after parallelize's hooks: outputs are recorded in their planned placements.
         for path, module in self.model.named_modules():
             self.handles.append(module.register_forward_hook(self._output_hook(path)))
-        for name, p in self.model.named_parameters():
-            if p.requires_grad:
-                self.handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(name)))
         return self
 
     def __exit__(self, *exc) -> None:
