@@ -369,18 +369,7 @@ class StaticRuntime:
         if self._tracking():
             self.stack.append(None)  # this module's hooks run now, not its body
         wraps = self.parent_static(path) and (path in self.planned_pre or not self.is_static(path))
-        if self.state is State.RECORD:
-            rec = self.record
-
-            def note(i, t):
-                _note(rec, self.parent, (path, "in", i), t)
-                return _mirror(t) if wraps else t
-
-            return _map_io(note, args, kwargs)
-        if self.state is State.STATIC and wraps:
-            crossings = self.record.crossings
-            return _map_io(lambda i, t: _wrap(t, crossings.get((path, "in", i))), args, kwargs)
-        return None
+        return self._to_dtensors(path, "in", wraps, lambda fn: _map_io(fn, args, kwargs))
 
     def inside(self, mod, path: str, args, kwargs):
         """After the plan's pre-hook: a static module gets local inputs and local parameters."""
@@ -452,17 +441,23 @@ class StaticRuntime:
         if self._tracking() and self.stack:
             self.stack[-1] = None  # the body is over
         wraps = self.is_static(path) and (path in self.planned_post or not self.parent_static(path))
+        return self._to_dtensors(path, "out", wraps, lambda fn: _map_out(fn, output))
+
+    def _to_dtensors(self, path: str, where: str, wraps: bool, walk):
+        """Where a local tensor must become a DTensor (``wraps``): in a static step, wrap it with the
+        recorded spec; while recording, record the spec and mirror the wrap's effect on gradients.
+        ``walk(fn)`` applies ``fn(index, tensor)`` to the tensors crossing here and returns them."""
         if self.state is State.RECORD:
             rec = self.record
 
             def note(i, t):
-                _note(rec, self.parent, (path, "out", i), t)
+                _note(rec, self.parent, (path, where, i), t)
                 return _mirror(t) if wraps else t
 
-            return _map_out(note, output)
+            return walk(note)
         if self.state is State.STATIC and wraps:
             crossings = self.record.crossings
-            return _map_out(lambda i, t: _wrap(t, crossings.get((path, "out", i))), output)
+            return walk(lambda i, t: _wrap(t, crossings.get((path, where, i))))
         return None
 
     def handed_back(self, mod, path: str, output):
