@@ -77,10 +77,16 @@ def _global_size_error():
 
 
 def _with_eager_line():
-    eager, _ = _train("eager", eager=False)
+    eager, eager_model = _train("eager", eager=False)
     static, model = _train("static", eager=True)
     rt = model._vescale_static
-    return eager, static, (rt.recorded_steps, rt.static_steps), vescale.static.export_plan(model)
+    recorded = rt.recorded_steps
+    x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(99))
+    with torch.no_grad():  # an evaluation forward runs eagerly and keeps the training records
+        evals = (model(x).full_tensor().item(), eager_model(x).full_tensor().item())
+    model(x).backward()  # the next training step is static again, not a new recording
+    after = (rt.recorded_steps - recorded, rt.state)
+    return eager, static, (rt.recorded_steps, rt.static_steps), vescale.static.export_plan(model), evals, after
 
 
 @pytest.mark.multiproc
@@ -92,10 +98,12 @@ def test_a_global_size_fails_in_the_first_static_step_naming_module_and_fix():
 
 @pytest.mark.multiproc
 def test_plan_eager_keeps_the_module_on_dtensors_and_trains_like_eager():
-    eager, static, steps, exported = run_on_ranks(_with_eager_line, 2)[0]
+    eager, static, steps, exported, evals, after = run_on_ranks(_with_eager_line, 2)[0]
     assert static == eager  # the same ops and collectives: equal to the last bit
     assert steps[1] >= 2, f"no static step ran: {steps}"
     assert "plan.eager('attn')  # plan.eager" in exported
+    assert evals[0] == evals[1], f"no-grad forward: static model {evals[0]}, eager model {evals[1]}"
+    assert after == (0, vescale.static.State.STATIC), f"after an eval forward: {after}"
 
 
 def test_bad_mode_and_bad_eager_path_are_refused(fake_world_2):

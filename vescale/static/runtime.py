@@ -304,13 +304,17 @@ class StaticRuntime:
         if self.watcher is not None:  # a recording forward that raised never closed its watcher
             self._close_watcher()
         self._close_replay()
+        if not torch.is_grad_enabled():
+            # An evaluation forward: runs eagerly, records nothing, keeps the training records.
+            self.state, self.record = None, None
+            return
         rec = self.records.get(key)
         if rec is not None and rec.complete and not set(rec.unsafe) <= rec.assumed_eager:
             # It found modules that must be eager: record again, running those eagerly, until the
             # set is stable (the boundaries, and so the gradients' layouts, depend on it).
             rec = self.records[key] = self._new_record(key, frozenset(rec.assumed_eager | set(rec.unsafe)))
             return
-        if rec is not None and rec.complete and torch.is_grad_enabled():
+        if rec is not None and rec.complete:
             self.state, self.record = State.STATIC, rec
             self.static_steps += 1
             if rec.random:
