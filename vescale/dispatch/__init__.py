@@ -12,7 +12,7 @@
 
 from .cache import ShapeFreeCache, install_shape_free_cache, shape_free_cache, uninstall_shape_free_cache
 from .optim import ELEMENTWISE_OPTIMIZERS, install_local_optimizer_step, uninstall_local_optimizer_step
-from .search import fast_search_installed, install_fast_search, uninstall_fast_search
+from .search import install_fast_search, uninstall_fast_search
 from .semantics import install_semantic_handlers
 
 
@@ -32,4 +32,4 @@ def uninstall() -> None:
     uninstall_fast_search()
 
 
-__all__ = ["install", "uninstall", "ELEMENTWISE_OPTIMIZERS", "ShapeFreeCache", "install_shape_free_cache", "uninstall_shape_free_cache", "shape_free_cache", "install_semantic_handlers", "install_fast_search", "uninstall_fast_search", "fast_search_installed"]
+__all__ = ["install", "uninstall", "ELEMENTWISE_OPTIMIZERS", "ShapeFreeCache", "install_shape_free_cache", "uninstall_shape_free_cache", "shape_free_cache", "install_semantic_handlers", "install_fast_search", "uninstall_fast_search"]

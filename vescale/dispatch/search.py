@@ -28,13 +28,14 @@ import threading
 
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, TupleStrategy
+from .cache import _meta_outputs
 from torch.distributed.tensor._ops.single_dim_strategy import (
     _dijkstra_expand_single_dim_strategy_to_mesh,
     _expand_single_dim_strategy_to_mesh,
     _PreparedSingleDimStrategy,
 )
 
-__all__ = ["install_fast_search", "uninstall_fast_search", "fast_search_installed"]
+__all__ = ["install_fast_search", "uninstall_fast_search"]
 
 _LOCK = threading.Lock()
 _MOVED: dict = {}  # op -> (its _SingleDimStrategyInfo, its op-strategy function or None), while installed
@@ -94,8 +95,12 @@ def _searched(info):
     def strategy(strategy_schema: OpSchema):
         prop = _propagator()
         mesh = strategy_schema.get_mesh_from_args()
-        # Already computed by the caller for this very schema: a hit in PyTorch's meta cache.
-        out_meta = prop._propagate_tensor_meta(_specs_schema(strategy_schema))
+        # The caller has the output metadata but does not pass it on; recomputing it with meta-device
+        # kernels costs far less than a second FakeTensor run (PyTorch's way, the fallback).
+        specs = _specs_schema(strategy_schema)
+        out_meta = _meta_outputs(specs)
+        if out_meta is None:
+            out_meta = prop._propagate_tensor_meta(specs)
         if strategy_schema.is_inplace_op() or strategy_schema.is_out_variant_op():
             # The priority-queue search ignores that an in-place (or out=) result must keep its
             # tensor's placements (it turned `param.add_(partial_grad)` into a Partial param).
@@ -147,6 +152,3 @@ def uninstall_fast_search() -> None:
             prop.op_single_dim_strategy_funcs[op] = info
         _MOVED.clear()
 
-
-def fast_search_installed() -> bool:
-    return bool(_MOVED)

@@ -268,8 +268,11 @@ class StaticRuntime:
 
     def __init__(self, model: nn.Module, eager_paths: set[str], planned_pre: set[str], planned_post: set[str]):
         self.model = model
-        self.paths = {m: p for p, m in model.named_modules(remove_duplicate=False)}
-        self.parent = {p: p.rpartition(".")[0] if "." in p else ("" if p else None) for p in self.paths.values()}
+        # Module path -> its caller's path ("" is the root, whose caller is the user: None).
+        self.parent = {
+            p: p.rpartition(".")[0] if "." in p else ("" if p else None)
+            for p, _ in model.named_modules(remove_duplicate=False)
+        }
         self.forced_eager = set(eager_paths)
         self.planned_pre, self.planned_post = planned_pre, planned_post
         self.records: dict[tuple, Record] = {}
