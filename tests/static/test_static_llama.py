@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 import vescale
 from vescale.random import consistent
@@ -78,6 +78,9 @@ def _train(model, count_step: int | None = None) -> dict:
         opt.zero_grad()
         out["losses"].append(_value(loss).item())
     out["params"] = {n: _value(p) for n, p in model.named_parameters()}
+    # Static steps must leave no dispatch mode behind: a leaked recording watcher would see (and
+    # slow down) every later op of the process.
+    out["modes_left"] = len(_get_current_dispatch_mode_stack())
     return out
 
 
@@ -122,6 +125,7 @@ def _check(results, configs):
             what = f"{name} model, {label}"
             recorded, ran_static = static["steps"]
             assert recorded + ran_static == STEPS and ran_static >= STEPS - 3, f"{what}: steps {static['steps']}"
+            assert static["modes_left"] == 0, f"{what}: {static['modes_left']} dispatch modes left active after training"
             # At most half: under TP=4 the plan replicates K/V (TP does not divide the KV heads), so
             # DTensor slices them inside attention and attention rightly stays eager.
             assert static["dtensor_ops"] * 2 < eager["dtensor_ops"], (

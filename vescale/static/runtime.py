@@ -304,7 +304,7 @@ class StaticRuntime:
     def begin_step(self, args, kwargs) -> None:
         """Root pre-hook: pick this step's state from the root inputs' shapes."""
         key = tuple((tuple(t.shape), t.dtype) for t in _tensors(args, kwargs))
-        if self.watcher is not None:  # a recording forward that raised never closed its watcher
+        if self.watcher is not None:  # the last recording's (closed only here), or one whose forward raised
             self._close_watcher()
         self._close_replay()
         if not torch.is_grad_enabled():
@@ -361,12 +361,11 @@ class StaticRuntime:
         self.stack.clear()
 
     def _when_backward_done(self, record: Record) -> None:
-        def mark():
-            record.complete = True
-            if self.watcher is not None and self.watcher.record is record:
-                self._close_watcher()
-
-        torch.autograd.Variable._execution_engine.queue_callback(mark)
+        # Only mark the record here. The watcher is closed on the user's thread (next root
+        # forward): autograd runs this callback under the thread-local state captured when
+        # backward() was called and restores the caller's state afterwards, so popping the mode
+        # here would leave it on the caller's dispatch stack, watching every later op.
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: setattr(record, "complete", True))
 
     # -- per-module hooks ----------------------------------------------------------------------
 
