@@ -10,9 +10,9 @@ hook to those after it) and the backward move (the gradient's recorded placement
 DTensor's own backward would hand back: the source placements with Partial as Replicate, which is
 what ``from_local``'s default gradient layout is). One autograd node runs both.
 
-The common one-mesh-dim moves run as a single functional collective (``_c10d_functional``, the
-ops DTensor itself issues) plus the chunk/cat that puts the collective's dim 0 where the shard
-dim is. Everything else (several mesh dims at once, nested or uneven shards, other Partial ops)
+The common one-mesh-dim moves run as a single collective (the process group's own, called
+directly: no functional-collective wrapper, whose Python autograd registration costs more than the
+call on small tensors) plus the chunk/cat that puts the collective's dim 0 where the shard dim is. Everything else (several mesh dims at once, nested or uneven shards, other Partial ops)
 goes through DTensor's ``redistribute_local_tensor`` with the same specs, so every move computes
 what DTensor would.
 """
@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
@@ -29,7 +30,6 @@ from torch.distributed.tensor._redistribute import redistribute_local_tensor
 __all__ = ["Move", "compile_move", "grad_layout", "grad_spec", "local_of", "dtensor_of"]
 
 LocalFn = Callable[[torch.Tensor], torch.Tensor]
-_c10d = torch.ops._c10d_functional
 
 
 def grad_layout(placements: tuple) -> tuple:
@@ -47,7 +47,7 @@ def _single_dim_move(src: DTensorSpec, dst: DTensorSpec, i: int) -> Optional[Loc
     a, b = src.placements[i], dst.placements[i]
     mesh = src.mesh
     n, rank = mesh.size(i), mesh.get_local_rank(i)
-    group = mesh.get_group(i).group_name
+    group = mesh.get_group(i)
     every = (*src.placements, *dst.placements)
     if any(type(p) not in (Shard, Replicate, Partial) for p in every):
         return None  # strided or custom placements: DTensor's own path
@@ -60,7 +60,7 @@ def _single_dim_move(src: DTensorSpec, dst: DTensorSpec, i: int) -> Optional[Loc
     if type(a) is Shard and type(b) is Replicate:
         return lambda t, d=a.dim: _gather(t, d, n, group)
     if _is_sum(a) and type(b) is Replicate:
-        return lambda t: _c10d.wait_tensor(_c10d.all_reduce(t.contiguous(), "sum", group))
+        return lambda t: _all_reduce(t, group)
     if _is_sum(a) and type(b) is Shard:
         return lambda t, d=b.dim: _reduce_scatter(t, d, n, group)
     if type(a) is Replicate and type(b) is Shard:
@@ -68,15 +68,25 @@ def _single_dim_move(src: DTensorSpec, dst: DTensorSpec, i: int) -> Optional[Loc
     return None
 
 
-def _gather(t: torch.Tensor, d: int, n: int, group: str) -> torch.Tensor:
-    out = _c10d.wait_tensor(_c10d.all_gather_into_tensor(t.contiguous(), n, group))
+def _gather(t: torch.Tensor, d: int, n: int, group) -> torch.Tensor:
+    t = t.contiguous()
+    out = t.new_empty((n * t.shape[0], *t.shape[1:]))
+    dist.all_gather_into_tensor(out, t, group=group)
     return out if d == 0 else torch.cat(out.chunk(n, 0), dim=d)
 
 
-def _reduce_scatter(t: torch.Tensor, d: int, n: int, group: str) -> torch.Tensor:
-    if d != 0:  # the collective scatters dim 0: stack the n pieces of dim d along it
-        t = torch.cat(t.chunk(n, d), dim=0)
-    return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(t.contiguous(), "sum", n, group))
+def _reduce_scatter(t: torch.Tensor, d: int, n: int, group) -> torch.Tensor:
+    # The collective scatters dim 0: stack the n pieces of dim d along it.
+    t = torch.cat(t.chunk(n, d), dim=0) if d != 0 else t.contiguous()
+    out = t.new_empty((t.shape[0] // n, *t.shape[1:]))
+    dist.reduce_scatter_tensor(out, t, group=group)
+    return out
+
+
+def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
+    out = t.clone(memory_format=torch.contiguous_format)  # the input may be saved for backward
+    dist.all_reduce(out, group=group)
+    return out
 
 
 def compile_move(src: DTensorSpec, dst: DTensorSpec) -> Optional[LocalFn]:
