@@ -71,7 +71,7 @@ def _single_dim_move(src: DTensorSpec, dst: DTensorSpec, i: int) -> Optional[Loc
 def _gather(t: torch.Tensor, d: int, n: int, group) -> torch.Tensor:
     t = t.contiguous()
     out = t.new_empty((n * t.shape[0], *t.shape[1:]))
-    dist.all_gather_into_tensor(out, t, group=group)
+    dist.all_gather_single(out, t, group=group)
     return out if d == 0 else torch.cat(out.chunk(n, 0), dim=d)
 
 
@@ -79,7 +79,7 @@ def _reduce_scatter(t: torch.Tensor, d: int, n: int, group) -> torch.Tensor:
     # The collective scatters dim 0: stack the n pieces of dim d along it.
     t = torch.cat(t.chunk(n, d), dim=0) if d != 0 else t.contiguous()
     out = t.new_empty((t.shape[0] // n, *t.shape[1:]))
-    dist.reduce_scatter_tensor(out, t, group=group)
+    dist.reduce_scatter_single(out, t, group=group)
     return out
 
 
