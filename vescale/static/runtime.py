@@ -343,7 +343,10 @@ class StaticRuntime:
                 rec.checked = True
                 self._open_watcher(checking=True)
             return
-        self._new_record(key, frozenset())
+        # A new set of shapes: start from the modules the last recording found eager (the same
+        # model code decides them, whatever the sizes), so one recording step usually suffices.
+        last = self.latest()
+        self._new_record(key, frozenset(last.assumed_eager | set(last.unsafe)) if last is not None else frozenset())
 
     def _new_record(self, key, assumed_eager: frozenset) -> Record:
         self.state, self.record = State.RECORD, Record(assumed_eager=assumed_eager)
