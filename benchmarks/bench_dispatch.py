@@ -284,12 +284,13 @@ def _report(title: str, r: dict, base_name: str) -> None:
     print(title)
     base = _stats(r["steady"][base_name])[0] if base_name in r["steady"] else None
     torch_med = _stats(r["steady"]["torch"])[0] if "torch" in r["steady"] and base_name != "torch" else None
-    print(f"{'variant':16s} {'steady ms (p25-p75)':>24s} {'x ' + base_name:>9s} {'x torch':>8s} {'first step s':>13s} {'new length x':>13s}")
+    torch_col = f" {'x torch':>8s}" if base_name != "torch" else ""  # the base column is torch already
+    print(f"{'variant':16s} {'steady ms (p25-p75)':>24s} {'x ' + base_name:>9s}{torch_col} {'first step s':>13s} {'new length x':>13s}")
     for v, times in r["steady"].items():
         med, lo, hi = _stats(times)
         ratio = f"{med / base:9.2f}" if base else "        -"
-        vs_torch = f"{med / torch_med:8.2f}" if torch_med else "       -"
-        print(f"{v:16s} {med*1e3:9.1f} ({lo*1e3:6.1f}-{hi*1e3:6.1f}) {ratio} {vs_torch} {r['first'][v]:13.2f} "
+        vs_torch = "" if not torch_col else (f" {med / torch_med:8.2f}" if torch_med else "        -")
+        print(f"{v:16s} {med*1e3:9.1f} ({lo*1e3:6.1f}-{hi*1e3:6.1f}) {ratio}{vs_torch} {r['first'][v]:13.2f} "
               f"{statistics.median(r['fresh_len'][v]):13.2f}")
     if r["eager_modules"] is not None:
         print(f"static: modules kept eager: {r['eager_modules']}")
