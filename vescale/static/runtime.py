@@ -281,11 +281,10 @@ class StaticRuntime:
 
     def __init__(self, model: nn.Module, eager_paths: set[str], planned_pre: set[str], planned_post: set[str]):
         self.model = model
-        # Module path -> its caller's path ("" is the root, whose caller is the user: None).
-        self.parent = {
-            p: p.rpartition(".")[0] if "." in p else ("" if p else None)
-            for p, _ in model.named_modules(remove_duplicate=False)
-        }
+        # Module path -> its caller's path ("" is the root, whose caller is the user: None): the
+        # nearest ancestor that runs forward. A container (ModuleList) is never called, so the
+        # module whose forward loops over it is the one that meets its children's outputs.
+        self.parent = _callers(model)
         self.forced_eager = set(eager_paths)
         self.planned_pre, self.planned_post = planned_pre, planned_post
         self.records: dict[tuple, Record] = {}
@@ -544,6 +543,19 @@ class StaticRuntime:
     def latest(self) -> Record | None:
         complete = [r for r in self.records.values() if r.complete]
         return complete[-1] if complete else None
+
+
+def _callers(model: nn.Module) -> dict[str, str | None]:
+    from ..plan.lower import runs_forward
+
+    modules = dict(model.named_modules(remove_duplicate=False))
+    callers: dict[str, str | None] = {}
+    for path in modules:
+        caller = path.rpartition(".")[0] if "." in path else ("" if path else None)
+        while caller and not runs_forward(modules[caller]):
+            caller = caller.rpartition(".")[0] if "." in caller else ""
+        callers[path] = caller
+    return callers
 
 
 def _tensors(args, kwargs) -> list[torch.Tensor]:
