@@ -15,9 +15,10 @@ import os
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from . import layout
@@ -41,9 +42,11 @@ def export(path: str | os.PathLike, out_file: str | os.PathLike | None = None) -
     if folder is None:
         raise FileNotFoundError(f"checkpoint.export: no complete checkpoint under {str(path)!r}")
     state: dict = {}
-    # The empty-state-dict planner builds the tensors from the checkpoint's own metadata; keys=
-    # keeps the optimiser state out.
-    dcp.load(state, checkpoint_id=folder, planner=_EmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
+    # What DCP's own dcp_to_torch_save does (the public dcp.load fills a copy of an empty dict):
+    # the planner builds the tensors from the checkpoint's metadata; keys= leaves the optimiser out.
+    _load_state_dict(
+        state, storage_reader=FileSystemReader(folder), planner=_EmptyStateDictLoadPlanner(keys={"model"}), no_dist=True
+    )
     weights = state["model"]
     if out_file is not None:
         torch.save(weights, out_file)
