@@ -24,11 +24,14 @@ from ckpt_common import SAVE_AT, STEPS, build, local_shape, train
 Q = "model.layers.0.self_attn.q_proj.weight"  # (64, 64): Shard(0) on TP; Shard(0) on DP with ZeRO-3
 
 
-def _resume(root: str, shape, names, zero3: bool = False, mode: str = "eager") -> dict:
+def _resume(root: str, shape, names, zero3: bool = False, mode: str = "eager", async_save: bool = False) -> dict:
     model, opt = build(shape, names, zero3=zero3, mode=mode)
     first = train(model, opt, 0, SAVE_AT)
-    checkpoint.save(root, model, opt, step=SAVE_AT, loader_pos=SAVE_AT * 4)
-    rest = train(model, opt, SAVE_AT, STEPS)
+    handle = checkpoint.save(root, model, opt, step=SAVE_AT, async_save=async_save, loader_pos=SAVE_AT * 4)
+    rest = train(model, opt, SAVE_AT, STEPS)  # with async_save, while the checkpoint is written
+    if async_save:
+        assert isinstance(handle, checkpoint.AsyncCheckpoint)
+        checkpoint.wait()
     rng_end = vescale.random.get_state()
 
     model, opt = build(shape, names, zero3=zero3, mode=mode, seed=7)  # other weights, other RNG
@@ -43,10 +46,14 @@ def _resume(root: str, shape, names, zero3: bool = False, mode: str = "eager") -
     }
 
 
-def _check(results: list[dict], q_local: tuple) -> None:
+def _check(results: list[dict], q_local: tuple, tol: float = 0.0) -> None:
     for rank, r in enumerate(results):
         assert r["extras"] == {"step": SAVE_AT, "loader_pos": SAVE_AT * 4}
-        assert r["resumed"] == r["uninterrupted"][SAVE_AT:], f"rank {rank}: {r['resumed']} vs {r['uninterrupted']}"
+        if tol == 0.0:
+            assert r["resumed"] == r["uninterrupted"][SAVE_AT:], f"rank {rank}: {r['resumed']} vs {r['uninterrupted']}"
+        else:
+            diff = max(abs(a - b) for a, b in zip(r["resumed"], r["uninterrupted"][SAVE_AT:]))
+            assert diff <= tol, f"rank {rank}: {r['resumed']} vs {r['uninterrupted']}"
         assert torch.equal(r["rng_resumed"], r["rng_end"])
         assert r["q_local"] == q_local, f"rank {rank}: local q_proj shard {r['q_local']}, expected {q_local}"
         assert r["my_file"] > 0, f"rank {rank} wrote no shard file"
@@ -68,3 +75,18 @@ def test_resume_single_device(tmp_path):
     assert r["resumed"] == r["uninterrupted"][SAVE_AT:]
     assert torch.equal(r["rng_resumed"], r["rng_end"])
     assert r["q_local"] == (64, 64)
+
+
+@pytest.mark.multiproc
+def test_resume_static_eager_tp2(tmp_path):
+    """Static Eager: the resumed process records its first step eagerly where the uninterrupted one
+    ran it static, and static and eager steps agree to float32 rounding, not bit for bit (static.md:
+    within 1e-6; measured here 2e-6 after three more AdamW steps). Tolerance 1e-5; the RNG state
+    and everything else are still checked exactly."""
+    _check(run_on_ranks(_resume, 2, str(tmp_path), (2,), ("TP",), False, "static", timeout=240), (32, 64), tol=1e-5)
+
+
+@pytest.mark.multiproc
+def test_async_save_resume_tp2(tmp_path):
+    """async_save: training goes on while DCP writes on its own gloo group; same resume."""
+    _check(run_on_ranks(_resume, 2, str(tmp_path), (2,), ("TP",), False, "eager", True, timeout=240), q_local=(32, 64))
