@@ -251,14 +251,17 @@ def enable_implicit_replication() -> None:
     torch._C._set_dtensor_allow_implicit_replication(True)
 
 
-def root_hooks(root: nn.Module, scheduler=None) -> list:
+def root_hooks(root: nn.Module, scheduler=None, contract=None) -> list:
     """Hooks on the root module: implicit replication for whichever thread runs forward, and Partial
     outputs (a loss reduced over a sharded batch) resolved to Replicate, so that ``loss.item()`` and
     ``loss.backward()`` mean what they mean on one device. With a ZeRO-3 gather scheduler, they also
-    mark the start and end of each forward (the unit order it prefetches by)."""
+    mark the start and end of each forward (the unit order it prefetches by). ``contract`` (an
+    ``InputContract``) checks the root's inputs before the plan splits them."""
 
-    def pre_hook(mod, args):
+    def pre_hook(mod, args, kwargs):
         enable_implicit_replication()
+        if contract is not None:
+            contract(args, kwargs)
         if scheduler is not None:
             scheduler.begin_forward()
 
@@ -267,7 +270,7 @@ def root_hooks(root: nn.Module, scheduler=None) -> list:
             scheduler.end_forward()
         return _map_tensors(_resolve_partial, output)
 
-    return [root.register_forward_pre_hook(pre_hook), root.register_forward_hook(post_hook)]
+    return [root.register_forward_pre_hook(pre_hook, with_kwargs=True), root.register_forward_hook(post_hook)]
 
 
 def _resolve_partial(t: torch.Tensor) -> torch.Tensor:
