@@ -27,6 +27,7 @@ from torch.overrides import TorchFunctionMode
 from ..plan.ir import Entry, PlanError
 from ..plan.lower import forward_arg_names
 from .placing import place
+from .faults import FaultReporter
 from .zero import GatheredParam
 
 __all__ = ["install_module_hooks", "GatheredParam"]
@@ -256,7 +257,8 @@ def root_hooks(root: nn.Module, scheduler=None, contract=None) -> list:
     outputs (a loss reduced over a sharded batch) resolved to Replicate, so that ``loss.item()`` and
     ``loss.backward()`` mean what they mean on one device. With a ZeRO-3 gather scheduler, they also
     mark the start and end of each forward (the unit order it prefetches by). ``contract`` (an
-    ``InputContract``) checks the root's inputs before the plan splits them."""
+    ``InputContract``) checks the root's inputs before the plan splits them. A failed forward is
+    reported to the other ranks (``FaultReporter``)."""
 
     def pre_hook(mod, args, kwargs):
         enable_implicit_replication()
@@ -270,7 +272,13 @@ def root_hooks(root: nn.Module, scheduler=None, contract=None) -> list:
             scheduler.end_forward()
         return _map_tensors(_resolve_partial, output)
 
-    return [root.register_forward_pre_hook(pre_hook, with_kwargs=True), root.register_forward_hook(post_hook)]
+    faults = FaultReporter(root)
+    return [
+        root.register_forward_pre_hook(pre_hook, with_kwargs=True),
+        root.register_forward_pre_hook(faults.pre_hook),
+        root.register_forward_hook(post_hook),
+        root.register_forward_hook(faults.hook, always_call=True),
+    ]
 
 
 def _resolve_partial(t: torch.Tensor) -> torch.Tensor:
