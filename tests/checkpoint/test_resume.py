@@ -81,7 +81,7 @@ def test_resume_single_device(tmp_path):
 def test_resume_static_eager_tp2(tmp_path):
     """Static Eager: the resumed process records its first step eagerly where the uninterrupted one
     ran it static, and static and eager steps agree to float32 rounding, not bit for bit (static.md:
-    within 1e-6; measured here 2e-6 after three more AdamW steps). Tolerance 1e-5; the RNG state
+    within 1e-6; measured here 5e-7 after three more AdamW steps). Tolerance 1e-5; the RNG state
     and everything else are still checked exactly."""
     _check(run_on_ranks(_resume, 2, str(tmp_path), (2,), ("TP",), False, "static", timeout=240), (32, 64), tol=1e-5)
 
