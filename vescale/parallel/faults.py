@@ -109,6 +109,8 @@ def _first_line(e: BaseException) -> str:
 def _store():
     try:
         store = dist.distributed_c10d._get_default_store()
+        # Only ever called on a failure path: bound each store call, so that a store whose host has
+        # died costs seconds, not the process group's timeout.
         store.set_timeout(timedelta(seconds=5))
         return store
     except Exception:
