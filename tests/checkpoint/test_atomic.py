@@ -103,6 +103,8 @@ def test_latest_pointer_keep_last_and_default_step(tmp_path):
     assert checkpoint.load(tmp_path, fresh)["step"] == 3
     with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
         checkpoint.load(tmp_path / "nothing-here", fresh)
+    with pytest.raises(ValueError, match="saved without an optimizer; load it without optimizer="):
+        checkpoint.load(tmp_path, fresh, torch.optim.SGD(fresh.parameters(), lr=0.1))
 
 
 def _failing_rank_save(root: str) -> str:

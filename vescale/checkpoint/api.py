@@ -212,21 +212,23 @@ def load(
         )
     _check_same_folder(folder)
     side = torch.load(folder / layout.SIDE_FILE, weights_only=False)
+    if optimizer is not None and not _has_optimizer(folder):
+        raise ValueError(
+            f"checkpoint.load: {folder} was saved without an optimizer; load it without optimizer= "
+            "(the optimiser then starts fresh), or save with save(..., optimizer)"
+        )
     state = _state(model, optimizer)
-    try:
-        dcp.load(state, checkpoint_id=folder, no_dist=not _distributed())
-    except Exception as e:
-        if optimizer is not None and "optim" in str(e):
-            raise RuntimeError(
-                f"checkpoint.load: {folder} has no optimiser state matching this optimiser ({e}); "
-                "load without optimizer=, or save with it"
-            ) from e
-        raise
+    dcp.load(state, checkpoint_id=folder, no_dist=not _distributed())
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optim"])
     _restore_rng(side["rng"])
     return {"step": side["step"], **side["extra"]}
+
+
+def _has_optimizer(folder: Path) -> bool:
+    keys = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    return any(k.startswith("optim.") for k in keys)
 
 
 def _check_same_folder(folder: Path) -> None:
