@@ -98,3 +98,25 @@ def test_check_runs_on_first_steps_and_shape_changes_only():
     assert auto == [1, 1, 0, 0, 1, 0]
     assert always == [1] * 6
     assert off == [0] * 6
+
+
+def _uneven_sequence() -> tuple[float, tuple]:
+    model = _model((2,), ("TP",))  # sequence parallel: embed_tokens.<out> is Shard(1) on TP
+    ids = torch.arange(30).view(2, 15) % 128  # 15 positions over 2 ranks: 8 and 7
+    seen = []
+    model.model.layers[0].register_forward_pre_hook(lambda m, a: seen.append(tuple(a[0].to_local().shape)))
+    loss = model(input_ids=ids, labels=ids).loss
+    return loss.full_tensor().item(), seen[0]
+
+
+@pytest.mark.multiproc
+def test_sequence_length_sp_cannot_split_evenly_is_handled():
+    """Not an error: DTensor shards the sequence unevenly (8 + 7) and the loss is the single
+    device's within 1e-5 (fp32 sums in another order)."""
+    torch.manual_seed(0)
+    ids = torch.arange(30).view(2, 15) % 128
+    ref = tiny_llama()(input_ids=ids, labels=ids).loss.item()
+    results = run_on_ranks(_uneven_sequence, 2, timeout=120)
+    assert [shape for _, shape in results] == [(2, 8, 64), (2, 7, 64)]
+    for loss, _ in results:
+        assert abs(loss - ref) <= 1e-5, (loss, ref)
