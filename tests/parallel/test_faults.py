@@ -5,7 +5,9 @@ TP=2 zoo LLaMA, ``init_mesh(timeout=5)``. Rank 1 raises in the forward of ``mode
 step 1, and either lets the exception end its loop (the usual crash) or catches it and skips the
 batch (the hang the issue reported: the ranks' collectives no longer pair up). ``run_on_ranks``
 kills and fails the test after 60 s, so a hang cannot pass; each rank also reports how long its
-loop ran (it must end within the 5 s timeout plus start-up and the 5 s wait for other ranks' reports).
+loop ran: at most 30 s, i.e. the 5 s timeout, up to 5 s waiting for the other ranks' reports, and
+slack for a loaded machine (15.5 s was seen with the full suite running on 2 shared cores); gloo's
+default would have been 30 minutes.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def test_rank_raising_mid_step_ends_every_rank_with_named_error(skip):
     r0, r1 = run_on_ranks(_raise_mid_step, 2, skip, timeout=60)
     assert r0["error"] is not None and r1["error"] is not None, (r0, r1)
     for r in (r0, r1):
-        assert r["seconds"] < 3 * TIMEOUT_S, r
+        assert r["seconds"] < 6 * TIMEOUT_S, r
     if not skip:
         assert r1["error"] == "ValueError: bad sample on rank 1"
     # rank 0 was left waiting in a collective: its error names rank 1's exception and the op
