@@ -7,12 +7,13 @@
 The public surface is small on purpose; everything else lives in one package per concept:
 ``plan`` (VescalePlan and its IR), ``parallel`` (parallelize), ``random`` (single-device-semantic
 distributed RNG), ``dispatch`` (fast eager DTensor dispatch), ``static`` (Static Eager mode),
-``comm`` (gradient reduction), ``zoo`` (ready models and plans).
+``comm`` (gradient reduction), ``zoo`` (ready models and plans), ``checkpoint`` (save / load / resume).
 """
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from . import dispatch, static  # packages users reach as vescale.dispatch / vescale.static
+from . import checkpoint  # vescale.checkpoint.save / load
 from .comm.grad import no_grad_sync
 from .mesh import init_mesh
 from .parallel import explain, parallelize
@@ -29,4 +30,5 @@ def manual_seed(seed: int) -> None:
 __all__ = [
     "init_mesh", "VescalePlan", "parallelize", "explain", "manual_seed", "no_grad_sync",
     "Shard", "Replicate", "Partial", "INIT", "RUN", "PlanError",
+    "checkpoint",
 ]

@@ -11,13 +11,19 @@ from __future__ import annotations
 import math
 import os
 import socket
+from datetime import timedelta
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["init_mesh"]
+__all__ = ["init_mesh", "DEFAULT_TIMEOUT"]
+
+# How long a collective may wait for its peers before it fails. PyTorch's gloo default is 30 minutes,
+# which turns one crashed or diverged rank into a half-hour hang; 10 minutes (NCCL's default) still
+# covers slow first steps (compilation, cold sharding propagation) and checkpoint writes.
+DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 
 def _single_process_env() -> None:
@@ -30,10 +36,20 @@ def _single_process_env() -> None:
     os.environ.setdefault("WORLD_SIZE", "1")
 
 
-def init_mesh(shape: Sequence[int], names: Sequence[str], device_type: str | None = None) -> DeviceMesh:
+def init_mesh(
+    shape: Sequence[int],
+    names: Sequence[str],
+    device_type: str | None = None,
+    *,
+    timeout: float | timedelta | None = None,
+) -> DeviceMesh:
     """A DeviceMesh of ``shape`` with dimension ``names`` over all ranks of this run.
 
-    ``device_type`` defaults to "cuda" when CUDA is available, else "cpu".
+    ``device_type`` defaults to "cuda" when CUDA is available, else "cpu". ``timeout`` (seconds or a
+    timedelta): how long a collective waits for its peers before it raises instead of hanging;
+    ``DEFAULT_TIMEOUT`` (10 minutes) for a process group made here; given for a group that exists
+    already, it is applied to that group. Under ``torchrun --max-restarts``, a restarted worker joins
+    the new attempt's rendezvous (see ``_init_default_group``).
     """
     shape, names = tuple(int(s) for s in shape), tuple(names)
     if len(shape) != len(names):
@@ -54,7 +70,9 @@ def init_mesh(shape: Sequence[int], names: Sequence[str], device_type: str | Non
         backend = "nccl" if device_type == "cuda" else "gloo"
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
+        _init_default_group(backend, _as_timedelta(timeout) or DEFAULT_TIMEOUT)
+    elif timeout is not None:
+        dist.distributed_c10d._set_pg_timeout(_as_timedelta(timeout))
     world = dist.get_world_size()
     if math.prod(shape) != world:
         raise ValueError(
@@ -62,3 +80,34 @@ def init_mesh(shape: Sequence[int], names: Sequence[str], device_type: str | Non
             f"make the product of the shape equal the number of processes"
         )
     return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+
+def _as_timedelta(timeout: float | timedelta | None) -> timedelta | None:
+    if timeout is None or isinstance(timeout, timedelta):
+        return timeout
+    if not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ValueError(f"init_mesh: timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
+    return timedelta(seconds=timeout)
+
+
+def _init_default_group(backend: str, timeout: timedelta) -> None:
+    """``init_process_group`` from torchrun's environment, on a store private to this restart attempt.
+
+    torchrun's agent keeps one TCPStore for the whole job. Workers of a restarted attempt that
+    rendezvous through it find the keys the dead attempt's workers left (gloo's peer addresses among
+    them), connect to processes that no longer exist and hang. Prefixing every key with the attempt
+    number (``TORCHELASTIC_RESTART_COUNT``, set by torchrun for each attempt) gives each attempt a
+    clean namespace in the same store.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+        is_master=not agent_store and rank == 0, timeout=timeout, multi_tenant=not agent_store,
+    )
+    store = dist.PrefixStore(f"vescale/attempt_{attempt}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)

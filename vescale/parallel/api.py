@@ -18,6 +18,8 @@ from ..comm.grad import DEFAULT_BUCKET_MB, GradReducer, attach_grad_reduction
 from ..comm.groups import prepare_groups
 from .. import dispatch
 from ..plan import PlanIR, VescalePlan, lower
+from ..plan.lower import forward_arg_names
+from .contract import InputContract, checksum
 from .hooks import enable_implicit_replication, install_module_hooks, root_hooks
 from .zero import GatherScheduler
 from .placing import place
@@ -29,18 +31,6 @@ def explain(model: nn.Module, plan: VescalePlan, mesh: DeviceMesh) -> PlanIR:
     """The lowered and optimised Plan IR for ``plan`` on ``model`` and ``mesh`` (printable).
     Changes nothing; raises the same errors ``parallelize`` would."""
     return lower(plan, model, mesh)
-
-
-def _weights_checksum(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Exact, order-independent integer checksums (two per tensor) of the raw bits."""
-    sums = []
-    for t in tensors:
-        raw = t.detach().contiguous().view(-1)
-        words = raw.view(torch.int32) if raw.numel() * raw.element_size() % 4 == 0 else raw.view(torch.uint8)
-        weights = torch.arange(words.numel(), dtype=torch.int64) % 65521 + 1
-        # int64 sums of 32-bit words cannot overflow below 2**31 words per tensor.
-        sums += [words.sum(dtype=torch.int64), (words * weights).sum()]
-    return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int64)
 
 
 def _check_same_weights(model: nn.Module, mesh: DeviceMesh) -> None:
@@ -58,7 +48,7 @@ def _check_same_weights(model: nn.Module, mesh: DeviceMesh) -> None:
             f"ranks built different models ({len(named)} parameters and buffers on rank {dist.get_rank()}, "
             f"{count[0].item()} on another); build the same model on every rank"
         )
-    local = _weights_checksum([t.cpu() for _, t in named])
+    local = checksum([t.cpu() for _, t in named])
     if local.numel() == 0:
         return
     hi, lo = local.to(device), local.to(device).neg()
@@ -104,6 +94,7 @@ def parallelize(
     bucket_mb: float | None = DEFAULT_BUCKET_MB,
     fuse_dims: bool = True,
     prefetch: bool = True,
+    check_inputs: str = "auto",
 ) -> nn.Module:
     """Parallelise ``model`` in place according to ``plan`` on ``mesh`` and return it.
 
@@ -125,12 +116,19 @@ def parallelize(
     reduce-scattered in the buckets. ``bucket_mb=None``: DTensor's per-tensor redistribution of each
     gradient and gather (the reference path). Use ``vescale.no_grad_sync(model)`` for accumulation
     micro-steps.
+
+    Data contract (``vescale.parallel.contract``): a root input the plan shards must split evenly
+    (else an error naming the input, the mesh dim and the fix), and every rank must pass the same
+    root inputs: ``check_inputs="auto"`` compares their checksums across ranks on the first forward
+    calls and whenever their shapes change, ``"always"`` on every call (debug mode), ``"off"`` never.
     """
     if mode not in ("eager", "static"):
         raise ValueError(f"parallelize: mode must be 'eager' or 'static', got {mode!r}")
     if getattr(model, "_vescale_ir", None) is not None:
         raise RuntimeError("this model is already parallelized; build a fresh model to apply another plan")
     ir = lower(plan, model, mesh)
+    root_inputs = [e for e in ir.hooks().get(("", "forward_pre"), []) if e.tensor == "<in>"]
+    contract = InputContract(root_inputs, forward_arg_names(model)[0], mesh, check_inputs)
     _check_same_weights(model, mesh)
     _distribute_tensors(model, ir, mesh)
 
@@ -145,7 +143,7 @@ def parallelize(
     vescale_random.install()
     # loss.item() of a Partial loss is the global loss; cheap sharding-propagation misses.
     dispatch.install()
-    handles = root_hooks(model, scheduler)
+    handles = root_hooks(model, scheduler, contract)
     modules = dict(model.named_modules(remove_duplicate=False))
     per_module: dict[str, dict[str, list]] = {}
     for (mpath, hook), entries in ir.hooks().items():

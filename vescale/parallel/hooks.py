@@ -31,6 +31,7 @@ from ..plan.lower import forward_arg_names
 # already been moved to their planned placements as local tensors: the plan's hooks leave them be.
 IO_PLACED = "_vescale_io_placed"
 from .placing import place
+from .faults import FaultReporter
 from .zero import GatheredParam
 
 __all__ = ["install_module_hooks", "GatheredParam"]
@@ -255,14 +256,18 @@ def enable_implicit_replication() -> None:
     torch._C._set_dtensor_allow_implicit_replication(True)
 
 
-def root_hooks(root: nn.Module, scheduler=None) -> list:
+def root_hooks(root: nn.Module, scheduler=None, contract=None) -> list:
     """Hooks on the root module: implicit replication for whichever thread runs forward, and Partial
     outputs (a loss reduced over a sharded batch) resolved to Replicate, so that ``loss.item()`` and
     ``loss.backward()`` mean what they mean on one device. With a ZeRO-3 gather scheduler, they also
-    mark the start and end of each forward (the unit order it prefetches by)."""
+    mark the start and end of each forward (the unit order it prefetches by). ``contract`` (an
+    ``InputContract``) checks the root's inputs before the plan splits them. A failed forward is
+    reported to the other ranks (``FaultReporter``)."""
 
-    def pre_hook(mod, args):
+    def pre_hook(mod, args, kwargs):
         enable_implicit_replication()
+        if contract is not None:
+            contract(args, kwargs)
         if scheduler is not None:
             scheduler.begin_forward()
 
@@ -271,7 +276,13 @@ def root_hooks(root: nn.Module, scheduler=None) -> list:
             scheduler.end_forward()
         return _map_tensors(_resolve_partial, output)
 
-    return [root.register_forward_pre_hook(pre_hook), root.register_forward_hook(post_hook)]
+    faults = FaultReporter(root)
+    return [
+        root.register_forward_pre_hook(pre_hook, with_kwargs=True),
+        root.register_forward_pre_hook(faults.pre_hook),
+        root.register_forward_hook(post_hook),
+        root.register_forward_hook(faults.hook, always_call=True),
+    ]
 
 
 def _resolve_partial(t: torch.Tensor) -> torch.Tensor:

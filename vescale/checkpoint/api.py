@@ -1,0 +1,257 @@
+"""save() / load(): checkpoints of a parallelised (or plain) model on top of PyTorch DCP.
+
+What goes where:
+
+* ``torch.distributed.checkpoint`` (DCP) holds the model's and the optimiser's state dicts, taken
+  with ``get_model_state_dict`` / ``get_optimizer_state_dict``: every rank writes only its own shards
+  of each DTensor, a replicated tensor is written once, and a load reads whatever chunks the
+  *loading* model's placements need — so a checkpoint saved on one mesh and plan loads on any other,
+  including a plain single-device model.
+* ``vescale.pt`` (written by rank 0, last) holds the step, the user's extras, vescale's RNG state
+  (the same on every rank) and every rank's PyTorch RNG states (CPU and, if present, CUDA).
+
+The folder layout, the atomic publication and keep-last-N are in ``layout.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from . import layout
+
+__all__ = ["save", "load", "wait", "AsyncCheckpoint"]
+
+_FORMAT = 1
+_pending: list["AsyncCheckpoint"] = []  # at most one async save in flight per process
+_async_group: list = []  # the process group async saves communicate on (made once, lazily)
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+def _state(model: nn.Module, optimizer) -> dict:
+    state = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        state["optim"] = get_optimizer_state_dict(model, optimizer)
+    return state
+
+
+def _rng_states() -> dict:
+    """This rank's PyTorch generators (they may differ per rank) and vescale's (the same everywhere)."""
+    from .. import random as vescale_random
+
+    mine = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        mine["cuda"] = torch.cuda.get_rng_state()
+    everyone = [None] * dist.get_world_size() if _distributed() else [mine]
+    if _distributed():
+        dist.all_gather_object(everyone, mine)
+    try:
+        vescale_state = vescale_random.get_state()
+    except RuntimeError:  # never seeded: nothing to restore
+        vescale_state = None
+    return {"torch": everyone, "vescale": vescale_state}
+
+
+def _next_step(root: Path) -> int:
+    found = layout.latest(root)
+    if found is None:
+        return 0
+    return torch.load(found / layout.SIDE_FILE, weights_only=False)["step"] + 1
+
+
+def save(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    step: int | None = None,
+    keep_last: int | None = None,
+    async_save: bool = False,
+    **extra: Any,
+) -> Path | "AsyncCheckpoint":
+    """Save checkpoint ``step`` of ``model`` (and ``optimizer``) under the folder ``path``; call on every rank.
+
+    Saves the model's and optimiser's state (each rank its own shards, through DCP), vescale's and
+    PyTorch's RNG states, ``step`` and ``extra`` (any picklable values, e.g. a data-loader position);
+    ``load`` returns ``{"step": step, **extra}``. ``step`` defaults to the latest saved step + 1 (0 for
+    the first). The checkpoint appears as ``path/step_<step>`` only when complete, and ``path/latest``
+    then names it: a crash mid-save leaves the previous checkpoint in place and loadable.
+    ``keep_last=N`` deletes all but the newest N checkpoints after publishing this one.
+
+    ``async_save=True`` copies the state to CPU memory and writes it in a background thread (DCP's
+    ``async_save``, on a process group of its own) and returns an ``AsyncCheckpoint``; training may
+    go on at once. The checkpoint is published when the write finishes; ``wait()`` (or the next
+    ``save`` / ``load``) waits for it and raises its error, if any. Returns the checkpoint folder.
+    """
+    wait()
+    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+        raise ValueError(f"checkpoint.save: keep_last must be a positive int or None, got {keep_last!r}")
+    root = Path(path)
+    if step is None:
+        step = _next_step(root)
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"checkpoint.save: step must be a non-negative int, got {step!r}")
+    temp = root / layout.temp_name(step)
+    if _rank() == 0:  # a temp folder left by a crashed save of the same step
+        shutil.rmtree(temp, ignore_errors=True)
+        temp.mkdir(parents=True)
+    _barrier()
+    side = {"format": _FORMAT, "step": step, "extra": extra, "rng": _rng_states(),
+            "world_size": dist.get_world_size() if _distributed() else 1}
+    state = _state(model, optimizer)
+    if _rank() == 0:
+        torch.save(side, temp / layout.SIDE_FILE)  # complete only together with DCP's .metadata
+    if async_save:
+        handle = AsyncCheckpoint(root, step, keep_last, _start_async(state, temp))
+        _pending.append(handle)
+        return handle
+    dcp.save(state, checkpoint_id=temp, no_dist=not _distributed())
+    # DCP's coordinator (rank 0) wrote .metadata only after every rank reported its writes done.
+    final = _finish(root, step, keep_last) if _rank() == 0 else root / layout.step_name(step)
+    _barrier()  # when save returns, every rank sees the published checkpoint
+    return final
+
+
+def _finish(root: Path, step: int, keep_last: int | None) -> Path:
+    final = layout.publish(root, step)
+    if keep_last is not None:
+        layout.prune(root, keep_last)
+    return final
+
+
+def _start_async(state: dict, temp: Path):
+    if not _distributed():
+        return dcp.async_save(state, checkpoint_id=temp, no_dist=True)
+    if not _async_group:
+        # The writer thread runs DCP's collectives while the main thread trains: on the default
+        # group the two streams of collectives would interleave and pair wrongly.
+        _async_group.append(dist.new_group(backend="gloo"))
+    return dcp.async_save(state, checkpoint_id=temp, process_group=_async_group[0])
+
+
+class AsyncCheckpoint:
+    """A checkpoint being written in the background (``save(..., async_save=True)``)."""
+
+    def __init__(self, root: Path, step: int, keep_last: int | None, future):
+        self.root, self.step, self.keep_last = root, step, keep_last
+        self._future = getattr(future, "upload_completion", future)
+        self._lock = threading.Lock()
+        self._path: Path | None = None
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self) -> Path:
+        """Wait until written and published (rank 0 publishes; every rank waits for its own part)."""
+        with self._lock:
+            if self._path is None:
+                self._future.result()  # raises the writer's error
+                if _rank() == 0:
+                    self._path = _finish(self.root, self.step, self.keep_last)
+                else:
+                    self._path = self.root / layout.step_name(self.step)
+        return self._path
+
+
+def wait() -> Path | None:
+    """Wait for this process's async save in flight, if any; returns its folder. Every rank must call
+    it (``save`` and ``load`` do) so that all see the checkpoint published."""
+    if not _pending:
+        return None
+    handle = _pending.pop()
+    try:
+        return handle.wait()
+    finally:
+        _barrier()
+
+
+def load(
+    path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> dict[str, Any]:
+    """Load the latest complete checkpoint under ``path`` (or the checkpoint folder ``path``) into
+    ``model`` (and ``optimizer``), restore vescale's and PyTorch's RNG states, and return
+    ``{"step": step, **extra}``. Call on every rank.
+
+    The model may be parallelised with any plan on any mesh, or be a plain single-device model: DCP
+    reads the chunks each rank's placements need. PyTorch's per-rank RNG states are restored when the
+    world size is the one saved (else rank 0's, which is every rank's under vescale's SPMD contract).
+    """
+    wait()
+    root = Path(path)
+    folder = layout.latest(root)
+    if folder is None:
+        raise FileNotFoundError(
+            f"checkpoint.load: no complete checkpoint under {str(root)!r} (looked for a 'latest' pointer "
+            "and step_* folders holding .metadata and vescale.pt); save one with vescale.checkpoint.save"
+        )
+    _check_same_folder(folder)
+    side = torch.load(folder / layout.SIDE_FILE, weights_only=False)
+    if optimizer is not None and not _has_optimizer(folder):
+        raise ValueError(
+            f"checkpoint.load: {folder} was saved without an optimizer; load it without optimizer= "
+            "(the optimiser then starts fresh), or save with save(..., optimizer)"
+        )
+    state = _state(model, optimizer)
+    dcp.load(state, checkpoint_id=folder, no_dist=not _distributed())
+    set_model_state_dict(model, state["model"])
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, state["optim"])
+    _restore_rng(side["rng"])
+    return {"step": side["step"], **side["extra"]}
+
+
+def _has_optimizer(folder: Path) -> bool:
+    keys = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    return any(k.startswith("optim.") for k in keys)
+
+
+def _check_same_folder(folder: Path) -> None:
+    """Every rank must read the same checkpoint (a root that is not one shared file system would not)."""
+    if not _distributed():
+        return
+    names = [None] * dist.get_world_size()
+    dist.all_gather_object(names, str(folder.resolve()))
+    if len(set(names)) != 1:
+        raise RuntimeError(
+            f"checkpoint.load: ranks found different latest checkpoints ({sorted(set(names))}); the "
+            "checkpoint folder must be one file system shared by all ranks"
+        )
+
+
+def _restore_rng(rng: dict) -> None:
+    from .. import random as vescale_random
+
+    if rng["vescale"] is not None:
+        vescale_random.set_state(rng["vescale"])
+    states = rng["torch"]
+    world = dist.get_world_size() if _distributed() else 1
+    mine = states[_rank()] if len(states) == world else states[0]
+    torch.set_rng_state(mine["cpu"])
+    if "cuda" in mine and torch.cuda.is_available():
+        torch.cuda.set_rng_state(mine["cuda"])
