@@ -21,7 +21,13 @@ sequence length against a repeated one (static mode records again for new shapes
 runs the same on real gloo ranks (one process each; ``local`` left out: its stand-in collectives
 do not communicate; 4 ranks oversubscribe 2 cores, so read ratios, not absolutes). Run:
 
-    .venv/bin/python benchmarks/bench_dispatch.py [--rounds 7] [--configs tp8,dp2tp4] [--gloo tp2,dp2tp2]
+    .venv/bin/python benchmarks/bench_dispatch.py [--rounds 7] [--configs tp8,dp2tp4] [--gloo tp2,dp2tp2] [--model llama|moe]
+
+``--model moe``: HF's unchanged ``MixtralForCausalLM`` with many small experts (16 experts of
+intermediate 64, 2 per token) under ``vescale.zoo.moe_plan`` (tensor-parallel experts, SP, ZeRO-3),
+where per-op overhead dominates; ``torch`` is ``benchmarks/torchtitan_plans.py``'s TorchTitan-style
+MoE parallelisation, ``local`` the per-rank Mixtral with every head, expert and vocabulary dim cut
+to this rank's share.
 """
 
 from __future__ import annotations
@@ -53,6 +59,10 @@ CONFIGS = {  # name: (mesh shape, mesh names, sequence parallel, zero3)
 MODEL = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                     num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512)
 BATCH, SEQ = 8, 64
+# Many small experts: a step is hundreds of small ops, so per-op overhead dominates.
+MOE_SIZES = dict(vocab_size=512, hidden_size=128, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
+                 num_key_value_heads=8, head_dim=16, num_local_experts=16, num_experts_per_tok=2,
+                 max_position_embeddings=512)
 
 
 def _megatron_rank(dp: int, tp: int, sp: bool) -> LlamaForCausalLM:
@@ -71,14 +81,34 @@ def _megatron_rank(dp: int, tp: int, sp: bool) -> LlamaForCausalLM:
         a.o_proj = nn.Linear(H // tp, H, bias=False)
         m.gate_proj, m.up_proj = (nn.Linear(H, I // tp, bias=False) for _ in range(2))
         m.down_proj = nn.Linear(I // tp, H, bias=False)
-        if sp and tp > 1:
-            for block in (a, m):
-                block.register_forward_pre_hook(lambda mod, args, kw: ((torch.cat([args[0] if args else kw.pop("hidden_states")] * tp, 1),) + tuple(args[1:]), kw), with_kwargs=True)
-                block.register_forward_hook(lambda mod, args, out: (out[0].narrow(1, 0, out[0].shape[1] // tp),) + tuple(out[1:]) if isinstance(out, tuple) else out.narrow(1, 0, out.shape[1] // tp))
     if sp and tp > 1:
-        model.model.embed_tokens.register_forward_hook(lambda mod, args, out: out.narrow(1, 0, out.shape[1] // tp))
-        model.model.norm.register_forward_hook(lambda mod, args, out: torch.cat([out] * tp, 1))
+        _sp_stand_ins(model, tp)
     return model
+
+
+def _megatron_moe_rank(dp: int, tp: int, sp: bool):
+    """The per-rank HF Mixtral of hand-written TP (+SP): heads, every expert's intermediate dim and
+    the vocabulary cut to this rank's share (the router is whole), SP collectives as stand-ins."""
+    from vescale.zoo import tiny_hf_mixtral
+
+    m = MOE_SIZES
+    model = tiny_hf_mixtral(**{**m, "num_attention_heads": m["num_attention_heads"] // tp,
+                               "num_key_value_heads": m["num_key_value_heads"] // tp,
+                               "intermediate_size": m["intermediate_size"] // tp, "vocab_size": m["vocab_size"] // tp})
+    if sp and tp > 1:
+        _sp_stand_ins(model, tp)
+    return model
+
+
+def _sp_stand_ins(model, tp: int) -> None:
+    """Plain-tensor stand-ins of SP's collectives: a cat (all-gather) before attention and MLP, a
+    narrow (reduce-scatter) after them, after the embedding, and a cat after the final norm."""
+    for layer in model.model.layers:
+        for block in (layer.self_attn, layer.mlp):
+            block.register_forward_pre_hook(lambda mod, args, kw: ((torch.cat([args[0] if args else kw.pop("hidden_states")] * tp, 1),) + tuple(args[1:]), kw), with_kwargs=True)
+            block.register_forward_hook(lambda mod, args, out: (out[0].narrow(1, 0, out[0].shape[1] // tp),) + tuple(out[1:]) if isinstance(out, tuple) else out.narrow(1, 0, out.shape[1] // tp))
+    model.model.embed_tokens.register_forward_hook(lambda mod, args, out: out.narrow(1, 0, out.shape[1] // tp))
+    model.model.norm.register_forward_hook(lambda mod, args, out: torch.cat([out] * tp, 1))
 
 
 def _torchtitan(model: LlamaForCausalLM, mesh, sp: bool, zero3: bool) -> None:
@@ -124,27 +154,32 @@ def _torchtitan(model: LlamaForCausalLM, mesh, sp: bool, zero3: bool) -> None:
 class Runner:
     """One variant: a model, its optimiser and a step function."""
 
-    def __init__(self, variant: str, mesh, dp: int, tp: int, sp: bool, zero3: bool):
+    def __init__(self, variant: str, mesh, dp: int, tp: int, sp: bool, zero3: bool, kind: str = "llama"):
         torch.manual_seed(0)
-        self.variant, self.batch = variant, BATCH
+        self.variant, self.batch, self.kind = variant, BATCH, kind
+        vocab = MODEL.vocab_size if kind == "llama" else MOE_SIZES["vocab_size"]
+        self.vocab = vocab
         if variant == "torch":
-            self.model = LlamaForCausalLM(MODEL)
-            _torchtitan(self.model, mesh, sp, zero3)
+            self.model = _build(kind)
+            if kind == "llama":
+                _torchtitan(self.model, mesh, sp, zero3)
+            else:
+                from torchtitan_plans import torchtitan_moe
+
+                torchtitan_moe(self.model, mesh, zero3=zero3)  # TP experts + SP (+ FSDP)
             self.batch = BATCH // dp  # each DP rank loads its own part of the batch
-            self.vocab = MODEL.vocab_size
         elif variant == "local":
-            self.model = _megatron_rank(dp, tp, sp)
+            self.model = _megatron_rank(dp, tp, sp) if kind == "llama" else _megatron_moe_rank(dp, tp, sp)
             self.batch = BATCH // dp
-            self.vocab = MODEL.vocab_size // tp  # ids of this rank's vocabulary shard (no masking)
+            self.vocab = vocab // tp  # ids of this rank's vocabulary shard (no masking)
         else:
             if variant == "torch-dispatch":
                 dispatch.uninstall()
-            self.model = LlamaForCausalLM(MODEL)
+            self.model = _build(kind)
             mode = "static" if variant == "static" else "eager"
-            vescale.parallelize(self.model, llama_plan(mesh, MODEL, sequence_parallel=sp, zero3=zero3), mesh, mode=mode)
+            vescale.parallelize(self.model, _vescale_plan(kind, self.model, mesh, sp, zero3), mesh, mode=mode)
             if variant == "torch-dispatch":
                 dispatch.uninstall()  # parallelize installs them; this variant runs without
-            self.vocab = MODEL.vocab_size
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
 
     def step(self, seq: int = SEQ) -> float:
@@ -154,12 +189,29 @@ class Runner:
             dispatch.install()
         (x, y), = synthetic_batches(1, self.batch, seq, self.vocab, seed=seq)
         t0 = time.perf_counter()
-        with loss_parallel() if self.variant == "torch" else contextlib.nullcontext():
+        # TorchTitan's LLaMA keeps the logits vocabulary-sharded (loss_parallel); its MoE here replicates them.
+        with loss_parallel() if self.variant == "torch" and self.kind == "llama" else contextlib.nullcontext():
             loss = self.model(input_ids=x, labels=y).loss
             loss.backward()
         self.opt.step()
         self.opt.zero_grad()
         return time.perf_counter() - t0
+
+
+def _build(kind: str):
+    if kind == "llama":
+        return LlamaForCausalLM(MODEL)
+    from vescale.zoo import tiny_hf_mixtral
+
+    return tiny_hf_mixtral(**MOE_SIZES)
+
+
+def _vescale_plan(kind: str, model, mesh, sp: bool, zero3: bool):
+    if kind == "llama":
+        return llama_plan(mesh, MODEL, sequence_parallel=sp, zero3=zero3)
+    from vescale.zoo import moe_plan
+
+    return moe_plan(mesh, model.config, sequence_parallel=sp, zero3=zero3)
 
 
 def _stats(xs: list[float]) -> tuple[float, float, float]:
@@ -251,13 +303,13 @@ def _local_twin(name: str, out):
     return lambda: a @ a.transpose(2, 3)
 
 
-def _measure(mesh, shape, sp, zero3, rounds, variants) -> dict:
+def _measure(mesh, shape, sp, zero3, rounds, variants, kind) -> dict:
     """First step, steady steps (interleaved rounds) and new-length ratios of every variant."""
     dp, tp = shape
     first, runners = {}, {}
     for v in variants:  # first step: fresh model, cold sharding caches
         _fresh_caches()
-        runners[v] = Runner(v, mesh, dp, tp, sp, zero3)
+        runners[v] = Runner(v, mesh, dp, tp, sp, zero3, kind)
         first[v] = runners[v].step()
     for v in variants:  # warm up (static: until recorded)
         for _ in range(3):
@@ -296,34 +348,34 @@ def _report(title: str, r: dict, base_name: str) -> None:
         print(f"static: modules kept eager: {r['eager_modules']}")
 
 
-def bench(config: str, rounds: int, variants: list[str]) -> None:
+def bench(config: str, rounds: int, variants: list[str], kind: str) -> None:
     shape, names, sp, zero3 = CONFIGS[config]
     if dist.is_initialized():
         dist.destroy_process_group()
     dist.init_process_group("fake", rank=0, world_size=math.prod(shape))
     mesh = vescale.init_mesh(shape, names)
     vescale.manual_seed(0)
-    r = _measure(mesh, shape, sp, zero3, rounds, variants)
-    _report(f"\n## {config}: mesh {dict(zip(names, shape))}, SP={sp}, ZeRO-3={zero3}; rank 0 of "
+    r = _measure(mesh, shape, sp, zero3, rounds, variants, kind)
+    _report(f"\n## {kind} {config}: mesh {dict(zip(names, shape))}, SP={sp}, ZeRO-3={zero3}; rank 0 of "
             f"{math.prod(shape)} (fake group)", r, "local")
 
 
-def _on_gloo_rank(config: str, rounds: int, variants: list[str]):
+def _on_gloo_rank(config: str, rounds: int, variants: list[str], kind: str):
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     shape, names, sp, zero3 = CONFIGS[config]
     mesh = vescale.init_mesh(shape, names)
     vescale.manual_seed(0)
-    r = _measure(mesh, shape, sp, zero3, rounds, variants)
+    r = _measure(mesh, shape, sp, zero3, rounds, variants, kind)
     return r if dist.get_rank() == 0 else None
 
 
-def bench_gloo(config: str, rounds: int, variants: list[str]) -> None:
+def bench_gloo(config: str, rounds: int, variants: list[str], kind: str) -> None:
     from vescale.testing import run_on_ranks
 
     shape, names, sp, zero3 = CONFIGS[config]
     variants = [v for v in variants if v != "local"]  # its stand-in collectives do not communicate
-    r = run_on_ranks(_on_gloo_rank, math.prod(shape), config, rounds, variants, timeout=1800)[0]
-    _report(f"\n## {config} on {math.prod(shape)} gloo ranks (processes): mesh {dict(zip(names, shape))}, "
+    r = run_on_ranks(_on_gloo_rank, math.prod(shape), config, rounds, variants, kind, timeout=1800)[0]
+    _report(f"\n## {kind} {config} on {math.prod(shape)} gloo ranks (processes): mesh {dict(zip(names, shape))}, "
             f"SP={sp}, ZeRO-3={zero3}; rank 0's times", r, "torch")
 
 
@@ -333,6 +385,7 @@ def main() -> None:
     ap.add_argument("--configs", default="tp8,dp2tp4")
     ap.add_argument("--variants", default="local,torch,torch-dispatch,eager,static")
     ap.add_argument("--gloo", default="", help="configs to run on real gloo ranks too, e.g. tp2,dp2tp2")
+    ap.add_argument("--model", choices=("llama", "moe"), default="llama", help="the zoo LLaMA or HF Mixtral (many small experts)")
     ap.add_argument("--ops", action="store_true", help="per-op overhead on a DP=2 x TP=2 mesh first")
     args = ap.parse_args()
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
@@ -344,11 +397,11 @@ def main() -> None:
         per_op(vescale.init_mesh((2, 2), ("DP", "TP")))
         dist.destroy_process_group()
     for config in filter(None, args.configs.split(",")):
-        bench(config, args.rounds, args.variants.split(","))
+        bench(config, args.rounds, args.variants.split(","), args.model)
     if dist.is_initialized():
         dist.destroy_process_group()
     for config in filter(None, args.gloo.split(",")):
-        bench_gloo(config, args.rounds, args.variants.split(","))
+        bench_gloo(config, args.rounds, args.variants.split(","), args.model)
 
 
 if __name__ == "__main__":
