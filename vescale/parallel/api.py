@@ -17,7 +17,7 @@ from .. import random as vescale_random
 from ..comm.grad import DEFAULT_BUCKET_MB, GradReducer, attach_grad_reduction
 from ..comm.groups import prepare_groups
 from .. import dispatch
-from ..plan import PlanIR, VescalePlan, lower
+from ..plan import PlanError, PlanIR, VescalePlan, lower
 from .hooks import enable_implicit_replication, install_module_hooks, root_hooks
 from .zero import GatherScheduler
 from .placing import place
@@ -28,7 +28,10 @@ __all__ = ["parallelize", "explain"]
 
 def explain(model: nn.Module, plan: VescalePlan, mesh: DeviceMesh) -> PlanIR:
     """The lowered and optimised Plan IR for ``plan`` on ``model`` and ``mesh`` (printable).
-    Changes nothing; raises the same errors ``parallelize`` would."""
+    Changes nothing; raises the same errors ``parallelize`` would. Printing it ends with a report
+    per mesh dim: the parameters the plan leaves replicated there and whether it places any
+    activation there (``ir.coverage()`` has the full lists, ``ir.idle_mesh_dims()`` the dims it
+    does nothing on)."""
     return lower(plan, model, mesh)
 
 
@@ -105,6 +108,7 @@ def parallelize(
     bucket_mb: float | None = DEFAULT_BUCKET_MB,
     fuse_dims: bool = True,
     prefetch: bool = True,
+    strict: bool = False,
 ) -> nn.Module:
     """Parallelise ``model`` in place according to ``plan`` on ``mesh`` and return it.
 
@@ -126,12 +130,22 @@ def parallelize(
     reduce-scattered in the buckets. ``bucket_mb=None``: DTensor's per-tensor redistribution of each
     gradient and gather (the reference path). Use ``vescale.no_grad_sync(model)`` for accumulation
     micro-steps.
+
+    ``strict=True``: refuse a plan that does nothing on some mesh dim of size > 1 (no parameter
+    sharded and no activation split there; see ``vescale.explain``'s report), e.g. a DP dim whose
+    batch statement names no real input.
     """
     if mode not in ("eager", "static"):
         raise ValueError(f"parallelize: mode must be 'eager' or 'static', got {mode!r}")
     if getattr(model, "_vescale_ir", None) is not None:
         raise RuntimeError("this model is already parallelized; build a fresh model to apply another plan")
     ir = lower(plan, model, mesh)
+    if strict and ir.idle_mesh_dims():
+        raise PlanError(
+            f"parallelize(strict=True): the plan does nothing on mesh dim(s) {ir.idle_mesh_dims()}: no parameter "
+            "is sharded and no activation is split there, so every rank along them does the same work.\n"
+            f"{ir.report()}\nShard the batch (plan.shard('<in>[input_ids]', Shard(0), mesh=...)) or parameters there"
+        )
     _check_same_weights(model, mesh)
     _distribute_tensors(model, ir, mesh)
 

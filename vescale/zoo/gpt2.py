@@ -87,8 +87,7 @@ def gpt2_plan(
         plan.shard(rf"{_BLOCK}\.mlp\.c_proj\.weight", Shard(0), mesh=tp)
         plan.shard(rf"{_BLOCK}\.mlp\.c_proj\.<out>", Replicate(), mesh=tp)
     if use_dp:
-        plan.shard(r"<in>\[input_ids\]", Shard(0), mesh=dp)
-        plan.shard(r"<in>\[labels\]", Shard(0), mesh=dp)
+        plan.shard(r"<in>[(input_ids|labels)]", Shard(0), mesh=dp)  # keys are regexes too
         if zero3:
             # Not the tied wte/lm_head (a shared tensor keeps one placement) and not the biases
             # (c_attn's is interleaved on its only dim).
