@@ -17,6 +17,7 @@ from .. import random as vescale_random
 from ..comm.grad import DEFAULT_BUCKET_MB, GradReducer, attach_grad_reduction
 from ..comm.groups import prepare_groups
 from .. import dispatch
+from ..init import has_meta, materialize
 from ..plan import PlanError, PlanIR, VescalePlan, lower
 from .hooks import enable_implicit_replication, install_module_hooks, root_hooks
 from .zero import GatherScheduler
@@ -78,12 +79,14 @@ def _check_same_weights(model: nn.Module, mesh: DeviceMesh) -> None:
         )
 
 
+def _init_placements(ir: PlanIR) -> dict:
+    return {(e.module, e.tensor): e.targets for e in ir.entries if e.hook == "param"}
+
+
 def _distribute_tensors(model: nn.Module, ir: PlanIR, mesh: DeviceMesh) -> None:
     """Parameters (all of them) and planned buffers become DTensors in their INIT placements."""
     modules = dict(model.named_modules(remove_duplicate=False))
-    placements = {
-        (e.module, e.tensor): e.targets for e in ir.entries if e.hook == "param"
-    }
+    placements = _init_placements(ir)
     done: dict[int, nn.Parameter] = {}
     for mpath, mod in modules.items():
         for name, p in list(mod._parameters.items()):
@@ -131,6 +134,11 @@ def parallelize(
     gradient and gather (the reference path). Use ``vescale.no_grad_sync(model)`` for accumulation
     micro-steps.
 
+    A model built on the meta device (``with torch.device("meta"): model = Model(config)``) is
+    materialised here: each rank allocates only its shards and the model's own init code
+    (``init_weights()``, else every module's ``reset_parameters()``) fills them with the values one
+    device would draw from vescale's RNG (``vescale.manual_seed`` first); see ``vescale.init``.
+
     ``strict=True``: refuse a plan that does nothing on some mesh dim of size > 1 (no parameter
     sharded and no activation split there; see ``vescale.explain``'s report), e.g. a DP dim whose
     batch statement names no real input.
@@ -147,6 +155,9 @@ def parallelize(
             f"{ir.report()}\nShard the batch (plan.shard('<in>[input_ids]', Shard(0), mesh=...)) or parameters there"
         )
     _check_same_weights(model, mesh)
+    if has_meta(model):  # built on the meta device: allocate shards, replay the model's init code
+        dispatch.install()  # DTensor ops of the init code (interleaved splits, ...) as in training
+        materialize(model, mesh, _init_placements(ir))
     _distribute_tensors(model, ir, mesh)
 
     reducer = scheduler = None
