@@ -15,9 +15,10 @@ GPT-2 differs from LLaMA where a plan notices:
   replicating costs no communication, only the head's matmul on every TP rank.
 
 The builder uses GPT-2's default config (dropouts 0.1, tied embeddings, gelu_new, KV cache on) at
-tiny sizes, with eager attention: SDPA has no DTensor sharding rule on CPU in PyTorch 2.13, and its
-fused dropout draws from PyTorch's generator, which no distributed run can match (the attention
-probabilities' dropout is drawn by vescale's RNG under eager attention).
+tiny sizes, with eager attention. Measured on this branch with ``attn_implementation="sdpa"``
+(GPT-2's default): training (dropout > 0) takes PyTorch's decomposed math path, whose dropout
+vescale's RNG draws, and matches one device; evaluation (dropout 0) takes the fused CPU flash kernel,
+which has no DTensor sharding rule in PyTorch 2.13 and fails. Eager attention works in both.
 """
 
 from __future__ import annotations
