@@ -35,6 +35,16 @@ class Opt(nn.Module):
         return self.fc(x).sum()
 
 
+class DictOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return {"logits": y, "aux_logits": y * 2, "hidden": y + 1}
+
+
 def _run():
     mesh = vescale.init_mesh((2,), ("DP",))
     out = {}
@@ -61,6 +71,15 @@ def _run():
         out["first"] = None
     except PlanError as e:
         out["first"] = str(e)
+    # Output keys are regexes over dict fields too; one that matches no field is an error.
+    dict_out = vescale.parallelize(DictOut(), VescalePlan().shard(r"<out>[.*logits]", Shard(0), mesh="DP"), mesh)
+    res = dict_out(x)
+    out["out_regex"] = {k: tuple(v.to_local().shape) for k, v in res.items()}
+    try:
+        vescale.parallelize(DictOut(), VescalePlan().shard(r"<out>[logit]", Shard(0), mesh="DP"), mesh)(x)
+        out["out_typo"] = None
+    except PlanError as e:
+        out["out_typo"] = str(e)
     return out
 
 
@@ -70,3 +89,6 @@ def test_first_call_must_match_every_key():
         assert out["regex"] == {"input_ids": (3, 4), "pixel_values": (3, 4)}
         assert out["later"]
         assert "<root>.<in>[labels]" in out["first"] and "which passed ['x']" in out["first"]
+        # Both *logits fields are placed (split over DP: 3 of 6 rows); "hidden" is not (6 rows).
+        assert out["out_regex"] == {"logits": (3, 4), "aux_logits": (3, 4), "hidden": (6, 4)}
+        assert out["out_typo"].startswith("<root>.<out>[logit]: the module's output has no field matching 'logit'")
