@@ -27,6 +27,10 @@ from torch.overrides import TorchFunctionMode
 
 from ..plan.ir import Entry, PlanError
 from ..plan.lower import KeyPattern, forward_arg_names
+
+# Set on a module (in its __dict__) by Static Eager mode while its planned inputs or outputs have
+# already been moved to their planned placements as local tensors: the plan's hooks leave them be.
+IO_PLACED = "_vescale_io_placed"
 from .placing import place
 from .zero import GatheredParam
 
@@ -223,7 +227,7 @@ def install_module_hooks(
             mode = _FactoryMode(mesh, factory[0].targets, path)
             mode.__enter__()
             modes.append(mode)
-        if inputs:
+        if inputs and not mod.__dict__.get(IO_PLACED):
             args, kwargs = _place_inputs(args, kwargs, inputs, arg_names, mesh, path, calls[0] == 0)
         calls[0] += 1
         return args, kwargs
@@ -237,7 +241,7 @@ def install_module_hooks(
             store[e.tensor] = g.param
 
     def post_hook(mod, args, kwargs, output):
-        if outputs:
+        if outputs and not mod.__dict__.get(IO_PLACED):
             output = _place_outputs(output, outputs, mesh, path)
         gathered = list(live)
         live.clear()
