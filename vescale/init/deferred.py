@@ -26,6 +26,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from .. import random as vescale_random
+
 __all__ = ["DeferredInitError", "has_meta", "init_entry_point", "materialize", "empty_shard"]
 
 
@@ -95,8 +97,6 @@ def _uninitialised(model: nn.Module) -> list[str]:
 def materialize(model: nn.Module, mesh: DeviceMesh, placements: dict) -> str:
     """Allocate the model's meta tensors as shards (``placements``: (module path, tensor name) ->
     INIT placements) and initialise them with the model's own init code; returns which one ran."""
-    from .. import random as vescale_random
-
     entry = init_entry_point(model)
     if entry is None:
         raise DeferredInitError(
