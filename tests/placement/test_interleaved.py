@@ -64,6 +64,15 @@ def _ops():
     # Splits that are not the sections still gather first (PyTorch's rule), with correct values.
     halves = y.split(6, dim=-1)
     out["other_split"] = (halves[0].placements, torch.equal(halves[0].full_tensor(), y.full_tensor()[..., :6]))
+    # cat's rule depends on exact sizes: equal Shard sections interleave, unequal ones gather (the
+    # shape-free sharding cache must not replay the first decision for the second).
+    a, b, c6 = (distribute_tensor(torch.randn(2, 5, n), mesh, [Shard(2)]) for n in (4, 4, 6))
+    equal, unequal = torch.cat([a, b], dim=2), torch.cat([a, c6], dim=2)
+    out["cat_sizes"] = (
+        repr(equal.placements[0]),
+        is_interleaved(unequal.placements[0]),
+        torch.equal(unequal.full_tensor(), torch.cat([a.full_tensor(), c6.full_tensor()], dim=2)),
+    )
     # MoE gate|up experts (E, 2I, H) as HF's kernels use them: an expert's slice (select), the
     # batched_mm path (index by expert ids, bmm) and the gate/up chunk stay local and exact.
     E, I, H = 3, 4, 6
@@ -93,6 +102,7 @@ def test_layout_redistribute_and_ops():
         assert out["backward_collectives"] == 0
         assert out["cat"] == ("InterleavedShard(dim=2, interleave=3)", True)
         assert out["other_split"] == ((Replicate(),), True)
+        assert out["cat_sizes"] == ("InterleavedShard(dim=2, interleave=2)", False, True)
         assert out["moe"] == (0, [(Shard(1),)] * 4, True)
 
 

@@ -33,6 +33,8 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
 from torch.distributed.tensor._ops._view_ops import InputDim, dim_maps
 from torch.distributed.tensor.placement_types import _StridedShard
+
+from .interleaved import SIZE_DEPENDENT_OPS
 from torch.utils._pytree import tree_map_only
 
 aten = torch.ops.aten
@@ -164,8 +166,8 @@ class ShapeFreeCache:
         prop, op = self.propagator, op_schema.op
         if op in prop.op_to_scalar_shape_adjuster or op in prop.squeeze_op_to_dims_variant:
             return None
-        if _interleaved_output(result.output_spec):
-            return None  # vescale.dispatch.interleaved's rules compare exact section sizes
+        if op in SIZE_DEPENDENT_OPS and _interleaved_output(result.output_spec):
+            return None  # vescale.dispatch.interleaved's cat rule compares exact section sizes
         if not result.needs_redistribute:
             return "plain" if result.redistribute_schema is None else None
         if op in _VIEW_RULES and result.use_val_from_redistribute_schema:

@@ -27,11 +27,14 @@ from torch.distributed.tensor.placement_types import _is_shard_like
 
 from ..placement import InterleavedShard, interleave_of, is_interleaved
 
-__all__ = ["install_interleaved_rules", "uninstall_interleaved_rules"]
+__all__ = ["install_interleaved_rules", "uninstall_interleaved_rules", "SIZE_DEPENDENT_OPS"]
 
 aten = torch.ops.aten
 _SPLIT_OPS = (aten.split.Tensor, aten.split_with_sizes.default)
 _CAT_OPS = (aten.cat.default,)
+# Ops whose interleaved decision depends on exact sizes, which a shape-free cache key leaves out
+# (split is never cached: its size argument is rewritten per call).
+SIZE_DEPENDENT_OPS = frozenset(_CAT_OPS)
 _LOCK = threading.Lock()
 _SAVED: dict = {}  # op -> PyTorch's strategy function, while installed
 
