@@ -7,7 +7,8 @@
 The public surface is small on purpose; everything else lives in one package per concept:
 ``plan`` (VescalePlan and its IR), ``parallel`` (parallelize), ``random`` (single-device-semantic
 distributed RNG), ``dispatch`` (fast eager DTensor dispatch), ``static`` (Static Eager mode),
-``comm`` (gradient reduction), ``zoo`` (ready models and plans), ``checkpoint`` (save / load / resume).
+``comm`` (gradient reduction), ``placement`` (InterleavedShard), ``init`` (deferred initialisation of
+meta-device models), ``checkpoint`` (save / load / resume), ``zoo`` (ready models and plans).
 """
 
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -17,6 +18,7 @@ from . import checkpoint  # vescale.checkpoint.save / load
 from .comm.grad import no_grad_sync
 from .mesh import init_mesh
 from .parallel import explain, parallelize
+from .placement import InterleavedShard
 from .plan import INIT, RUN, PlanError, VescalePlan
 
 
@@ -29,6 +31,6 @@ def manual_seed(seed: int) -> None:
 
 __all__ = [
     "init_mesh", "VescalePlan", "parallelize", "explain", "manual_seed", "no_grad_sync",
-    "Shard", "Replicate", "Partial", "INIT", "RUN", "PlanError",
+    "Shard", "Replicate", "Partial", "INIT", "RUN", "PlanError", "InterleavedShard",
     "checkpoint",
 ]

@@ -16,6 +16,7 @@ with different activations. So the root pre-hook:
 
 from __future__ import annotations
 
+import re
 import zlib
 
 import torch
@@ -24,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from ..plan.ir import Entry, PlanError
+from ..plan.lower import KeyPattern
 
 __all__ = ["InputContract", "DataContractError", "checksum", "FIRST_STEPS", "MODES"]
 
@@ -80,12 +82,19 @@ class InputContract:
             self._check_same_everywhere(inputs, signature)
             self.signature = signature
 
-    def _check_splittable(self, inputs: dict[str, torch.Tensor]) -> None:
+    def _split_inputs(self, inputs: dict[str, torch.Tensor]):
+        """(entry, input name) for every root input a shard statement names in this call (a key of a
+        ``**kwargs`` forward is a regex over the keywords passed)."""
         for e in self.splits:
-            name = e.key if isinstance(e.key, str) else self.names[e.key] if e.key < len(self.names) else f"args[{e.key}]"
-            t = inputs.get(name)
-            if t is None:
-                continue
+            if isinstance(e.key, KeyPattern):
+                names = [n for n in inputs if re.fullmatch(e.key, n)]
+            else:
+                names = [e.key if isinstance(e.key, str) else self.names[e.key] if e.key < len(self.names) else f"args[{e.key}]"]
+            yield from ((e, n) for n in names if n in inputs)
+
+    def _check_splittable(self, inputs: dict[str, torch.Tensor]) -> None:
+        for e, name in self._split_inputs(inputs):
+            t = inputs[name]
             ways: dict[int, list[tuple[str, int]]] = {}
             for i, p in enumerate(e.targets):
                 if isinstance(p, Shard):
@@ -98,7 +107,7 @@ class InputContract:
                     over = " x ".join(f"{name!r} ({size})" for name, size in dims)
                     lower, upper = t.shape[d] // n * n, (t.shape[d] // n + 1) * n
                     raise DataContractError(
-                        f"root input {e.key!r} has size {t.shape[d]} along dim {d}, which the plan splits over "
+                        f"root input {name!r} has size {t.shape[d]} along dim {d}, which the plan splits over "
                         f"mesh dim {over}: {n} equal parts are impossible. Make it a multiple of {n} (e.g. "
                         f"{lower or n} or {upper}; drop or pad the last incomplete batch, e.g. drop_last=True), "
                         f"or change the plan for this input"

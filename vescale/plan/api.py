@@ -14,6 +14,8 @@ on a device mesh:
 Tensor names: a parameter or buffer name, ``<in>`` (first forward input), ``<in>[i]`` (positional
 input i), ``<in>[name]`` (input by argument name, positional or keyword), ``<out>`` (the output, or
 its first element), ``<out>[i]`` / ``<out>[name]`` (an element of a tuple / dict-like output).
+A non-numeric key is a full-match regular expression like the rest of the path
+(``<in>[(input_ids|labels)]``); a key that matches nothing at a module's first call is an error.
 
 The plan holds no model and no mesh: ``vescale.plan.lower`` resolves it against both.
 """
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 from typing import Sequence, Union
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 __all__ = ["Phase", "INIT", "RUN", "Statement", "VescalePlan", "placement_str"]
 
@@ -46,7 +49,7 @@ INIT, RUN = Phase.INIT, Phase.RUN
 PlacementArg = Union[Placement, Sequence[Placement]]
 
 # `<in>`, `<in>[3]`, `<out>[logits]` (brackets escaped or not) ending a path: its activation token.
-_ACTIVATION = re.compile(r"<(in|out)>(?:\\?\[([^\]\\]+)\\?\])?$")
+_ACTIVATION = re.compile(r"<(in|out)>(?:\\?\[(.+?)\\?\])?$")
 
 
 @dataclass(frozen=True)
@@ -82,13 +85,15 @@ class Statement:
 
 
 def placement_str(p: Placement) -> str:
-    """Short form used in IR dumps: R, S(0), P(sum)."""
+    """Short form used in IR dumps: R, S(0), P(sum), IS(0,3)."""
     if isinstance(p, Replicate):
         return "R"
     if isinstance(p, Shard):
         return f"S({p.dim})"
     if isinstance(p, Partial):
         return f"P({p.reduce_op})"
+    if isinstance(p, _StridedShard):  # vescale.InterleavedShard (or DTensor's equal _StridedShard)
+        return f"IS({p.dim},{p._split_factor_int()})"
     return repr(p)
 
 
@@ -101,7 +106,7 @@ def _as_placements(placement: PlacementArg, path: str) -> tuple[Placement, ...]:
         items = ()
     if not items or not all(isinstance(p, Placement) for p in items):
         raise TypeError(
-            f"plan path {path!r}: placement must be a Shard/Replicate/Partial or a list of them "
+            f"plan path {path!r}: placement must be a Shard/Replicate/Partial/InterleavedShard or a list of them "
             f"(one per mesh dimension), got {placement!r}"
         )
     return items

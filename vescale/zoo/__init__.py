@@ -9,8 +9,10 @@ from .data import synthetic_batches
 from .hf import TINY_LLAMA_SIZES, tiny_hf_llama, tiny_hf_llama_config, tiny_llama, tiny_llama_config
 from .llama import LlamaConfig, LlamaForCausalLM
 from .plans import llama_plan
+from .gpt2 import TINY_GPT2_SIZES, gpt2_plan, tiny_hf_gpt2, tiny_hf_gpt2_config
 
 __all__ = [
     "LlamaConfig", "LlamaForCausalLM", "llama_plan", "synthetic_batches", "TINY_LLAMA_SIZES",
     "tiny_llama", "tiny_llama_config", "tiny_hf_llama", "tiny_hf_llama_config",
+    "gpt2_plan", "tiny_hf_gpt2", "tiny_hf_gpt2_config", "TINY_GPT2_SIZES",
 ]
