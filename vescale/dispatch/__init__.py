@@ -6,10 +6,13 @@
   any search; PyTorch's priority-queue search before its exhaustive expansion).
 * ``cache``: a sharding cache keyed without sizes, so a new sequence length is a hit.
 * ``optim``: stock ``torch.optim`` steps on DTensor parameters run on their local shards.
+* ``attention``: sharding rules for the SDPA kernels PyTorch has none for (CPU flash, forward and
+  backward); the CUDA fused kernels refuse in-kernel dropout on DTensors (rank-local masks).
 
 ``install()`` puts all of them in place; ``parallelize`` calls it. Nothing changes at import.
 """
 
+from .attention import install_attention_rules
 from .cache import ShapeFreeCache, install_shape_free_cache, shape_free_cache, uninstall_shape_free_cache
 from .optim import ELEMENTWISE_OPTIMIZERS, install_local_optimizer_step, uninstall_local_optimizer_step
 from .search import install_fast_search, uninstall_fast_search
@@ -19,6 +22,7 @@ from .semantics import install_semantic_handlers
 def install() -> None:
     """Install vescale's dispatch extensions into DTensor (idempotent)."""
     install_semantic_handlers()
+    install_attention_rules()
     install_fast_search()
     install_shape_free_cache()
     install_local_optimizer_step()
@@ -32,4 +36,4 @@ def uninstall() -> None:
     uninstall_fast_search()
 
 
-__all__ = ["install", "uninstall", "ELEMENTWISE_OPTIMIZERS", "ShapeFreeCache", "install_shape_free_cache", "uninstall_shape_free_cache", "shape_free_cache", "install_semantic_handlers", "install_fast_search", "uninstall_fast_search"]
+__all__ = ["install", "install_attention_rules", "uninstall", "ELEMENTWISE_OPTIMIZERS", "ShapeFreeCache", "install_shape_free_cache", "uninstall_shape_free_cache", "shape_free_cache", "install_semantic_handlers", "install_fast_search", "uninstall_fast_search"]

@@ -34,6 +34,8 @@ from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
 from torch.distributed.tensor._ops._view_ops import InputDim, dim_maps
 from torch.utils._pytree import tree_map_only
 
+from .errors import is_missing_rule, missing_rule_error
+
 aten = torch.ops.aten
 # View-like ops and the function whose dim-mapping rule PyTorch uses for them.
 _VIEW_RULES = {
@@ -193,7 +195,12 @@ class ShapeFreeCache:
                 self.hits += 1
                 return replayed
         self.misses += 1
-        result = self.fallback(op_schema)
+        try:
+            result = self.fallback(op_schema)
+        except NotImplementedError as e:
+            if is_missing_rule(e):  # name the op's module, placements and the plan statement that avoids it
+                raise missing_rule_error(op_schema, e) from e
+            raise
         if key is not None and entry is None:
             self.entries[key] = self._learn(op_schema, result)
         return result

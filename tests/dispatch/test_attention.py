@@ -1,0 +1,156 @@
+"""vescale.dispatch.attention: SDPA on DTensors, and the error for an op without a rule.
+
+Runs as rank 0 of a fake 4-rank process group on a DP x TP = 2 x 2 mesh. A heads- or batch-sharded
+SDPA needs no communication, so rank 0's local output and gradients must equal the matching block
+of the single-device result. Tolerance: bit-identical is not guaranteed (the CPU flash kernel
+blocks its loops by the local sizes, which changes fp32 summation order), so 1e-6 on values of
+order 1 — a wrong head pairing or a missing mask changes them by ~1e-1.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import torch.testing._internal.distributed.fake_pg  # noqa: F401
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+import vescale
+from vescale import dispatch
+from vescale.dispatch.attention import FusedDropoutError
+from vescale.dispatch.errors import MissingShardingRule
+from vescale.testing import forget_dtensor_caches
+
+TOL = 1e-6
+aten = torch.ops.aten
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=0, world_size=4)
+    try:
+        forget_dtensor_caches()
+        dispatch.install()
+        torch._C._set_dtensor_allow_implicit_replication(True)
+        yield vescale.init_mesh((2, 2), ("DP", "TP"))
+    finally:
+        torch._C._set_dtensor_allow_implicit_replication(False)
+        forget_dtensor_caches()
+        dist.destroy_process_group()
+
+
+def _block(t: torch.Tensor, placements) -> torch.Tensor:
+    """Rank 0's block (first chunk on every sharded dim) of a global tensor."""
+    for p, n in zip(placements, (2, 2)):
+        if isinstance(p, Shard):
+            t = t.narrow(p.dim, 0, t.shape[p.dim] // n)
+    return t
+
+
+def _qkv(kv_heads: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(4, 4, 8, 16, generator=g)
+    k, v = (torch.randn(4, kv_heads, 8, 16, generator=g) for _ in range(2))
+    return q, k, v
+
+
+LAYOUTS = {
+    "heads on TP": (Replicate(), Shard(1)),
+    "batch on DP, heads on TP": (Shard(0), Shard(1)),
+    "batch on DP x TP": (Shard(0), Shard(0)),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["MHA", "GQA"])
+@pytest.mark.parametrize("mask", [None, "causal", "bool(B,1,L,S)"])
+def test_cpu_flash_sdpa_runs_sharded_forward_and_backward(mesh, layout, kv_heads, mask):
+    placements = LAYOUTS[layout]
+    q, k, v = _qkv(kv_heads)
+    attn_mask = None
+    if mask == "bool(B,1,L,S)":
+        attn_mask = torch.rand(4, 1, 8, 8, generator=torch.Generator().manual_seed(3)) > 0.3
+        attn_mask[..., 0] = True  # no fully-masked row
+    kw = dict(is_causal=mask == "causal", enable_gqa=kv_heads != 4, attn_mask=attn_mask)
+    grad = torch.randn(4, 4, 8, 16, generator=torch.Generator().manual_seed(9))
+
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*ref, **kw)
+    out.backward(grad)
+
+    dts = [distribute_tensor(t, mesh, placements).requires_grad_() for t in (q, k, v)]
+    seen = []
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):  # which kernel ran: the CPU flash one, not a decomposition
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    if attn_mask is not None:
+        kw["attn_mask"] = distribute_tensor(attn_mask, mesh, (Replicate(), Replicate()))
+    with Ops():
+        got = F.scaled_dot_product_attention(*dts, **kw)
+        got.backward(distribute_tensor(grad, mesh, placements))
+    assert aten._scaled_dot_product_flash_attention_for_cpu.default in seen
+    assert aten._scaled_dot_product_flash_attention_for_cpu_backward.default in seen
+    assert got.placements == placements, f"output went to {got.placements}: the rule redistributed"
+    local = got.to_local()
+    assert local.shape == _block(out, placements).shape
+    assert (local - _block(out, placements)).abs().max() <= TOL
+    for name, d, r in zip("qkv", dts, ref):
+        assert d.grad.placements == placements, f"grad {name} placements {d.grad.placements}"
+        assert (d.grad.to_local() - _block(r.grad, placements)).abs().max() <= TOL, f"grad {name}"
+
+
+def test_uneven_heads_split_is_replicated_instead_of_mispairing_gqa(mesh):
+    """6 query heads, 3 k/v heads: TP=2 splits q evenly but not k/v, so the rule replicates heads
+    (the fake process group's gather leaves other ranks' heads empty: compare rank 0's own heads)."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(2, 6, 8, 16, generator=g), torch.randn(2, 3, 8, 16, generator=g), torch.randn(2, 3, 8, 16, generator=g)
+    out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    dq = distribute_tensor(q, mesh, (Replicate(), Shard(1)))
+    dk, dv = (distribute_tensor(t, mesh, (Replicate(), Replicate())) for t in (k, v))
+    got = F.scaled_dot_product_attention(dq, dk, dv, enable_gqa=True)
+    assert got.placements == (Replicate(), Replicate())
+    assert (got.to_local()[:, :3] - out[:, :3]).abs().max() <= TOL
+
+
+def test_fused_cuda_kernels_refuse_in_kernel_dropout(mesh):
+    """The strategy runs before any kernel, so the refusal is checked on CPU DTensors too."""
+    q = distribute_tensor(torch.randn(4, 4, 8, 16), mesh, (Replicate(), Shard(1)))
+    with pytest.raises(FusedDropoutError, match=r"dropout_p=0.1.*SDPBackend.MATH"):
+        aten._scaled_dot_product_flash_attention.default(q, q, q, 0.1)
+    with pytest.raises(FusedDropoutError, match="efficient"):
+        aten._scaled_dot_product_efficient_attention.default(q, q, q, None, True, 0.1)
+
+
+def test_an_op_without_a_rule_names_op_module_placements_and_the_fix(mesh):
+    class Inner(torch.nn.Module):
+        def forward(self, x):
+            return torch.ops.aten._cdist_forward.default(x, x, 2.0, None)  # has no DTensor rule
+
+    class Outer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = torch.nn.ModuleDict({"dist": Inner()})
+
+        def forward(self, x):
+            return self.block["dist"](x)
+
+    x = distribute_tensor(torch.randn(4, 6, 3), mesh, (Shard(0), Shard(1)))
+    with pytest.raises(MissingShardingRule) as info:
+        Outer()(x)
+    msg = str(info.value)
+    assert "aten._cdist_forward.default" in msg
+    assert "module 'block.dist'" in msg
+    assert "(4, 6, 3) [Shard(dim=0), Shard(dim=1)] on mesh ('DP', 'TP')" in msg
+    assert r'plan.shard(r"block\.dist\.<in>", Replicate(), mesh=<each of' in msg
+    assert isinstance(info.value, NotImplementedError)  # DTensor's decomposition fallback still applies
+
+    with pytest.raises(MissingShardingRule, match="outside any module.*every argument is already Replicate"):
+        r = distribute_tensor(torch.randn(4, 6, 3), mesh, (Replicate(), Replicate()))
+        torch.ops.aten._cdist_forward.default(r, r, 2.0, None)
