@@ -110,9 +110,22 @@ def _cpu_sdpa_handler(op, args, kwargs):
         kwargs["attn_mask"] = place(mask, _mask_layout(mask, layout, q.ndim))
     results = op(*local_args, **kwargs)
     return tuple(
-        DTensor(r, DTensorSpec(mesh, layout, tensor_meta=TensorMeta(m.shape, m.stride(), m.dtype)), requires_grad=False)
+        DTensor(r, DTensorSpec(mesh, layout, tensor_meta=TensorMeta(m.shape, _stride_like(r, m.shape), m.dtype)),
+                requires_grad=False)
         for r, m in zip(results, metas)
     )
+
+
+def _stride_like(local: torch.Tensor, shape) -> tuple[int, ...]:
+    """Global strides with the local result's dim order. The CPU kernel returns (B, H, L, E) laid out
+    as (B, L, H, E), while its meta kernel says contiguous; a DTensor whose global strides disagree
+    with its local tensor's makes later views (``transpose(1, 2).reshape``) fail locally."""
+    order = sorted(range(local.ndim), key=lambda d: (-local.stride(d), -d))  # outermost first
+    stride, step = [0] * local.ndim, 1
+    for d in reversed(order):
+        stride[d] = step
+        step *= shape[d]
+    return tuple(stride)
 
 
 CPU_SDPA_OPS = (
