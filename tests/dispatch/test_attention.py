@@ -154,3 +154,25 @@ def test_an_op_without_a_rule_names_op_module_placements_and_the_fix(mesh):
     with pytest.raises(MissingShardingRule, match="outside any module.*every argument is already Replicate"):
         r = distribute_tensor(torch.randn(4, 6, 3), mesh, (Replicate(), Replicate()))
         torch.ops.aten._cdist_forward.default(r, r, 2.0, None)
+
+
+def test_a_plain_operand_is_sliced_to_a_heads_split_one_not_gathered(mesh):
+    """diffusers' ``head_to_batch_dim`` attention: q/k flattened to (batch x heads) are
+    ``(Shard(0), _StridedShard(0))``; ``baddbmm(empty, q, k^T, beta=0)`` meets a plain tensor.
+    PyTorch gathers q and k and runs it replicated; vescale's search slices the plain operand (no
+    communication) and keeps the scores on local heads. Values: rank 0's block of the full result."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(4, 16, 32, generator=g)
+    dx = distribute_tensor(x, mesh, (Shard(0), Shard(2)))
+
+    def to_batch(t):  # head_to_batch_dim: (B, L, H*D) -> (B*H, L, D)
+        return t.reshape(4, 16, 4, 8).permute(0, 2, 1, 3).reshape(16, 16, 8)
+
+    bias = torch.randn(16, 16, 16, generator=g)
+    q = to_batch(dx)
+    scores = torch.baddbmm(bias, q, q.transpose(-1, -2), beta=0.5, alpha=0.3)
+    assert scores.placements == q.placements and not any(p.is_replicate() for p in scores.placements)
+    ref = torch.baddbmm(bias, to_batch(x), to_batch(x).transpose(-1, -2), beta=0.5, alpha=0.3)
+    # rank 0 (DP 0, TP 0) holds batch 0-1 and heads 0-1 of each: flat rows 0, 1, 4, 5
+    assert scores.to_local().shape == (4, 16, 16)
+    assert (scores.to_local() - ref[[0, 1, 4, 5]]).abs().max() <= TOL

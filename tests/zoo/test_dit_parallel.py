@@ -37,9 +37,11 @@ pytest.importorskip("diffusers")
 from vescale.zoo import dit_plan, tiny_dit  # noqa: E402
 
 STEPS, LR, TOL, BATCH = 10, 1e-3, 1e-5, 4
-CONFIGS_2 = {"TP=2": ((2,), ("TP",), False)}
-CONFIGS_4 = {"DP=2xTP=2+ZeRO-3": ((2, 2), ("DP", "TP"), True)}
+# name: (mesh shape, mesh names, ZeRO-3, attention processor: None = the model's default)
+CONFIGS_2 = {"TP=2": ((2,), ("TP",), False, None), "TP=2, head_to_batch_dim processor": ((2,), ("TP",), False, "AttnProcessor")}
+CONFIGS_4 = {"DP=2xTP=2+ZeRO-3": ((2, 2), ("DP", "TP"), True, None)}
 SDPA = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+SOFTMAX = torch.ops.aten._softmax.default
 
 
 def _batches():
@@ -54,16 +56,21 @@ def _value(t):
 
 
 class _SdpaInputs(TorchDispatchMode):
-    """The placements and local shape of q at the first SDPA kernel call."""
+    """The placements and local shape of q at the first SDPA kernel call, and of the scores at the
+    first softmax (diffusers' older ``AttnProcessor``: baddbmm, softmax, bmm on (batch x heads))."""
 
     def __init__(self):
         super().__init__()
-        self.q = None
+        self.q = self.scores = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is SDPA and self.q is None:
-            q = args[0]
-            self.q = (getattr(q, "placements", None), tuple(getattr(q, "_local_tensor", q).shape))
+        if func in (SDPA, SOFTMAX):
+            t = args[0]
+            seen = (getattr(t, "placements", None), tuple(getattr(t, "_local_tensor", t).shape))
+            if func is SDPA and self.q is None:
+                self.q = seen
+            if func is SOFTMAX and self.scores is None:
+                self.scores = seen
         return func(*args, **(kwargs or {}))
 
 
@@ -91,25 +98,33 @@ def _train(model) -> dict:
         losses.append(_value(loss).item())
     rest = tuple(getattr(block.ff.net[2].weight, "_local_tensor", block.ff.net[2].weight).shape)
     return {"losses": losses, "grads": grads, "params": {n: _value(p) for n, p in model.named_parameters()},
-            "shapes": shapes, "sdpa_q": sdpa.q, "ff_out_weight_at_rest": rest}
+            "shapes": shapes, "sdpa_q": sdpa.q, "scores": sdpa.scores, "ff_out_weight_at_rest": rest}
 
 
-def _build():
+def _build(processor: str | None):
     torch.manual_seed(0)
-    return tiny_dit()
+    model = tiny_dit()
+    if processor is not None:
+        from diffusers.models import attention_processor
+
+        for block in model.transformer_blocks:
+            block.attn1.set_processor(getattr(attention_processor, processor)())
+    else:
+        assert type(model.transformer_blocks[0].attn1.processor).__name__ == "AttnProcessor2_0"
+    return model
 
 
 @functools.cache
-def _single_device() -> dict:
-    return _train(_build())
+def _single_device(processor: str | None) -> dict:
+    return _train(_build(processor))
 
 
 def _distributed(configs):
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     results = {}
-    for name, (shape, names, zero3) in configs.items():
+    for name, (shape, names, zero3, processor) in configs.items():
         mesh = vescale.init_mesh(shape, names)
-        model = _build()
+        model = _build(processor)
         vescale.parallelize(model, dit_plan(mesh, model.config, zero3=zero3), mesh)
         out = _train(model)
         results[name] = out if dist.get_rank() == 0 else None
@@ -117,10 +132,9 @@ def _distributed(configs):
 
 
 def _check(results, configs):
-    ref = _single_device()
     heads, head_dim = 4, 8
-    for name, (shape, names, zero3) in configs.items():
-        got = results[name]
+    for name, (shape, names, zero3, processor) in configs.items():
+        got, ref = results[name], _single_device(processor)
         for step, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
             assert abs(a - b) <= TOL, f"{name}: step {step} loss {a} vs single-device {b}"
         noise = {k for k, g in ref["grads"].items() if g.abs().max() <= 1e-6}
@@ -135,10 +149,14 @@ def _check(results, configs):
         tokens = (8 // 2) ** 2
         assert got["shapes"] == {"to_q": (BATCH // dp, tokens, heads * head_dim // tp),
                                  "ff_in": (BATCH // dp, tokens, 4 * heads * head_dim // tp)}, got["shapes"]
-        expected = ((Shard(0),) if dp > 1 else ()) + (Shard(1),)
-        assert got["sdpa_q"] == (expected, (BATCH // dp, heads // tp, tokens, head_dim)), (
-            f"{name}: q at SDPA {got['sdpa_q']}: attention must run on local heads (and local batch)"
-        )
+        if processor is None:
+            expected = ((Shard(0),) if dp > 1 else ()) + (Shard(1),)
+            assert got["sdpa_q"] == (expected, (BATCH // dp, heads // tp, tokens, head_dim)), (
+                f"{name}: q at SDPA {got['sdpa_q']}: attention must run on local heads (and local batch)"
+            )
+        else:  # scores of (batch x heads) rows: this rank's heads only, not gathered
+            assert got["scores"][1] == (BATCH * heads // (dp * tp), tokens, tokens), f"{name}: scores {got['scores']}"
+            assert not any(p.is_replicate() for p in got["scores"][0]), f"{name}: scores {got['scores']}"
         # ff.net.2 is row-parallel (Shard(1) on TP); with ZeRO-3 it also rests as Shard(0) on DP.
         assert got["ff_out_weight_at_rest"] == (heads * head_dim // (dp if zero3 else 1), 4 * heads * head_dim // tp)
 
