@@ -74,17 +74,16 @@ def _suggestion(specs, path: str | None, module: nn.Module | None) -> str:
             "this step outside the parallelized model on plain tensors"
         )
     dims = sorted({d for _, s in sharded for d in _mesh_dims(s)})
-    mesh = f'mesh="{dims[0]}"' if len(dims) == 1 else f"mesh=<each of {dims}>"
     if path is None:
         return (f"replicate the sharded argument(s) {[label for label, _ in sharded]} on {dims} before this op "
-                f"(plan.shard(<the producing module's path>.<out>, Replicate(), {mesh}))")
+                f"(plan.shard(<the producing module's path>.<out>, Replicate(), mesh=...))")
     prefix = re.escape(path) + r"\." if path else ""
     # A sharded parameter of the running module is planned by name; anything else came in as an input.
     params = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
     names = {params[id(t)] for t in _sharded_params(module) if id(t) in params} if module is not None else set()
-    statements = [f'plan.shard(r"{prefix}{re.escape(n)}", Replicate(), {mesh})' for n in sorted(names)]
-    statements.append(f'plan.shard(r"{prefix}<in>", Replicate(), {mesh})')
-    return "avoid it by replicating what this module computes it from: " + " and/or ".join(statements)
+    targets = [re.escape(n) for n in sorted(names)] + ["<in>"]
+    statements = [f'plan.shard(r"{prefix}{t}", Replicate(), mesh="{d}")' for t in targets for d in dims]
+    return "avoid it by replicating what this module computes it from: " + "; ".join(statements)
 
 
 def _sharded_params(module: nn.Module):
