@@ -66,7 +66,7 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["MHA", "GQA"])
-@pytest.mark.parametrize("mask", [None, "causal", "bool(B,1,L,S)"])
+@pytest.mark.parametrize("mask", [None, "causal", "bool(B,1,L,S)", "plain float(L,S)"])
 def test_cpu_flash_sdpa_runs_sharded_forward_and_backward(mesh, layout, kv_heads, mask):
     placements = LAYOUTS[layout]
     q, k, v = _qkv(kv_heads)
@@ -74,6 +74,8 @@ def test_cpu_flash_sdpa_runs_sharded_forward_and_backward(mesh, layout, kv_heads
     if mask == "bool(B,1,L,S)":
         attn_mask = torch.rand(4, 1, 8, 8, generator=torch.Generator().manual_seed(3)) > 0.3
         attn_mask[..., 0] = True  # no fully-masked row
+    elif mask == "plain float(L,S)":  # a mask made inside forward stays a plain tensor (the global one)
+        attn_mask = torch.randn(8, 8, generator=torch.Generator().manual_seed(4))
     kw = dict(is_causal=mask == "causal", enable_gqa=kv_heads != 4, attn_mask=attn_mask)
     grad = torch.randn(4, 4, 8, 16, generator=torch.Generator().manual_seed(9))
 
@@ -90,7 +92,7 @@ def test_cpu_flash_sdpa_runs_sharded_forward_and_backward(mesh, layout, kv_heads
             seen.append(func)
             return func(*args, **(kwargs or {}))
 
-    if attn_mask is not None:
+    if mask == "bool(B,1,L,S)":
         kw["attn_mask"] = distribute_tensor(attn_mask, mesh, (Replicate(), Replicate()))
     with Ops():
         got = F.scaled_dot_product_attention(*dts, **kw)
@@ -176,3 +178,27 @@ def test_a_plain_operand_is_sliced_to_a_heads_split_one_not_gathered(mesh):
     # rank 0 (DP 0, TP 0) holds batch 0-1 and heads 0-1 of each: flat rows 0, 1, 4, 5
     assert scores.to_local().shape == (4, 16, 16)
     assert (scores.to_local() - ref[[0, 1, 4, 5]]).abs().max() <= TOL
+
+
+def test_a_missing_rule_on_a_sharded_parameter_names_the_parameter(mesh):
+    class WithWeight(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(distribute_tensor(torch.randn(4, 6, 3), mesh, (Replicate(), Shard(0))))
+
+        def forward(self):
+            return torch.ops.aten._cdist_forward.default(self.w, self.w, 2.0, None)
+
+    class Root(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = WithWeight()
+
+        def forward(self):
+            return self.proj()
+
+    with pytest.raises(MissingShardingRule) as info:
+        Root()()
+    msg = str(info.value)
+    assert "module 'proj'" in msg
+    assert r'plan.shard(r"proj\.w", Replicate(), mesh="TP")' in msg, msg

@@ -34,7 +34,7 @@ def install() -> None:
 
 def uninstall() -> None:
     """Give DTensor back PyTorch's own sharding search, miss path and optimiser steps (the
-    semantic handlers stay)."""
+    semantic, SDPA and convolution handlers stay: without them those ops fail outright)."""
     uninstall_local_optimizer_step()
     uninstall_shape_free_cache()
     uninstall_fast_search()
