@@ -202,3 +202,36 @@ def test_a_missing_rule_on_a_sharded_parameter_names_the_parameter(mesh):
     msg = str(info.value)
     assert "module 'proj'" in msg
     assert r'plan.shard(r"proj\.w", Replicate(), mesh="TP")' in msg, msg
+
+
+@pytest.mark.parametrize("bias_shape", [(4, 4, 8, 8), (4, 1, 8, 8)], ids=["full bias", "broadcast bias"])
+def test_cudnn_rules_with_an_attention_bias(mesh, bias_shape):
+    """Strategy level only (the kernel needs CUDA): PyTorch 2.13's cuDNN forward rule fails on any
+    ``attn_bias`` (``input_specs(3) != strategies(4)``) and its backward rule splits a broadcast
+    bias on its size-1 dim, which leaves only all-Replicate. The bias must follow a heads split of
+    q where it is full size and be read whole where it broadcasts."""
+    from torch.distributed.tensor._op_schema import OpSchema
+
+    prop = DTensor._op_dispatcher.sharding_propagator
+    tp = (Replicate(), Shard(1))
+    q = distribute_tensor(torch.randn(4, 4, 8, 16), mesh, tp)._spec
+    bias = distribute_tensor(torch.randn(bias_shape), mesh, (Replicate(), Replicate()))._spec
+    follows = tp if bias_shape[1] == 4 else (Replicate(), Replicate())
+
+    fwd = prop.propagate_op_sharding_non_cached(
+        OpSchema(aten._scaled_dot_product_cudnn_attention.default, (q, q, q, bias, True, 0.0, False, False), {})
+    )
+    assert fwd.output_spec[0].placements == tp, "attention must stay on local heads"
+    moved = fwd.redistribute_schema.args_schema if fwd.redistribute_schema is not None else (q, q, q, bias)
+    assert [a.placements for a in moved[:4]] == [tp, tp, tp, follows]
+
+    lse = distribute_tensor(torch.randn(4, 4, 8), mesh, tp)._spec
+    seed = distribute_tensor(torch.zeros((), dtype=torch.int64), mesh, (Replicate(), Replicate()))._spec
+    schema = prop._wrap_with_op_strategy(OpSchema(
+        aten._scaled_dot_product_cudnn_attention_backward.default,
+        (q, q, q, q, q, lse, seed, seed, bias, None, None, 8, 8, 0.0, False), {},
+    ))
+    strategy = prop.op_strategy_funcs[aten._scaled_dot_product_cudnn_attention_backward.default](schema)
+    heads = [s for s in strategy.strategies if s.output_specs[0].placements == tp]
+    assert heads, "the backward must have a heads-split rule"
+    assert heads[0].input_specs[8].placements == follows

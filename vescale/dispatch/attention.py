@@ -32,7 +32,9 @@ kernel whole. The handler (in DTensor's ``_custom_op_handlers``) applies the rul
 :func:`sdpa_layout` picks the layout from q, every tensor is redistributed to it (a no-op when it
 already is), the kernel runs on local shards, and the outputs are wrapped with the global shapes
 the op's meta kernel gives. The CUDA kernels keep PyTorch's strategies (their bias is positional),
-wrapped by the dropout refusal. Installed by ``install()``, never at import.
+wrapped by the dropout refusal; the cuDNN ones are fixed first (2.13 crashes on a forward with
+``attn_bias`` and replicates a backward whose bias broadcasts). Installed by ``install()``, never at
+import.
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._op_schema import OpSchema, RuntimeSchemaInfo
+from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, RuntimeSchemaInfo
+from torch.distributed.tensor._ops import _matrix_ops
+from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
 
 __all__ = [
     "install_attention_rules", "sdpa_layout", "CPU_SDPA_OPS", "FUSED_DROPOUT_ARG", "FusedDropoutError",
@@ -172,6 +176,47 @@ def refuse_fused_dropout(op, strategy):
     return checked
 
 
+def _bias_placement(bias, q_placement, q_shape):
+    """An attention bias follows q's split on a dim it has at full size; a broadcast (size-1) dim
+    is read whole by every shard."""
+    shape = tuple(bias.strategies[0].output_spec.shape)
+    if isinstance(q_placement, Shard) and shape[q_placement.dim] == q_shape[q_placement.dim]:
+        return q_placement
+    return Replicate()
+
+
+def _cudnn_forward(op_schema: OpSchema):
+    """PyTorch's cuDNN rules with the bias placed in the heads and batch rules too (2.13 adds it to
+    all-Replicate only, so a call with ``attn_bias`` fails with ``input_specs(3) != strategies(4)``)."""
+    rules = _matrix_ops._scaled_dot_product_cudnn_attention_base_strategies(op_schema)
+    q, bias = op_schema.args_schema[0], op_schema.args_schema[3]
+    if isinstance(bias, OpStrategy):
+        for row in rules:
+            if len(row) == 12:  # outputs (9) + q, k, v: the bias is missing
+                row.append(_bias_placement(bias, row[9], tuple(q.strategies[0].output_spec.shape)))
+    mesh = op_schema.get_mesh_from_args()
+    return expand_to_full_mesh_op_strategy(mesh, op_schema, rules, input_index=9)
+
+
+def _cudnn_backward(op_schema: OpSchema):
+    """PyTorch's cuDNN backward rules with a broadcast bias replicated instead of split on a size-1
+    dim (which filtered out the heads and batch rules: the whole backward ran replicated)."""
+    rules = _matrix_ops._scaled_dot_product_cudnn_attention_backward_base_strategies(op_schema)
+    q, bias = op_schema.args_schema[1], op_schema.args_schema[8]
+    if isinstance(bias, OpStrategy):
+        for row in rules:
+            row[3 + 8] = _bias_placement(bias, row[3 + 1], tuple(q.strategies[0].output_spec.shape))
+    mesh = op_schema.get_mesh_from_args(validate=False)
+    return expand_to_full_mesh_op_strategy(mesh, op_schema, rules, input_index=3)
+
+
+# Strategies that replace PyTorch's for an op (fixes of 2.13's rules), before the dropout check.
+_FIXED = {
+    aten._scaled_dot_product_cudnn_attention.default: _cudnn_forward,
+    aten._scaled_dot_product_cudnn_attention_backward.default: _cudnn_backward,
+}
+
+
 def install_attention_rules() -> None:
     """Register the rules with DTensor's sharding propagator (idempotent; PyTorch's own rule wins
     if a later PyTorch ships one)."""
@@ -180,6 +225,10 @@ def install_attention_rules() -> None:
     for op in CPU_SDPA_OPS:
         if op not in prop.op_strategy_funcs and op not in prop.op_single_dim_strategy_funcs:
             handlers.setdefault(op, _cpu_sdpa_handler)
+    for op, fixed in _FIXED.items():
+        if op in prop.op_strategy_funcs and not getattr(prop.op_strategy_funcs[op], "_vescale_fixed", False):
+            fixed._vescale_fixed = True
+            prop.register_op_strategy(op, fixed, schema_info=prop.op_to_schema_info.get(op))
     for op, index in FUSED_DROPOUT_ARG.items():
         strategy = prop.op_strategy_funcs.get(op)
         if strategy is None or getattr(strategy, "_vescale_refuses_dropout", False):
