@@ -235,3 +235,26 @@ def test_cudnn_rules_with_an_attention_bias(mesh, bias_shape):
     heads = [s for s in strategy.strategies if s.output_specs[0].placements == tp]
     assert heads, "the backward must have a heads-split rule"
     assert heads[0].input_specs[8].placements == follows
+
+
+def test_sdpa_dropout_mask_is_the_single_device_mask(mesh):
+    """dropout_p > 0 on CPU takes PyTorch's math path, whose mask vescale's RNG draws by global
+    index. With v = identity the output *is* the dropped-out attention matrix, so its zeros are the
+    mask: rank 0's block must have exactly the single-device zeros (torch.equal), and the values
+    agree to rounding."""
+    from vescale.random import consistent
+
+    g = torch.Generator().manual_seed(6)
+    q, k = torch.randn(4, 4, 8, 8, generator=g), torch.randn(4, 4, 8, 8, generator=g)
+    v = torch.eye(8).expand(4, 4, 8, 8).contiguous()
+    vescale.manual_seed(11)
+    with consistent():
+        ref = F.scaled_dot_product_attention(q, k, v, dropout_p=0.3)
+    placements = (Shard(0), Shard(1))
+    vescale.manual_seed(11)
+    got = F.scaled_dot_product_attention(*(distribute_tensor(t, mesh, placements) for t in (q, k, v)), dropout_p=0.3)
+    assert got.placements == placements
+    block = _block(ref, placements)
+    assert (block == 0).any() and not (block == 0).all(), "the check needs some dropped and some kept entries"
+    assert torch.equal(got.to_local() == 0, block == 0), "dropout mask differs from the single-device mask"
+    assert (got.to_local() - block).abs().max() <= TOL
