@@ -14,6 +14,7 @@ q/k/v projections' outputs (heads split over TP, batch over DP) and which SDPA k
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 
@@ -68,7 +69,7 @@ def _train(model) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, grads, kernels = [], None, _Kernels()
     for step, (input_ids, labels) in enumerate(synthetic_batches(STEPS, BATCH, SEQ, 128, seed=1)):
-        with kernels if step == 0 else contextlib_null():
+        with kernels if step == 0 else contextlib.nullcontext():
             loss = model(input_ids=input_ids, labels=labels).loss
             loss.backward()
         if grads is None:
@@ -78,12 +79,6 @@ def _train(model) -> dict:
         losses.append(_value(loss).item())
     params = {n: _value(p) for n, p in model.named_parameters()}
     return {"losses": losses, "grads": grads, "params": params, "shapes": shapes, "kernels": kernels.seen}
-
-
-def contextlib_null():
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 @functools.cache
