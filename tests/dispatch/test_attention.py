@@ -258,3 +258,23 @@ def test_sdpa_dropout_mask_is_the_single_device_mask(mesh):
     assert (block == 0).any() and not (block == 0).all(), "the check needs some dropped and some kept entries"
     assert torch.equal(got.to_local() == 0, block == 0), "dropout mask differs from the single-device mask"
     assert (got.to_local() - block).abs().max() <= TOL
+
+
+def test_a_view_pytorch_refuses_to_unflatten_gathers_first(mesh):
+    """Autograd's view in the backward of GQA's repeat_kv reshape splits a heads-sharded dim into
+    (kv_heads, n_rep); PyTorch's strict view rule refuses when the first part does not divide by
+    the mesh. vescale decides it as reshape (gather, then a local view). The fake process group's
+    gather leaves other ranks' part empty, so rank 0's own head is compared."""
+    x = torch.randn(4, 6, 16, generator=torch.Generator().manual_seed(8))
+    dx = distribute_tensor(x, mesh, (Replicate(), Shard(1)))
+    dispatch.uninstall()
+    forget_dtensor_caches()
+    try:
+        with pytest.raises(RuntimeError, match="Cannot unflatten unevenly sharded"):
+            dx.view(4, 3, 2, 16)
+    finally:
+        dispatch.install()
+        forget_dtensor_caches()
+    out = dx.view(4, 3, 2, 16)
+    assert out.shape == (4, 3, 2, 16) and out.placements == (Replicate(), Replicate())
+    assert torch.equal(out.to_local().reshape(4, 6, 16)[:, :3], x[:, :3])  # rank 0's heads 0-2
