@@ -17,11 +17,14 @@ and an optional ZeRO-3:
 * DP: the batch (``hidden_states``, ``timestep``, ``class_labels``) is split along dim 0;
 * ZeRO-3 (on DP): every parameter is stored ``Shard(0)`` on DP and gathered while its module runs.
 
-The DiT attention failed under TP with ``view size is not compatible`` because the CPU SDPA kernel's
-output is laid out (B, L, H, E) in memory while DTensor believed it contiguous; vescale's SDPA
-handler (``vescale.dispatch.attention``) now gives the DTensor the kernel's real layout, so the
-processor's ``transpose(1, 2).reshape`` works on heads-sharded attention. Nothing in the model is
-changed.
+What made attention head-parallel for real (in ``vescale.dispatch``, nothing in the model is
+changed): the CPU SDPA kernel got a heads/batch rule (it had none, so the default processor failed
+under TP); its outputs carry the kernel's real memory layout in their global strides (with the
+meta kernel's "contiguous" strides, a replicated SDPA output made ``transpose(1, 2).contiguous()``
+a no-op and the next ``reshape`` fail with ``view size is not compatible`` — reproduced with HF
+LLaMA at TP=4; with this DiT's ``transpose(1, 2).reshape`` it did not reproduce); and the older
+``AttnProcessor``'s ``head_to_batch_dim`` path keeps its scores on local heads because the search
+slices the plain ``baddbmm`` operand instead of gathering q and k.
 """
 
 from __future__ import annotations
