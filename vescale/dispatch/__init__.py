@@ -8,11 +8,17 @@
 * ``interleaved``: ``split`` of an ``InterleavedShard`` tensor into its sections (and the reverse
   ``cat``) on the local shards.
 * ``optim``: stock ``torch.optim`` steps on DTensor parameters run on their local shards.
+* ``attention``: sharding rules for the SDPA kernels PyTorch has none for (CPU flash, forward and
+  backward); the CUDA fused kernels refuse in-kernel dropout on DTensors (rank-local masks).
+* ``conv``: plain tensors meet DTensors as Replicate in convolutions too; ``errors``: an op without
+  a sharding rule names its module, placements and the plan statement that avoids it.
 
 ``install()`` puts all of them in place; ``parallelize`` calls it. Nothing changes at import.
 """
 
 from .interleaved import install_interleaved_rules, uninstall_interleaved_rules
+from .attention import install_attention_rules
+from .conv import install_conv_handlers
 from .cache import ShapeFreeCache, install_shape_free_cache, shape_free_cache, uninstall_shape_free_cache
 from .optim import ELEMENTWISE_OPTIMIZERS, install_local_optimizer_step, uninstall_local_optimizer_step
 from .search import install_fast_search, uninstall_fast_search
@@ -22,6 +28,8 @@ from .semantics import install_semantic_handlers
 def install() -> None:
     """Install vescale's dispatch extensions into DTensor (idempotent)."""
     install_semantic_handlers()
+    install_attention_rules()
+    install_conv_handlers()
     install_fast_search()
     install_shape_free_cache()
     install_local_optimizer_step()
@@ -30,11 +38,15 @@ def install() -> None:
 
 def uninstall() -> None:
     """Give DTensor back PyTorch's own sharding search, miss path and optimiser steps (the
-    semantic handlers stay)."""
+    semantic, SDPA and convolution handlers stay: without them those ops fail outright)."""
     uninstall_interleaved_rules()
     uninstall_local_optimizer_step()
     uninstall_shape_free_cache()
     uninstall_fast_search()
 
 
-__all__ = ["install", "uninstall", "ELEMENTWISE_OPTIMIZERS", "ShapeFreeCache", "install_shape_free_cache", "uninstall_shape_free_cache", "shape_free_cache", "install_semantic_handlers", "install_interleaved_rules", "uninstall_interleaved_rules", "install_fast_search", "uninstall_fast_search"]
+__all__ = [
+    "install", "uninstall", "ELEMENTWISE_OPTIMIZERS", "ShapeFreeCache", "install_shape_free_cache",
+    "uninstall_shape_free_cache", "shape_free_cache", "install_semantic_handlers", "install_attention_rules",
+    "install_interleaved_rules", "uninstall_interleaved_rules", "install_fast_search", "uninstall_fast_search",
+]

@@ -37,6 +37,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from .interleaved import SIZE_DEPENDENT_OPS
 from torch.utils._pytree import tree_map_only
 
+from .errors import is_missing_rule, missing_rule_error
+
 aten = torch.ops.aten
 # View-like ops and the function whose dim-mapping rule PyTorch uses for them.
 _VIEW_RULES = {
@@ -53,6 +55,18 @@ __all__ = ["ShapeFreeCache", "install_shape_free_cache", "uninstall_shape_free_c
 _NEVER = object()  # a key whose decision must not be reused
 _LOCK = threading.Lock()
 _INSTALLED: list["ShapeFreeCache"] = []
+
+
+# A strict view refuses to split a sharded dim into parts the mesh does not divide; reshape's rule
+# gathers that dim first. Autograd's own views hit this (the backward of GQA's repeat_kv reshape
+# unflattens a heads-split gradient into (kv_heads, n_rep)), so they are decided as reshape is: the
+# op then runs as a local view of the gathered tensor.
+_STRICT_VIEWS = (aten.view.default, aten._unsafe_view.default)
+
+
+def _as_reshape(op_schema: OpSchema) -> OpSchema:
+    return OpSchema(aten.reshape.default, op_schema.args_schema, op_schema.kwargs_schema,
+                    schema_info=op_schema.schema_info)
 
 
 def _size_class(n: int) -> int:
@@ -203,7 +217,16 @@ class ShapeFreeCache:
                 self.hits += 1
                 return replayed
         self.misses += 1
-        result = self.fallback(op_schema)
+        try:
+            result = self.fallback(op_schema)
+        except NotImplementedError as e:
+            if is_missing_rule(e):  # name the op's module, placements and the plan statement that avoids it
+                raise missing_rule_error(op_schema, e) from e
+            raise
+        except RuntimeError as e:
+            if op_schema.op not in _STRICT_VIEWS or "Cannot unflatten unevenly sharded" not in str(e):
+                raise
+            result = self.fallback(_as_reshape(op_schema))
         if key is not None and entry is None:
             self.entries[key] = self._learn(op_schema, result)
         return result

@@ -28,6 +28,7 @@ import threading
 
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, TupleStrategy
+from torch.distributed.tensor.placement_types import _is_shard_like
 from .cache import _meta_outputs
 from torch.distributed.tensor._ops.single_dim_strategy import (
     _dijkstra_expand_single_dim_strategy_to_mesh,
@@ -78,6 +79,38 @@ def _zero_cost_match(mesh, strategy_schema: OpSchema, info, out_meta):
     return prepared.try_propagate(mesh, tuple(s.placements for s in specs), specs)
 
 
+def _slice_match(mesh, strategy_schema: OpSchema, info, out_meta):
+    """The rule that matches every sharded input as it is, slicing Replicate inputs to what the rule
+    wants (a local copy, no communication), or None.
+
+    The priority-queue search declines ``_StridedShard`` inputs, and PyTorch's full expansion
+    prices Replicate -> ``_StridedShard`` above gathering the sharded inputs. So an op that mixes a
+    heads-split (batch x heads) tensor with a plain one — ``baddbmm(empty, q, k^T, beta=0)`` in
+    diffusers' ``head_to_batch_dim`` attention, a mask made inside forward — gathered the heads and
+    ran replicated."""
+    if any(isinstance(a, TupleStrategy) for a in strategy_schema.args_schema) or any(
+        isinstance(v, (OpStrategy, TupleStrategy)) for v in strategy_schema.kwargs_schema.values()
+    ):
+        return None
+    specs = [a.strategies[0].output_spec for a in strategy_schema.args_schema if isinstance(a, OpStrategy)]
+    if not any(s.placements[d].is_replicate() for s in specs for d in range(mesh.ndim)):
+        return None  # nothing to slice: the exact match already failed
+    prepared = _PreparedSingleDimStrategy(info, strategy_schema, out_meta, num_inputs=len(specs))
+    chosen = []
+    for d in range(mesh.ndim):
+        have = tuple(s.placements[d] for s in specs)
+        fits = [
+            key for key in prepared.strategy_lookup
+            if len(key) == len(have)
+            and all(k == h or (h.is_replicate() and _is_shard_like(k)) for k, h in zip(key, have))
+        ]
+        if not fits:
+            return None
+        chosen.append(min(fits, key=lambda key: sum(k != h for k, h in zip(key, have))))  # slice the fewest
+    placements = tuple(tuple(chosen[d][i] for d in range(mesh.ndim)) for i in range(len(specs)))
+    return prepared.try_propagate(mesh, placements, specs)
+
+
 def _keeps_placements(found: OpStrategy, strategy_schema: OpSchema) -> bool:
     """An in-place op writes into its first argument, an out= op into ``out``: the result must be
     laid out as that tensor already is."""
@@ -111,6 +144,8 @@ def _searched(info):
             found = _dijkstra_expand_single_dim_strategy_to_mesh(mesh, strategy_schema, info, out_meta)
             if found is None:
                 found = _zero_cost_match(mesh, strategy_schema, info, out_meta)
+            if found is None:
+                found = _slice_match(mesh, strategy_schema, info, out_meta)
         if found is not None:
             return found
         expand = _expand_single_dim_strategy_to_mesh(mesh, strategy_schema, info, out_meta)

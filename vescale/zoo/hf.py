@@ -45,11 +45,12 @@ def _transformers():
 
 
 def tiny_hf_llama_config(**overrides):
-    """A ``transformers.LlamaConfig`` at the tiny sizes, eager attention, no KV cache; overrides use HF's names."""
+    """A ``transformers.LlamaConfig`` at the tiny sizes with the model's default attention (SDPA),
+    no KV cache; overrides use HF's names (``attn_implementation="eager"`` for HF's eager attention)."""
     # use_cache=False: training needs no KV cache, and HF's cache starts as a plain empty tensor that
     # it concatenates with the keys, which fails once the keys are DTensors.
     settings = {
-        **TINY_LLAMA_SIZES, "rope_theta": 10000.0, "attn_implementation": "eager", "use_cache": False, **overrides
+        **TINY_LLAMA_SIZES, "rope_theta": 10000.0, "use_cache": False, **overrides
     }
     return _transformers().LlamaConfig(**settings)
 
