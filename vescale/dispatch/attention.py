@@ -120,6 +120,27 @@ def _cpu_sdpa_handler(op, args, kwargs):
     )
 
 
+def _runs_locally(op, args, kwargs) -> bool:
+    """Whether the handler would run the kernel on the local shards as they are: every tensor is a
+    DTensor already in the rule's layout (Static Eager asks this to keep attention static)."""
+    kwargs = kwargs or {}
+    first = 0 if op is aten._scaled_dot_product_flash_attention_for_cpu.default else 1
+    q = args[first]
+    if not isinstance(q, DTensor):
+        return False
+    heads = [a.shape[_HEADS] for a in args[first:first + 3] if isinstance(a, torch.Tensor)]
+    layout = sdpa_layout(q, tuple(heads))
+    if any(isinstance(a, torch.Tensor) and not (isinstance(a, DTensor) and a.placements == layout) for a in args):
+        return False
+    mask = kwargs.get("attn_mask")
+    if isinstance(mask, torch.Tensor):
+        return isinstance(mask, DTensor) and mask.placements == _mask_layout(mask, layout, q.ndim)
+    return True
+
+
+_cpu_sdpa_handler.runs_locally = _runs_locally
+
+
 def _stride_like(local: torch.Tensor, shape) -> tuple[int, ...]:
     """Global strides with the local result's dim order. The CPU kernel returns (B, H, L, E) laid out
     as (B, L, H, E), while its meta kernel says contiguous; a DTensor whose global strides disagree

@@ -106,7 +106,12 @@ def _why_not_local(func, args, kwargs) -> str | None:
     """None if DTensor would run ``func`` on the local shards as they are (size arguments aside,
     see ``_SIZED``), else the reason."""
     dispatcher = DTensor._op_dispatcher
-    if func in dispatcher._custom_op_handlers:
+    handler = dispatcher._custom_op_handlers.get(func)
+    if handler is not None:
+        # A handler may say when it computes on the local shards as they are (vescale's SDPA does).
+        runs_locally = getattr(handler, "runs_locally", None)
+        if runs_locally is not None and runs_locally(func, args, kwargs):
+            return None
         return f"{func} has a custom DTensor handler"
     try:
         info = dispatcher.unwrap_to_op_info(func, args, kwargs)
