@@ -1,5 +1,5 @@
 """HF GPT2LMHeadModel, unchanged, default config (dropouts 0.1 on, tied embeddings, Conv1D, KV cache
-on; eager attention), under the zoo plan on TP=2 and DP=2 x TP=2 + ZeRO-3, against one device.
+on; GPT-2's default SDPA attention), under the zoo plan on TP=2 and DP=2 x TP=2 + ZeRO-3, against one device.
 
 Every step draws its dropout masks from vescale's RNG with the same seed on one device (under
 ``vescale.random.consistent()``) and on the mesh, so the runs see the same masks. Tolerances
@@ -8,7 +8,9 @@ floating-point sums differs); final parameters within 1e-5, except the key secti
 ``c_attn.bias``: softmax is invariant to a bias added to every key, so its exact gradient is 0 and
 both runs hold rounding noise (~1e-10, checked) that AdamW divides by eps=1e-8 — each step moves
 it by up to lr x noise/eps on either run, so it is compared within 1e-4.
-Local shapes show the split happened (c_attn's weight is split by heads).
+Local shapes show the split happened (c_attn's weight is split by heads). After training, an
+evaluation forward (dropout off, so SDPA takes PyTorch's fused CPU flash kernel rather than the
+math path training takes) must give the single-device logits within 1e-5.
 """
 
 from __future__ import annotations
@@ -46,7 +48,12 @@ def _train(model) -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(_value(loss).item())
-    return {"losses": losses, "grads": grads, "params": {n: _value(p) for n, p in model.named_parameters()}}
+    model.eval()
+    (input_ids, _), = synthetic_batches(1, 4, 16, 128, seed=7)
+    with torch.no_grad():
+        logits = _value(model(input_ids=input_ids).logits)
+    return {"losses": losses, "grads": grads, "params": {n: _value(p) for n, p in model.named_parameters()},
+            "eval_logits": logits, "attn": model.config._attn_implementation}
 
 
 def _build():
@@ -83,6 +90,9 @@ def _key_bias(name: str) -> bool:
 
 def _check(got: dict) -> None:
     ref = _single_device()
+    assert got["attn"] == ref["attn"] == "sdpa", (got["attn"], ref["attn"])
+    diff = (got["eval_logits"] - ref["eval_logits"]).abs().max().item()
+    assert diff <= TOL, f"evaluation logits differ from single device by {diff:.3g}"
     assert ref["losses"][-1] < ref["losses"][0], "training must make progress for the check to mean something"
     for step, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
         assert abs(a - b) <= TOL, f"step {step}: loss {a} vs single-device {b}"

@@ -14,11 +14,10 @@ GPT-2 differs from LLaMA where a plan notices:
   parallelism hits DTensor's masked-partial gradient limit (see docs/architecture.md), and
   replicating costs no communication, only the head's matmul on every TP rank.
 
-The builder uses GPT-2's default config (dropouts 0.1, tied embeddings, gelu_new, KV cache on) at
-tiny sizes, with eager attention. Measured on this branch with ``attn_implementation="sdpa"``
-(GPT-2's default): training (dropout > 0) takes PyTorch's decomposed math path, whose dropout
-vescale's RNG draws, and matches one device; evaluation (dropout 0) takes the fused CPU flash kernel,
-which has no DTensor sharding rule in PyTorch 2.13 and fails. Eager attention works in both.
+The builder uses GPT-2's default config (dropouts 0.1, tied embeddings, gelu_new, KV cache on, SDPA
+attention) at tiny sizes. Training (dropout > 0) takes PyTorch's decomposed math attention, whose
+dropout vescale's RNG draws; evaluation (dropout 0) takes the fused CPU flash kernel, which
+``vescale.dispatch`` runs head-parallel.
 """
 
 from __future__ import annotations
@@ -39,8 +38,8 @@ _BLOCK = r"transformer\.h\.\d+"
 
 
 def tiny_hf_gpt2_config(**overrides):
-    """``transformers.GPT2Config`` at the tiny sizes, otherwise GPT-2's defaults, eager attention."""
-    return _transformers().GPT2Config(**{**TINY_GPT2_SIZES, "attn_implementation": "eager", **overrides})
+    """``transformers.GPT2Config`` at the tiny sizes, otherwise GPT-2's defaults (SDPA attention)."""
+    return _transformers().GPT2Config(**{**TINY_GPT2_SIZES, **overrides})
 
 
 def tiny_hf_gpt2(**overrides):
