@@ -6,10 +6,13 @@
   any search; PyTorch's priority-queue search before its exhaustive expansion).
 * ``cache``: a sharding cache keyed without sizes, so a new sequence length is a hit.
 * ``optim``: stock ``torch.optim`` steps on DTensor parameters run on their local shards.
+* ``datadep``: data-dependent ops (``nonzero``, masks, ``bincount``, ``unique``, ``index_add_`` /
+  ``scatter_add_`` into sharded tensors, fp32 ``_grouped_mm``) with single-device answers.
 
 ``install()`` puts all of them in place; ``parallelize`` calls it. Nothing changes at import.
 """
 
+from .datadep import DATADEP_OPS, install_datadep_handlers, uninstall_datadep_handlers
 from .cache import ShapeFreeCache, install_shape_free_cache, shape_free_cache, uninstall_shape_free_cache
 from .optim import ELEMENTWISE_OPTIMIZERS, install_local_optimizer_step, uninstall_local_optimizer_step
 from .search import install_fast_search, uninstall_fast_search
@@ -19,6 +22,7 @@ from .semantics import install_semantic_handlers
 def install() -> None:
     """Install vescale's dispatch extensions into DTensor (idempotent)."""
     install_semantic_handlers()
+    install_datadep_handlers()
     install_fast_search()
     install_shape_free_cache()
     install_local_optimizer_step()
@@ -32,4 +36,4 @@ def uninstall() -> None:
     uninstall_fast_search()
 
 
-__all__ = ["install", "uninstall", "ELEMENTWISE_OPTIMIZERS", "ShapeFreeCache", "install_shape_free_cache", "uninstall_shape_free_cache", "shape_free_cache", "install_semantic_handlers", "install_fast_search", "uninstall_fast_search"]
+__all__ = ["install", "uninstall", "ELEMENTWISE_OPTIMIZERS", "ShapeFreeCache", "install_shape_free_cache", "uninstall_shape_free_cache", "shape_free_cache", "install_semantic_handlers", "install_datadep_handlers", "uninstall_datadep_handlers", "DATADEP_OPS", "install_fast_search", "uninstall_fast_search"]
