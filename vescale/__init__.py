@@ -16,6 +16,7 @@ from . import dispatch, static  # packages users reach as vescale.dispatch / ves
 from .comm.grad import no_grad_sync
 from .mesh import init_mesh
 from .parallel import explain, parallelize
+from .placement import InterleavedShard
 from .plan import INIT, RUN, PlanError, VescalePlan
 
 
@@ -28,5 +29,5 @@ def manual_seed(seed: int) -> None:
 
 __all__ = [
     "init_mesh", "VescalePlan", "parallelize", "explain", "manual_seed", "no_grad_sync",
-    "Shard", "Replicate", "Partial", "INIT", "RUN", "PlanError",
+    "Shard", "Replicate", "Partial", "INIT", "RUN", "PlanError", "InterleavedShard",
 ]

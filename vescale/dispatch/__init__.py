@@ -5,6 +5,8 @@
 * ``search``: cheap sharding-propagation misses on N-D meshes (match the inputs as they are before
   any search; PyTorch's priority-queue search before its exhaustive expansion).
 * ``cache``: a sharding cache keyed without sizes, so a new sequence length is a hit.
+* ``interleaved``: ``split`` of an ``InterleavedShard`` tensor into its sections (and the reverse
+  ``cat``) on the local shards.
 * ``optim``: stock ``torch.optim`` steps on DTensor parameters run on their local shards.
 * ``datadep``: data-dependent ops (``nonzero``, masks, ``bincount``, ``unique``, ``index_add_`` /
   ``scatter_add_`` into sharded tensors, fp32 ``_grouped_mm``) with single-device answers.
@@ -13,6 +15,7 @@
 """
 
 from .datadep import DATADEP_OPS, install_datadep_handlers, uninstall_datadep_handlers
+from .interleaved import install_interleaved_rules, uninstall_interleaved_rules
 from .cache import ShapeFreeCache, install_shape_free_cache, shape_free_cache, uninstall_shape_free_cache
 from .optim import ELEMENTWISE_OPTIMIZERS, install_local_optimizer_step, uninstall_local_optimizer_step
 from .search import install_fast_search, uninstall_fast_search
@@ -26,14 +29,16 @@ def install() -> None:
     install_fast_search()
     install_shape_free_cache()
     install_local_optimizer_step()
+    install_interleaved_rules()
 
 
 def uninstall() -> None:
     """Give DTensor back PyTorch's own sharding search, miss path and optimiser steps (the
     semantic handlers stay)."""
+    uninstall_interleaved_rules()
     uninstall_local_optimizer_step()
     uninstall_shape_free_cache()
     uninstall_fast_search()
 
 
-__all__ = ["install", "uninstall", "ELEMENTWISE_OPTIMIZERS", "ShapeFreeCache", "install_shape_free_cache", "uninstall_shape_free_cache", "shape_free_cache", "install_semantic_handlers", "install_datadep_handlers", "uninstall_datadep_handlers", "DATADEP_OPS", "install_fast_search", "uninstall_fast_search"]
+__all__ = ["install", "uninstall", "ELEMENTWISE_OPTIMIZERS", "ShapeFreeCache", "install_shape_free_cache", "uninstall_shape_free_cache", "shape_free_cache", "install_semantic_handlers", "install_datadep_handlers", "uninstall_datadep_handlers", "DATADEP_OPS", "install_interleaved_rules", "uninstall_interleaved_rules", "install_fast_search", "uninstall_fast_search"]

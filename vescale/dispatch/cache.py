@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
 from torch.distributed.tensor._ops._view_ops import InputDim, dim_maps
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._pytree import tree_map_only
 
 aten = torch.ops.aten
@@ -135,6 +136,11 @@ def _with_metas(template, metas, mesh):
     return tuple(one(s, m) for s, m in zip(template, metas))
 
 
+def _interleaved_output(spec) -> bool:
+    specs = spec if isinstance(spec, tuple) else (spec,)
+    return any(isinstance(p, _StridedShard) for s in specs if s is not None for p in s.placements)
+
+
 def _mesh_of(op_schema: OpSchema):
     for a in (*op_schema.args_schema, *op_schema.kwargs_schema.values()):
         for x in (a if isinstance(a, (list, tuple)) else (a,)):
@@ -158,6 +164,8 @@ class ShapeFreeCache:
         prop, op = self.propagator, op_schema.op
         if op in prop.op_to_scalar_shape_adjuster or op in prop.squeeze_op_to_dims_variant:
             return None
+        if _interleaved_output(result.output_spec):
+            return None  # vescale.dispatch.interleaved's rules compare exact section sizes
         if not result.needs_redistribute:
             return "plain" if result.redistribute_schema is None else None
         if op in _VIEW_RULES and result.use_val_from_redistribute_schema:

@@ -21,6 +21,7 @@ from ..plan import PlanIR, VescalePlan, lower
 from .hooks import enable_implicit_replication, install_module_hooks, root_hooks
 from .zero import GatherScheduler
 from .placing import place
+from .state import attach_state_dict_hooks
 
 __all__ = ["parallelize", "explain"]
 
@@ -153,6 +154,7 @@ def parallelize(
     for mpath, hook_entries in per_module.items():
         handles += install_module_hooks(modules[mpath], mpath, hook_entries, mesh, scheduler)
     handles += attach_grad_reduction(model.parameters(), reducer)
+    handles += attach_state_dict_hooks(model)  # DCP-describable layouts for InterleavedShard tensors
     if mode == "static":
         from ..static import install_static
 

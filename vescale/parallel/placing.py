@@ -14,6 +14,9 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
+from torch.distributed.tensor.placement_types import _is_shard_like
+
+from ..placement import InterleavedShard, interleave_of, is_interleaved
 from ..plan.ir import PlanError
 
 __all__ = ["as_dtensor", "place"]
@@ -35,11 +38,17 @@ def place(t, mesh: DeviceMesh, targets: Sequence[Optional[Placement]], what: str
     d = as_dtensor(t, mesh)
     want = tuple(cur if tgt is None else tgt for cur, tgt in zip(d.placements, targets))
     for p in want:
-        if isinstance(p, Shard) and not -d.ndim <= p.dim < d.ndim:
+        if _is_shard_like(p) and not -d.ndim <= p.dim < d.ndim:
             raise PlanError(
-                f"{what}: Shard({p.dim}) does not fit a tensor of shape {tuple(d.shape)}; "
+                f"{what}: {p!r} does not fit a tensor of shape {tuple(d.shape)}; "
                 f"use a dim in [0, {d.ndim})"
             )
+        if is_interleaved(p) and d.shape[p.dim] % interleave_of(p):
+            raise PlanError(
+                f"{what}: {p!r} needs dim {p.dim} of a tensor of shape {tuple(d.shape)} to split into "
+                f"{interleave_of(p)} equal sections"
+            )
+    want = tuple(InterleavedShard(p.dim % d.ndim, interleave_of(p)) if is_interleaved(p) else p for p in want)
     if want == tuple(d.placements):
         return d
     return d.redistribute(mesh, want)

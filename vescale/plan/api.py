@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Sequence, Union
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 __all__ = ["Phase", "INIT", "RUN", "Statement", "VescalePlan", "placement_str"]
 
@@ -82,13 +83,15 @@ class Statement:
 
 
 def placement_str(p: Placement) -> str:
-    """Short form used in IR dumps: R, S(0), P(sum)."""
+    """Short form used in IR dumps: R, S(0), P(sum), IS(0,3)."""
     if isinstance(p, Replicate):
         return "R"
     if isinstance(p, Shard):
         return f"S({p.dim})"
     if isinstance(p, Partial):
         return f"P({p.reduce_op})"
+    if isinstance(p, _StridedShard):  # vescale.InterleavedShard (or DTensor's equal _StridedShard)
+        return f"IS({p.dim},{p._split_factor_int()})"
     return repr(p)
 
 
@@ -101,7 +104,7 @@ def _as_placements(placement: PlacementArg, path: str) -> tuple[Placement, ...]:
         items = ()
     if not items or not all(isinstance(p, Placement) for p in items):
         raise TypeError(
-            f"plan path {path!r}: placement must be a Shard/Replicate/Partial or a list of them "
+            f"plan path {path!r}: placement must be a Shard/Replicate/Partial/InterleavedShard or a list of them "
             f"(one per mesh dimension), got {placement!r}"
         )
     return items

@@ -16,7 +16,9 @@ from typing import Iterable
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Placement, Shard
+from torch.distributed.tensor.placement_types import _is_shard_like
 
+from ..placement import InterleavedShard, interleave_of, is_interleaved
 from .api import Phase, Statement, VescalePlan
 from .ir import PlanError, PlanIR, RawEntry, optimize
 
@@ -70,10 +72,25 @@ def _mesh_dims(st: Statement, mesh: DeviceMesh) -> list[tuple[int, Placement]]:
     return list(enumerate(st.placements))
 
 
-def _check_fits(st: Statement, placement: Placement, name: str, ndim: int) -> Placement:
-    """A Shard dim must exist in the tensor; parameters cannot be Partial."""
+def _check_fits(st: Statement, placement: Placement, name: str, shape) -> Placement:
+    """A Shard dim must exist in the tensor; parameters cannot be Partial; an InterleavedShard's
+    sections must be equal."""
+    ndim = len(shape)
     if isinstance(placement, Partial):
         raise PlanError(f"{st}: {name!r} is a parameter/buffer and cannot be Partial; use Shard or Replicate")
+    if is_interleaved(placement):
+        k, dim = interleave_of(placement), placement.dim
+        if not -ndim <= dim < ndim:
+            raise PlanError(
+                f"{st}: {placement!r} does not fit {name!r}, which has {ndim} dimension(s); use a dim in [0, {ndim})"
+            )
+        dim = dim + ndim if dim < 0 else dim
+        if shape[dim] % k:
+            raise PlanError(
+                f"{st}: {name!r} has size {shape[dim]} on dim {dim}, which does not split into {k} equal "
+                f"sections; InterleavedShard(dim, interleave) needs interleave to divide that size"
+            )
+        return InterleavedShard(dim, k)
     if isinstance(placement, Shard):
         if not -ndim <= placement.dim < ndim:
             raise PlanError(
@@ -141,13 +158,31 @@ def lower(plan: VescalePlan, model: nn.Module, mesh: DeviceMesh) -> PlanIR:
                 planned_buffers.add(name)
             module, _, tensor = name.rpartition(".")
             for d, p in dims:
-                p = _check_fits(st, p, name, tensors[name].dim())
+                p = _check_fits(st, p, name, tuple(tensors[name].shape))
                 raw += [RawEntry(module, "param", tensor, None, d, p, ph, st) for ph in phases]
 
+    _check_interleaved_alone(raw)
     raw = _canonicalize_shared(model, raw)
     names = [n for n, _ in model.named_parameters()] + sorted(planned_buffers)
     order = {m: i for i, m in enumerate(modules)}
     return optimize(raw, names, order, tuple(mesh.mesh_dim_names))
+
+
+def _check_interleaved_alone(raw: list[RawEntry]) -> None:
+    """A tensor dim that is InterleavedShard on one mesh dim cannot be sharded on another too: its
+    shards would not be sections of sections (DTensor cannot gather such a layout either)."""
+    by_tensor: dict = {}
+    for e in raw:
+        if e.hook == "param" and _is_shard_like(e.placement):
+            by_tensor.setdefault((e.module, e.tensor, e.phase, e.placement.dim), []).append(e)
+    for (module, tensor, phase, dim), entries in by_tensor.items():
+        if len({e.mesh_dim for e in entries}) > 1 and any(is_interleaved(e.placement) for e in entries):
+            a, b = entries[0], next(e for e in entries if e.mesh_dim != entries[0].mesh_dim)
+            raise PlanError(
+                f"{a.statement} and {b.statement} both shard dim {dim} of {module + '.' if module else ''}{tensor} "
+                f"({phase.value}); an InterleavedShard dim cannot be sharded on a second mesh dimension. "
+                "Shard another dim there (e.g. Shard(1) for ZeRO-3 of a fused q|k|v Linear weight)"
+            )
 
 
 def _lower_module_statement(st, modules, dims, all_paths) -> list[RawEntry]:

@@ -1,0 +1,45 @@
+"""The state_dict of a parallelized model, in layouts that torch.distributed.checkpoint can save.
+
+DCP describes a rank's piece of a DTensor as one block (an offset and a size per dim). An
+``InterleavedShard`` piece is ``interleave`` blocks, so DCP rejects it ("overlapping chunks"). The
+model's ``state_dict()`` therefore gives interleaved tensors as the same global tensor laid out with
+``Shard`` on that dim (one all-gather and a local slice per tensor, transiently the tensor's global
+size); ``load_state_dict`` copies such a value back into the interleaved parameter, which
+redistributes it. The checkpoint holds global tensors, so it loads into any mesh and plan, or into
+the single-device model.
+
+    sd = model.state_dict(); dcp.save(sd, checkpoint_id=path)
+    sd = model.state_dict(); dcp.load(sd, checkpoint_id=path); model.load_state_dict(sd)
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Shard
+
+from ..placement import is_interleaved
+
+__all__ = ["checkpointable", "attach_state_dict_hooks"]
+
+
+def checkpointable(value):
+    """``value`` with every interleaved mesh dim laid out as ``Shard`` on the same tensor dim."""
+    if not isinstance(value, DTensor) or not any(is_interleaved(p) for p in value.placements):
+        return value
+    placements = [Shard(p.dim) if is_interleaved(p) else p for p in value.placements]
+    return value.detach().redistribute(value.device_mesh, placements)
+
+
+def _state_dict_hook(module, state_dict, prefix, local_metadata):
+    for key, value in list(state_dict.items()):
+        if key.startswith(prefix):
+            state_dict[key] = checkpointable(value)
+    return state_dict
+
+
+def attach_state_dict_hooks(model: nn.Module) -> list:
+    """Register the hook on ``model`` if any of its parameters or buffers is interleaved."""
+    tensors = [*model.parameters(), *model.buffers()]
+    if not any(isinstance(t, DTensor) and any(is_interleaved(p) for p in t.placements) for t in tensors):
+        return []
+    return [model._register_state_dict_hook(_state_dict_hook)]
