@@ -9,8 +9,10 @@ from .data import synthetic_batches
 from .hf import TINY_LLAMA_SIZES, tiny_hf_llama, tiny_hf_llama_config, tiny_llama, tiny_llama_config
 from .llama import LlamaConfig, LlamaForCausalLM
 from .plans import llama_plan
+from .moe import TINY_MOE_SIZES, moe_plan, tiny_hf_mixtral, tiny_hf_qwen3_moe
 
 __all__ = [
     "LlamaConfig", "LlamaForCausalLM", "llama_plan", "synthetic_batches", "TINY_LLAMA_SIZES",
     "tiny_llama", "tiny_llama_config", "tiny_hf_llama", "tiny_hf_llama_config",
+    "moe_plan", "TINY_MOE_SIZES", "tiny_hf_mixtral", "tiny_hf_qwen3_moe",
 ]
