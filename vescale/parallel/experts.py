@@ -156,11 +156,14 @@ class _ExpertParallel:
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
         send_sizes, recv_sizes = send.tolist(), recv.tolist()
-        pairs_x = x[torch.div(order, k, rounding_mode="floor")]
-        pairs_w = w.reshape(-1)[order]
+        # Tokens and routing weights travel in one all-to-all (in their promoted dtype, which both
+        # convert to and back exactly): one collective each way in forward and in backward, whose
+        # order across ranks the data dependencies fix.
+        dtype = torch.promote_types(x.dtype, w.dtype)
+        pairs = torch.cat([x[torch.div(order, k, rounding_mode="floor")].to(dtype), w.reshape(-1, 1)[order].to(dtype)], 1)
+        got = wait_tensor(all_to_all_single_autograd(pairs, recv_sizes, send_sizes, self.group))
+        got_x, got_w = got[:, :-1].to(x.dtype), got[:, -1:].to(w.dtype)
         pairs_ids = flat_ids[order] - owner[order] * per_rank  # local expert ids on the owning rank
-        got_x = wait_tensor(all_to_all_single_autograd(pairs_x, recv_sizes, send_sizes, self.group))
-        got_w = wait_tensor(all_to_all_single_autograd(pairs_w, recv_sizes, send_sizes, self.group))
         got_ids = torch.empty(sum(recv_sizes), dtype=pairs_ids.dtype, device=pairs_ids.device)
         dist.all_to_all_single(got_ids, pairs_ids, recv_sizes, send_sizes, group=self.group)
 
@@ -170,9 +173,9 @@ class _ExpertParallel:
         mod.num_experts = per_rank  # kernels size their one-hot / histogram by it
         self.calls.append(dict(
             saved=saved, num_experts=num_experts, local=local, order=order, k=k, send=send_sizes, recv=recv_sizes,
-            hidden=hidden, placements=placements, tokens=x.shape[0],
+            hidden=hidden, placements=placements, tokens=x.shape[0], got=got,
         ))
-        new_args = (got_x, got_ids.unsqueeze(-1), got_w.unsqueeze(-1).to(w.dtype))
+        new_args = (got_x, got_ids.unsqueeze(-1), got_w)
         rest = {n: v for n, v in values.items() if n not in _INPUTS}
         return new_args, rest
 
@@ -185,9 +188,12 @@ class _ExpertParallel:
         if output is None or not isinstance(output, torch.Tensor):
             return output
         if output.shape[0] == 0:
-            # No tokens came here: tie the local experts into the graph so that they get a zero
-            # gradient on this rank too (every rank then reduces the same gradients).
-            output = output + sum(p.sum() for p in call["local"].values()) * 0
+            # No tokens came here, so a kernel may not have used its inputs or parameters at all. Tie
+            # them into the graph: backward then runs this rank's side of the input all-to-all (the
+            # other ranks wait for it) and gives the local experts a zero gradient, as every rank
+            # must reduce the same gradients.
+            tied = call["got"].sum() + sum(p.sum() for p in call["local"].values())
+            output = output + (tied * 0).to(output.dtype)
         back = wait_tensor(all_to_all_single_autograd(output, call["send"], call["recv"], self.group))
         inverse = torch.argsort(call["order"])
         per_token = back[inverse].view(call["tokens"], call["k"], -1).sum(dim=1)
