@@ -87,3 +87,23 @@ def test_torchtitan_style_plans_run_and_match_single_device(name):
         assert shapes["model.layers.0.mlp.experts.down_proj"] == (2, 32, 32)
     # q_proj: TP splits its rows, then FSDP splits them again
     assert shapes["model.layers.0.self_attn.q_proj.weight"] == ((8, 32) if name == "mixtral" else (16, 64))
+
+
+def _irs():
+    mesh = vescale.init_mesh((2, 2), ("DP", "TP"))
+    mod = _module()
+    from vescale.zoo import llama_plan, moe_plan
+
+    body = lambda ir: str(ir).splitlines()[1:]  # noqa: E731  (the header counts statements)
+    llama, mixtral = tiny_hf_llama(), tiny_hf_mixtral()
+    return (
+        body(vescale.explain(llama, mod.vescale_llama(), mesh)) == body(vescale.explain(llama, llama_plan(mesh, llama.config, zero3=True), mesh)),
+        body(vescale.explain(mixtral, mod.vescale_moe(), mesh))
+        == body(vescale.explain(mixtral, moe_plan(mesh, mixtral.config, sequence_parallel=True, zero3=True), mesh)),
+    )
+
+
+@pytest.mark.multiproc
+def test_written_out_vescale_plans_are_the_zoo_plans():
+    # docs/zoo.md counts the lines of the written-out plans: they must lower to the zoo's IR.
+    assert run_on_ranks(_irs, 4)[0] == (True, True)
