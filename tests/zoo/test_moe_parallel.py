@@ -46,7 +46,7 @@ CONFIGS_2 = [
     ("qwen3_moe", None, "EP=2", (2,), ("EP",), False),
 ]
 CONFIGS_4 = [
-    ("mixtral", None, "DP=2xTP=2+ZeRO-3", (2, 2), ("DP", "TP"), True),
+    ("mixtral", None, "DP=2xTP=2+SP+ZeRO-3", (2, 2), ("DP", "TP"), True),
     ("qwen3_moe", None, "DP=2xTP=2+ZeRO-3", (2, 2), ("DP", "TP"), True),
 ]
 
@@ -91,7 +91,8 @@ def _distributed(configs):
     for model_name, kernel, name, shape, names, zero3 in configs:
         mesh = vescale.init_mesh(shape, names)
         model = _build(model_name, kernel)
-        vescale.parallelize(model, moe_plan(mesh, model.config, zero3=zero3), mesh)
+        plan = moe_plan(mesh, model.config, zero3=zero3, sequence_parallel="+SP" in name)
+        vescale.parallelize(model, plan, mesh)
         experts = model.get_submodule(EXPERTS)
         local = {n: p._local_tensor.detach().clone() for n, p in experts.named_parameters()}
         out = _train(model)
@@ -145,5 +146,5 @@ def test_two_rank_tp_and_ep_match_single_device_with_every_kernel():
 
 
 @pytest.mark.multiproc
-def test_dp_tp_zero3_matches_single_device():
+def test_dp_tp_sp_zero3_matches_single_device():
     _check(run_on_ranks(_distributed, 4, CONFIGS_4, timeout=900), CONFIGS_4)
