@@ -7,7 +7,8 @@
 The public surface is small on purpose; everything else lives in one package per concept:
 ``plan`` (VescalePlan and its IR), ``parallel`` (parallelize), ``random`` (single-device-semantic
 distributed RNG), ``dispatch`` (fast eager DTensor dispatch), ``static`` (Static Eager mode),
-``comm`` (gradient reduction), ``zoo`` (ready models and plans).
+``comm`` (gradient reduction), ``placement`` (InterleavedShard), ``init`` (deferred initialisation of
+meta-device models), ``zoo`` (ready models and plans).
 """
 
 from torch.distributed.tensor import Partial, Replicate, Shard

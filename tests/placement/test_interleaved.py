@@ -24,6 +24,7 @@ pytestmark = pytest.mark.multiproc
 def _ops():
     mesh = vescale.init_mesh((2,), ("TP",))
     vescale.dispatch.install()
+    torch._C._set_dtensor_allow_implicit_replication(True)  # plain expert ids / inputs meet DTensors (as in parallelize)
     r = dist.get_rank()
     out = {}
     # Layout: rows q0 q1 | k0 k1 | v0 v1 (2 per section); rank r holds row r of every section.
@@ -63,6 +64,21 @@ def _ops():
     # Splits that are not the sections still gather first (PyTorch's rule), with correct values.
     halves = y.split(6, dim=-1)
     out["other_split"] = (halves[0].placements, torch.equal(halves[0].full_tensor(), y.full_tensor()[..., :6]))
+    # MoE gate|up experts (E, 2I, H) as HF's kernels use them: an expert's slice (select), the
+    # batched_mm path (index by expert ids, bmm) and the gate/up chunk stay local and exact.
+    E, I, H = 3, 4, 6
+    Wm, xm, ids = torch.randn(E, 2 * I, H), torch.randn(5, H), torch.tensor([0, 2, 1, 2, 0])
+    Wmd = distribute_tensor(Wm, mesh, [InterleavedShard(1, 2)])
+    with CommDebugMode() as comm:
+        gate, up = nn.functional.linear(xm, Wmd[1]).chunk(2, dim=-1)
+        bgate, bup = torch.bmm(Wmd[ids], xm.unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
+    ref_gate, ref_up = nn.functional.linear(xm, Wm[1]).chunk(2, dim=-1)
+    ref_bgate, ref_bup = torch.bmm(Wm[ids], xm.unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
+    out["moe"] = (
+        comm.get_total_counts(),
+        [t.placements for t in (gate, up, bgate, bup)],
+        all(torch.equal(t.full_tensor(), r) for t, r in zip((gate, up, bgate, bup), (ref_gate, ref_up, ref_bgate, ref_bup))),
+    )
     return out
 
 
@@ -77,6 +93,7 @@ def test_layout_redistribute_and_ops():
         assert out["backward_collectives"] == 0
         assert out["cat"] == ("InterleavedShard(dim=2, interleave=3)", True)
         assert out["other_split"] == ((Replicate(),), True)
+        assert out["moe"] == (0, [(Shard(1),)] * 4, True)
 
 
 def _rng():

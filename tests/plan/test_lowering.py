@@ -77,8 +77,8 @@ def net():
 
 
 def lines(plan, model, mesh) -> list[str]:
-    """The printed IR without its header line."""
-    return str(lower(plan, model, mesh)).splitlines()[1:]
+    """The printed IR's entries (without its header line and its coverage report)."""
+    return [t for t in str(lower(plan, model, mesh)).splitlines()[1:] if not t.startswith("# ")]
 
 
 def entry(ir, text: str):
@@ -187,7 +187,8 @@ def test_ir_text_format(net, mesh):
     text = str(ir).splitlines()
     counts = f"{len(ir.raw)} raw entries -> {len(ir.entries)} entries in {len(ir.hooks())} hooks"
     assert text[0] == f"# Plan IR: {counts}; mesh dims ('DP', 'TP')"
-    assert len(text) == 1 + len(ir.entries)
+    # Then the coverage report, one line per mesh dim (see test_coverage.py).
+    assert len(text) == 1 + len(ir.entries) + 2 and all(t.startswith("# ") for t in text[-2:])
     for line in [
         "mlp.forward_pre:<in>:x:redist(->R,TP)",
         "mlp.forward:<out>:0:redist(->S(1),TP)",
@@ -347,7 +348,7 @@ def test_input_index_beyond_the_forward_arguments(net, mesh):
 
 
 def test_unknown_argument_name(net, mesh):
-    with raises("module 'mlp' (MLP.forward) has no argument 'y'; its arguments are ['x', 'scale']"):
+    with raises("module 'mlp' (MLP.forward) has no argument matching 'y'; its arguments are ['x', 'scale']"):
         lower(plan_of((r"mlp\.<in>[y]", Replicate(), TP)), net, mesh)
 
 
@@ -442,8 +443,9 @@ def test_explain_prints_one_line_per_entry_and_changes_nothing(net, mesh, capsys
     ir = vescale.explain(net, plan, mesh)
     print(ir)
     printed = capsys.readouterr().out.splitlines()
-    assert printed[0].startswith("# Plan IR:") and printed[1:] == [str(e) for e in ir.entries]
-    assert len(printed) == 1 + len(ir.entries)
+    n = len(ir.entries)
+    assert printed[0].startswith("# Plan IR:") and printed[1 : 1 + n] == [str(e) for e in ir.entries]
+    assert printed[1 + n :] == ir.report().splitlines()
     assert all(type(p) is nn.Parameter for p in net.parameters())
     assert all(torch.equal(before[n], t) for n, t in net.state_dict().items())
     assert not hasattr(net, "_vescale_ir")

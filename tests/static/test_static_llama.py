@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 import vescale
 from vescale.random import consistent
@@ -78,6 +78,9 @@ def _train(model, count_step: int | None = None) -> dict:
         opt.zero_grad()
         out["losses"].append(_value(loss).item())
     out["params"] = {n: _value(p) for n, p in model.named_parameters()}
+    # Static steps must leave no dispatch mode behind: a leaked recording watcher would see (and
+    # slow down) every later op of the process.
+    out["modes_left"] = len(_get_current_dispatch_mode_stack())
     return out
 
 
@@ -122,6 +125,7 @@ def _check(results, configs):
             what = f"{name} model, {label}"
             recorded, ran_static = static["steps"]
             assert recorded + ran_static == STEPS and ran_static >= STEPS - 3, f"{what}: steps {static['steps']}"
+            assert static["modes_left"] == 0, f"{what}: {static['modes_left']} dispatch modes left active after training"
             # At most half: under TP=4 the plan replicates K/V (TP does not divide the KV heads), so
             # DTensor slices them inside attention and attention rightly stays eager.
             assert static["dtensor_ops"] * 2 < eager["dtensor_ops"], (
@@ -143,3 +147,35 @@ def test_static_two_ranks_matches_eager_and_single_device():
 @pytest.mark.multiproc
 def test_static_four_ranks_matches_eager_and_single_device():
     _check(run_on_ranks(_distributed, 4, CONFIGS_4)[0], CONFIGS_4)
+
+
+def _new_length_records_once():
+    """Train at one sequence length, then at another: the new length records in one eager step
+    (it starts from the eager modules found before) and the next step runs static, computing what
+    eager mode computes (losses within 1e-6: same local ops, collectives in the same order)."""
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    mesh = vescale.init_mesh((2,), ("TP",))
+    losses, models = {}, {}
+    for mode in ("eager", "static"):
+        model = models[mode] = _build("ours")
+        vescale.parallelize(model, llama_plan(mesh, model.config, sequence_parallel=True), mesh, mode=mode)
+        vescale.manual_seed(SEED)
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        losses[mode] = []
+        for seq in (16, 16, 16, 24, 24):
+            (x, y), = synthetic_batches(1, 4, seq, 128, seed=seq)
+            loss = model(input_ids=x, labels=y).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[mode].append(_value(loss).item())
+    rt = models["static"]._vescale_static
+    return losses, (rt.recorded_steps, rt.static_steps)
+
+
+@pytest.mark.multiproc
+def test_a_new_sequence_length_records_in_one_step():
+    losses, steps = run_on_ranks(_new_length_records_once, 2)[0]
+    assert steps == (3, 2), f"(recorded, static) steps: {steps}; want 2 + 1 recorded, 1 + 1 static"
+    for a, b in zip(losses["static"], losses["eager"]):
+        assert abs(a - b) <= 1e-6, (losses["static"], losses["eager"])

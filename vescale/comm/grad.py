@@ -175,9 +175,8 @@ class GradReducer:
 def _accumulate(param: DTensor, local: torch.Tensor) -> None:
     """``param.grad += reduced`` where ``reduced`` is already laid out like ``param``."""
     if param.grad is None:
-        param.grad = DTensor.from_local(
-            local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
-        )
+        # The parameter's own spec: the reduced gradient is laid out exactly like it.
+        param.grad = DTensor(local, param._spec, requires_grad=False)
     else:
         param.grad._local_tensor.add_(local)
 

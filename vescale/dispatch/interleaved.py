@@ -7,6 +7,9 @@ every section, in section order, so the local ``split`` yields each section as a
 reverse — ``cat`` of ``k`` equally sized ``Shard(d)`` tensors along ``d`` (the backward of that
 split, or a model fusing q|k|v itself) — is an ``InterleavedShard(d, k)``.
 
+The ``cat`` rule also skips 1-D empty inputs, as ``torch.cat`` does (an empty KV cache meets the
+keys: HF models' default ``use_cache=True``).
+
 Both rules are added in front of PyTorch's strategy functions for ``split`` / ``split_with_sizes``
 and ``cat`` through the propagator's own strategy table (``install()``, never at import); every
 other case goes to PyTorch's function unchanged. (``chunk`` reaches DTensor as ``split``.)
@@ -107,9 +110,39 @@ def _local_cat(schema: OpSchema) -> OpStrategy | None:
     )
 
 
+def _legacy_empty(strategy) -> bool:
+    return isinstance(strategy, OpStrategy) and tuple(strategy.strategies[0].output_spec.shape) == (0,)
+
+
+def _cat_with_legacy_empty(schema: OpSchema, original) -> OpStrategy | None:
+    """``cat`` skips 1-D empty tensors of any placement (PyTorch's legacy rule; an empty KV cache
+    is one: ``torch.cat([cache, keys], dim=-2)``). DTensor's rule would redistribute the empty
+    tensor to the others' sharding on a dim it does not have; decide without it instead, and
+    leave it as it is."""
+    items = schema.args_schema[0]
+    if not isinstance(items, TupleStrategy):
+        return None
+    empty = [i for i, c in enumerate(items.children) if _legacy_empty(c)]
+    if not empty or len(empty) == len(items.children):
+        return None
+    rest = TupleStrategy([c for i, c in enumerate(items.children) if i not in empty])
+    sub = OpSchema(schema.op, (rest, *schema.args_schema[1:]), schema.kwargs_schema, schema_info=schema.schema_info)
+    found = _local_cat(sub) or original(sub)
+    strategies = []
+    for spec in found.strategies:
+        inputs, costs = list(spec.input_specs), list(spec.redistribute_cost)
+        for i in empty:
+            inputs.insert(i, items.children[i].strategies[0].output_spec)
+            costs.insert(i, [0.0] * len(items.children[i].strategies))
+        strategies.append(OpSpec(output_specs=spec.output_specs, input_specs=tuple(inputs), redistribute_cost=costs))
+    return OpStrategy(strategies)
+
+
 def _with_rule(rule, original):
     def strategy(schema: OpSchema):
         found = rule(schema)
+        if found is None and rule is _local_cat:
+            found = _cat_with_legacy_empty(schema, original)
         return found if found is not None else original(schema)
 
     strategy.__wrapped__ = original

@@ -16,6 +16,7 @@ parameter with DTensor's ``redistribute``; bucketed mode gathers whole units thr
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Callable
 
 import torch
@@ -25,7 +26,11 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.overrides import TorchFunctionMode
 
 from ..plan.ir import Entry, PlanError
-from ..plan.lower import forward_arg_names
+from ..plan.lower import KeyPattern, forward_arg_names
+
+# Set on a module (in its __dict__) by Static Eager mode while its planned inputs or outputs have
+# already been moved to their planned placements as local tensors: the plan's hooks leave them be.
+IO_PLACED = "_vescale_io_placed"
 from .placing import place
 from .zero import GatheredParam
 
@@ -57,17 +62,36 @@ def _free_after_grad(param: nn.Parameter) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _place_inputs(args, kwargs, entries: list[Entry], names: list[str], mesh, path: str):
-    """``names``: the forward's argument names, read once at install time (not per call)."""
+def _input_keys(e: Entry, kwargs) -> list:
+    """The argument names / positions an input entry places in this call."""
+    if isinstance(e.key, KeyPattern):
+        return [k for k in kwargs if re.fullmatch(e.key, k)]
+    return [e.key]
+
+
+def _place_inputs(args, kwargs, entries: list[Entry], names: list[str], mesh, path: str, first: bool):
+    """``names``: the forward's argument names, read once at install time (not per call). At the
+    module's first call every entry must place something: a key that matches no argument passed is
+    a plan that silently does nothing (later calls may leave an optional argument out)."""
     args = list(args)
     for e in entries:
-        what = f"{path or '<root>'}.<in>[{e.key}]"
-        pos = names.index(e.key) if e.key in names else e.key  # a **kwargs name has no position
-        if isinstance(e.key, str) and e.key in kwargs:
-            kwargs[e.key] = place(kwargs[e.key], mesh, e.targets, what)
-        elif isinstance(pos, int) and pos < len(args):
-            args[pos] = place(args[pos], mesh, e.targets, what)
-        # else: the argument was not passed; the module makes its own (a factory tensor)
+        placed = False
+        for key in _input_keys(e, kwargs):
+            what = f"{path or '<root>'}.<in>[{key}]"
+            pos = names.index(key) if key in names else key  # a **kwargs name has no position
+            if isinstance(key, str) and key in kwargs:
+                kwargs[key] = place(kwargs[key], mesh, e.targets, what)
+                placed = True
+            elif isinstance(pos, int) and pos < len(args):
+                args[pos] = place(args[pos], mesh, e.targets, what)
+                placed = True
+        if first and not placed:
+            passed = [names[i] if i < len(names) else str(i) for i in range(len(args))] + list(kwargs)
+            raise PlanError(
+                f"{path or '<root>'}.<in>[{e.key}] (plan statement(s) #{', #'.join(map(str, e.statements))}) "
+                f"matched no argument of the module's first call, which passed {passed}; fix the key "
+                "(keys are full-match regular expressions) or drop the statement"
+            )
     return tuple(args), kwargs
 
 
@@ -87,10 +111,14 @@ def _place_outputs(output, entries: list[Entry], mesh, path: str):
             output = type(output)(items) if type(output) in (tuple, list) else type(output)(*items)
         elif isinstance(output, dict):
             keys = [k for k, v in output.items() if v is not None]
-            k = keys[e.key] if isinstance(e.key, int) and e.key < len(keys) else e.key
-            if k not in output:
-                raise PlanError(f"{what}: the module's output has no field {k!r}; fields: {keys}")
-            output[k] = place(output[k], mesh, e.targets, what)
+            if isinstance(e.key, int):
+                fields = [keys[e.key]] if e.key < len(keys) else []
+            else:  # a full-match regular expression over the fields
+                fields = [k for k in keys if re.fullmatch(e.key, k)]
+            if not fields:
+                raise PlanError(f"{what}: the module's output has no field matching {e.key!r}; fields: {keys}")
+            for k in fields:
+                output[k] = place(output[k], mesh, e.targets, f"{path or '<root>'}.<out>[{k}]")
         else:
             raise PlanError(f"{what}: cannot place an output of type {type(output).__name__}")
     return output
@@ -181,6 +209,7 @@ def install_module_hooks(
     factory = hook_entries.get("factory", [])
     arg_names = forward_arg_names(module)[0]
     live: list[GatheredParam] = []  # gathered for the forward call in flight
+    calls = [0]  # forward calls so far: the first must find every planned input
     modes: list[_FactoryMode] = []
 
     def pre_hook(mod, args, kwargs):
@@ -198,8 +227,9 @@ def install_module_hooks(
             mode = _FactoryMode(mesh, factory[0].targets, path)
             mode.__enter__()
             modes.append(mode)
-        if inputs:
-            args, kwargs = _place_inputs(args, kwargs, inputs, arg_names, mesh, path)
+        if inputs and not mod.__dict__.get(IO_PLACED):
+            args, kwargs = _place_inputs(args, kwargs, inputs, arg_names, mesh, path, calls[0] == 0)
+        calls[0] += 1
         return args, kwargs
 
     def cleanup_hook(mod, args, kwargs, output):
@@ -211,7 +241,7 @@ def install_module_hooks(
             store[e.tensor] = g.param
 
     def post_hook(mod, args, kwargs, output):
-        if outputs:
+        if outputs and not mod.__dict__.get(IO_PLACED):
             output = _place_outputs(output, outputs, mesh, path)
         gathered = list(live)
         live.clear()

@@ -40,7 +40,7 @@ def place(t, mesh: DeviceMesh, targets: Sequence[Optional[Placement]], what: str
     for p in want:
         if _is_shard_like(p) and not -d.ndim <= p.dim < d.ndim:
             raise PlanError(
-                f"{what}: {p!r} does not fit a tensor of shape {tuple(d.shape)}; "
+                f"{what}: {f'Shard({p.dim})' if isinstance(p, Shard) else repr(p)} does not fit a tensor of shape {tuple(d.shape)}; "
                 f"use a dim in [0, {d.ndim})"
             )
         if is_interleaved(p) and d.shape[p.dim] % interleave_of(p):

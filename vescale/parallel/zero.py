@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ..comm.gather import GroupGather, gather
 from ..comm.layout import NOTHING
@@ -49,9 +50,9 @@ class GatheredParam:
         else:
             if local is None:
                 local = gather(param, mesh, self.run_placements, reducer.stats)._local_tensor
-            self.value = DTensor.from_local(
-                local, mesh, self.run_placements, run_check=False, shape=param.shape, stride=param.stride()
-            )
+            # A leaf DTensor over the gathered local tensor, with the spec made once per parameter
+            # (from_local would build and hash a new spec and an autograd node on every call).
+            self.value = DTensor(local, _run_spec(param, mesh, self.run_placements), requires_grad=False)
             if param.requires_grad:
                 self.value.requires_grad_(True)
                 self.value.register_post_accumulate_grad_hook(self._grad_ready)
@@ -99,6 +100,14 @@ class GatheredParam:
         gathered = getattr(self.param, "_vescale_gathered", [])
         if self in gathered:
             gathered.remove(self)
+
+
+def _run_spec(param: DTensor, mesh: DeviceMesh, placements: tuple) -> DTensorSpec:
+    cached = getattr(param, "_vescale_run_spec", None)
+    if cached is None or cached.placements != placements or cached.mesh != mesh:
+        meta = TensorMeta(param.shape, param.stride(), param.dtype)
+        cached = param._vescale_run_spec = DTensorSpec(mesh, placements, tensor_meta=meta)
+    return cached
 
 
 def unit_of(path: str) -> str:

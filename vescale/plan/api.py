@@ -14,6 +14,8 @@ on a device mesh:
 Tensor names: a parameter or buffer name, ``<in>`` (first forward input), ``<in>[i]`` (positional
 input i), ``<in>[name]`` (input by argument name, positional or keyword), ``<out>`` (the output, or
 its first element), ``<out>[i]`` / ``<out>[name]`` (an element of a tuple / dict-like output).
+A non-numeric key is a full-match regular expression like the rest of the path
+(``<in>[(input_ids|labels)]``); a key that matches nothing at a module's first call is an error.
 
 The plan holds no model and no mesh: ``vescale.plan.lower`` resolves it against both.
 """
@@ -47,7 +49,7 @@ INIT, RUN = Phase.INIT, Phase.RUN
 PlacementArg = Union[Placement, Sequence[Placement]]
 
 # `<in>`, `<in>[3]`, `<out>[logits]` (brackets escaped or not) ending a path: its activation token.
-_ACTIVATION = re.compile(r"<(in|out)>(?:\\?\[([^\]\\]+)\\?\])?$")
+_ACTIVATION = re.compile(r"<(in|out)>(?:\\?\[(.+?)\\?\])?$")
 
 
 @dataclass(frozen=True)

@@ -95,6 +95,7 @@ class PlanIR:
     raw: list[RawEntry]
     entries: list[Entry]
     mesh_dim_names: tuple[str, ...]
+    mesh_dim_sizes: tuple[int, ...] = ()  # set by lowering; empty when unknown
 
     def hooks(self) -> dict[tuple[str, str], list[Entry]]:
         """Entries grouped per (module, hook); each group becomes one installed hook. "param"
@@ -105,12 +106,64 @@ class PlanIR:
                 grouped.setdefault((e.module, e.hook), []).append(e)
         return grouped
 
+    def coverage(self) -> dict[str, dict]:
+        """Per mesh dim: ``replicated`` (parameters/buffers the plan leaves Replicate on it in both
+        phases), ``sharded`` (those sharded on it in some phase) and ``activations`` (activation and
+        factory entries that place something on it, Replicate included)."""
+        out = {n: {"replicated": [], "sharded": [], "activations": []} for n in self.mesh_dim_names}
+        placed: dict[str, set] = {}
+        for e in self.entries:
+            name = f"{e.module}.{e.tensor}" if e.module else e.tensor
+            if e.hook == "param" or e.action == "gather":
+                for d, p in zip(self.mesh_dim_names, e.targets):
+                    if not isinstance(p, Replicate):
+                        placed.setdefault(d, set()).add(name)
+            else:
+                for d, p in zip(self.mesh_dim_names, e.targets):
+                    if p is not None:
+                        out[d]["activations"].append(str(e))
+        for e in self.entries:
+            if e.hook == "param":
+                name = f"{e.module}.{e.tensor}" if e.module else e.tensor
+                for d in self.mesh_dim_names:
+                    out[d]["sharded" if name in placed.get(d, ()) else "replicated"].append(name)
+        return out
+
+    def idle_mesh_dims(self) -> list[str]:
+        """Mesh dims of size > 1 on which the plan shards no parameter and places no activation
+        other than Replicate: every rank along them would do the same work (a silent no-op)."""
+        idle = []
+        for i, (d, c) in enumerate(self.coverage().items()):
+            size = self.mesh_dim_sizes[i] if self.mesh_dim_sizes else 2
+            if size > 1 and not c["sharded"] and not self._shards_activation_on(i):
+                idle.append(d)
+        return idle
+
+    def _shards_activation_on(self, i: int) -> bool:
+        return any(
+            e.hook != "param" and e.action != "gather" and e.targets[i] is not None and not isinstance(e.targets[i], Replicate)
+            for e in self.entries
+        )
+
+    def report(self) -> str:
+        """Per mesh dim: the parameters left replicated and whether any activation is placed."""
+        lines = []
+        for d, c in self.coverage().items():
+            rep, total = c["replicated"], len(c["replicated"]) + len(c["sharded"])
+            names = ", ".join(rep[:6]) + (f", ... (+{len(rep) - 6} more)" if len(rep) > 6 else "")
+            acts = f"{len(c['activations'])} activation(s) placed" if c["activations"] else "no activation placed"
+            lines.append(f"# {d}: {len(rep)} of {total} parameters replicated{': ' + names if rep else ''}; {acts}")
+        idle = self.idle_mesh_dims()
+        if idle:
+            lines.append(f"# WARNING: the plan does nothing on mesh dim(s) {idle} (parallelize(..., strict=True) refuses it)")
+        return "\n".join(lines)
+
     def __str__(self) -> str:
         head = (
             f"# Plan IR: {len(self.raw)} raw entries -> {len(self.entries)} entries in "
             f"{len(self.hooks())} hooks; mesh dims {self.mesh_dim_names}"
         )
-        return "\n".join([head] + [str(e) for e in self.entries])
+        return "\n".join([head] + [str(e) for e in self.entries] + [self.report()])
 
     __repr__ = __str__
 

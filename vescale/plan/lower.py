@@ -22,7 +22,7 @@ from ..placement import InterleavedShard, interleave_of, is_interleaved
 from .api import Phase, Statement, VescalePlan
 from .ir import PlanError, PlanIR, RawEntry, optimize
 
-__all__ = ["lower", "forward_arg_names"]
+__all__ = ["lower", "forward_arg_names", "KeyPattern"]
 
 
 def forward_arg_names(module: nn.Module) -> tuple[list[str], bool, bool]:
@@ -102,30 +102,43 @@ def _check_fits(st: Statement, placement: Placement, name: str, shape) -> Placem
     return placement
 
 
-def _activation_key(st: Statement, module_path: str, module: nn.Module, key: str | None):
-    """Normalise a key so that one tensor has one key: ``<out>`` is ``<out>[0]`` (the output, or
-    its first element), and ``<in>``, ``<in>[0]`` and ``<in>[hidden_states]`` name one input (by
-    its argument name where the signature knows it)."""
+class KeyPattern(str):
+    """An input key that is a regular expression over keyword names a ``**kwargs`` forward may get:
+    resolved against the keywords of each call (the first call must match at least one)."""
+
+
+_NAME = re.compile(r"\w+")
+
+
+def _activation_keys(st: Statement, module_path: str, module: nn.Module, key: str | None) -> list:
+    """The keys a statement's ``<in>[key]`` / ``<out>[key]`` names, normalised so that one tensor has
+    one key: ``<out>`` is ``<out>[0]`` (the output, or its first element), and ``<in>``, ``<in>[0]``
+    and ``<in>[hidden_states]`` name one input (by its argument name where the signature knows it).
+    A non-numeric key is a full-match regular expression, like the rest of the path:
+    ``<in>[(input_ids|labels)]`` names both arguments."""
     direction, _ = st.activation
     key = "0" if key is None else key
     where = f"module {module_path or '<root>'!r} ({type(module).__name__}.forward)"
     if key.startswith("-"):
         raise PlanError(f"{st}: negative positions are ambiguous; use a position >= 0 or the argument name")
     if direction == "out":
-        return int(key) if key.isdigit() else key
+        return [int(key) if key.isdigit() else key]
     names, varargs, varkw = forward_arg_names(module)
     if key.isdigit():
         i = int(key)
         if i < len(names):
-            return names[i]
+            return [names[i]]
         if varargs:
-            return i
+            return [i]
         if not names and varkw:
             raise PlanError(f"{st}: {where} takes only **kwargs; name the input, e.g. <in>[input_ids]")
         raise PlanError(f"{st}: {where} has only {len(names)} input(s) {names}; <in>[{i}] does not exist")
-    if key in names or varkw:
-        return key
-    raise PlanError(f"{st}: {where} has no argument {key!r}; its arguments are {names}")
+    matched = [n for n in names if re.fullmatch(key, n)]
+    if matched:
+        return matched
+    if varkw:  # a keyword only **kwargs can take: checked against the first call's keywords
+        return [key if _NAME.fullmatch(key) else KeyPattern(key)]
+    raise PlanError(f"{st}: {where} has no argument matching {key!r}; its arguments are {names}")
 
 
 def lower(plan: VescalePlan, model: nn.Module, mesh: DeviceMesh) -> PlanIR:
@@ -165,7 +178,9 @@ def lower(plan: VescalePlan, model: nn.Module, mesh: DeviceMesh) -> PlanIR:
     raw = _canonicalize_shared(model, raw)
     names = [n for n, _ in model.named_parameters()] + sorted(planned_buffers)
     order = {m: i for i, m in enumerate(modules)}
-    return optimize(raw, names, order, tuple(mesh.mesh_dim_names))
+    ir = optimize(raw, names, order, tuple(mesh.mesh_dim_names))
+    ir.mesh_dim_sizes = tuple(mesh.shape)
+    return ir
 
 
 def _check_interleaved_alone(raw: list[RawEntry]) -> None:
@@ -213,7 +228,9 @@ def _lower_module_statement(st, modules, dims, all_paths) -> list[RawEntry]:
             direction, key = st.activation
             hook = "forward_pre" if direction == "in" else "forward"
             tensor = f"<{direction}>"
-            key = _activation_key(st, m, modules[m], key)
+            for k in _activation_keys(st, m, modules[m], key):
+                out += [RawEntry(m, hook, tensor, k, d, p, None, st) for d, p in dims]
+            continue
         out += [RawEntry(m, hook, tensor, key, d, p, None, st) for d, p in dims]
     return out
 

@@ -35,7 +35,9 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..parallel.hooks import IO_PLACED
 from ..plan.ir import PlanError
+from .boundary import Move, dtensor_of, grad_spec, local_of
 
 __all__ = ["StaticRuntime", "State"]
 
@@ -51,6 +53,10 @@ class Crossing:
 
     spec: object | None = None  # DTensorSpec, or None for a plain (global) tensor
     grad_placements: tuple | None = None  # placements its gradient arrived in
+    # Gradient specs, made once in the first static step: for a local tensor wrapped here (the
+    # default layout, as the recording step's _mirror had it) and for a DTensor unwrapped here.
+    wrap_grad: object | None = None
+    unwrap_grad: object | None = None
 
 
 @dataclass
@@ -65,6 +71,8 @@ class Record:
     assumed_eager: frozenset = frozenset()  # modules this recording ran as if they were eager
     complete: bool = False  # its backward has finished
     checked: bool = False  # a static step has run (and checked its shapes) with it
+    moves: dict = field(default_factory=dict)  # (module, "in" | "out") -> [Move | None] or None
+    param_grad_specs: dict = field(default_factory=dict)  # (module, name) -> spec of its gradient
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,9 +252,9 @@ def _wrap(t: torch.Tensor, c: Crossing | None):
     """A local tensor standing for the DTensor recorded at this spot, as that DTensor."""
     if c is None or c.spec is None or isinstance(t, DTensor):
         return t
-    s = c.spec
-    # Default gradient layout (that of the forward value), as the recording step's _mirror had it.
-    return DTensor.from_local(t, s.mesh, s.placements, run_check=False, shape=s.shape, stride=s.stride)
+    if c.wrap_grad is None:
+        c.wrap_grad = grad_spec(c.spec, None)
+    return dtensor_of(t, c.spec, c.wrap_grad)
 
 
 def _mirror(t):
@@ -258,9 +266,14 @@ def _mirror(t):
 
 
 def _unwrap(t: torch.Tensor, c: Crossing | None):
+    """A DTensor's local tensor; its gradient leaves here in the placements recorded for this spot."""
     if not isinstance(t, DTensor):
         return t
-    return t.to_local(grad_placements=c.grad_placements if c is not None else None)
+    if c is None:
+        return t.to_local()
+    if c.unwrap_grad is None:
+        c.unwrap_grad = grad_spec(t._spec, c.grad_placements)
+    return local_of(t, c.unwrap_grad)
 
 
 class StaticRuntime:
@@ -282,6 +295,9 @@ class StaticRuntime:
         self.watcher: _OpWatcher | None = None
         self.replay: _RandomReplay | None = None
         self.static_steps = self.recorded_steps = 0
+        # Precompiled local moves at static-static boundaries (boundary.py); False runs DTensor's
+        # from_local / redistribute / to_local there instead (same results; for comparisons).
+        self.precompiled_moves = True
 
     # -- which representation each module uses in the current step ---------------------------
 
@@ -304,7 +320,7 @@ class StaticRuntime:
     def begin_step(self, args, kwargs) -> None:
         """Root pre-hook: pick this step's state from the root inputs' shapes."""
         key = tuple((tuple(t.shape), t.dtype) for t in _tensors(args, kwargs))
-        if self.watcher is not None:  # a recording forward that raised never closed its watcher
+        if self.watcher is not None:  # the last recording's (closed only here), or one whose forward raised
             self._close_watcher()
         self._close_replay()
         if not torch.is_grad_enabled():
@@ -327,7 +343,10 @@ class StaticRuntime:
                 rec.checked = True
                 self._open_watcher(checking=True)
             return
-        self._new_record(key, frozenset())
+        # A new set of shapes: start from the modules the last recording found eager (the same
+        # model code decides them, whatever the sizes), so one recording step usually suffices.
+        last = self.latest()
+        self._new_record(key, frozenset(last.assumed_eager | set(last.unsafe)) if last is not None else frozenset())
 
     def _new_record(self, key, assumed_eager: frozenset) -> Record:
         self.state, self.record = State.RECORD, Record(assumed_eager=assumed_eager)
@@ -361,12 +380,11 @@ class StaticRuntime:
         self.stack.clear()
 
     def _when_backward_done(self, record: Record) -> None:
-        def mark():
-            record.complete = True
-            if self.watcher is not None and self.watcher.record is record:
-                self._close_watcher()
-
-        torch.autograd.Variable._execution_engine.queue_callback(mark)
+        # Only mark the record here. The watcher is closed on the user's thread (next root
+        # forward): autograd runs this callback under the thread-local state captured when
+        # backward() was called and restores the caller's state afterwards, so popping the mode
+        # here would leave it on the caller's dispatch stack, watching every later op.
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: setattr(record, "complete", True))
 
     # -- per-module hooks ----------------------------------------------------------------------
 
@@ -376,6 +394,10 @@ class StaticRuntime:
         if self._tracking():
             self.stack.append(None)  # this module's hooks run now, not its body
         wraps = self.parent_static(path) and (path in self.planned_pre or not self.is_static(path))
+        if wraps and self.state is State.STATIC and self.is_static(path):
+            moved = self._move(mod, path, "in", "body", lambda fn: _map_io(fn, args, kwargs))
+            if moved is not None:
+                return moved
         return self._to_dtensors(path, "in", wraps, lambda fn: _map_io(fn, args, kwargs))
 
     def inside(self, mod, path: str, args, kwargs):
@@ -411,11 +433,16 @@ class StaticRuntime:
             self._body_starts(path)
             return None
         crossings = self.record.crossings
-        args, kwargs = _map_io(lambda i, t: _unwrap(t, crossings.get((path, "body", i))), args, kwargs)
+        if not mod.__dict__.pop(IO_PLACED, False):  # else enter() already handed over local tensors
+            args, kwargs = _map_io(lambda i, t: _unwrap(t, crossings.get((path, "body", i))), args, kwargs)
         swapped = []
+        rec = self.record
         for name, p in mod._parameters.items():
             if isinstance(p, DTensor):
-                local = p.to_local(grad_placements=self.record.param_grads.get((path, name)))
+                spec = rec.param_grad_specs.get((path, name))
+                if spec is None:
+                    spec = rec.param_grad_specs[(path, name)] = grad_spec(p._spec, rec.param_grads.get((path, name)))
+                local = local_of(p, spec)
                 mod._parameters[name] = local
                 swapped.append((name, p, local))
         for name, b in mod._buffers.items():
@@ -435,6 +462,7 @@ class StaticRuntime:
 
     def restore(self, mod, path: str) -> None:
         """Always called after forward: the module gets its own parameters back."""
+        mod.__dict__.pop(IO_PLACED, None)  # set only if forward raised between leave and handed_back
         for name, p, local in mod.__dict__.pop("_vescale_swapped", ()):
             store = mod._parameters if name in mod._parameters else mod._buffers
             if store.get(name) is local:
@@ -448,7 +476,28 @@ class StaticRuntime:
         if self._tracking() and self.stack:
             self.stack[-1] = None  # the body is over
         wraps = self.is_static(path) and (path in self.planned_post or not self.parent_static(path))
+        if wraps and self.state is State.STATIC and self.parent_static(path):
+            moved = self._move(mod, path, "out", "result", lambda fn: _map_out(fn, output))
+            if moved is not None:
+                return moved
         return self._to_dtensors(path, "out", wraps, lambda fn: _map_out(fn, output))
+
+    def _move(self, mod, path: str, src: str, dst: str, walk):
+        """Between two static modules, where the plan's hook redistributes: move the local tensors
+        with the boundary's precompiled moves (see ``boundary.py``) and tell the plan's hook that
+        they are placed already. None when a tensor here has no precompiled move."""
+        moves = self._moves(path, src, dst) if self.precompiled_moves else None
+        if moves is None:
+            return None
+        mod.__dict__[IO_PLACED] = True
+        return walk(lambda i, t: moves[i](t) if i < len(moves) and moves[i] is not None else t)
+
+    def _moves(self, path: str, src: str, dst: str) -> list | None:
+        rec = self.record
+        key = (path, src)
+        if key not in rec.moves:
+            rec.moves[key] = _compile_moves(rec.crossings, path, src, dst)
+        return rec.moves[key]
 
     def _to_dtensors(self, path: str, where: str, wraps: bool, walk):
         """Where a local tensor must become a DTensor (``wraps``): in a static step, wrap it with the
@@ -484,6 +533,8 @@ class StaticRuntime:
             _map_out(note, output)
             return None
         if self.state is State.STATIC and self.parent_static(path):
+            if mod.__dict__.pop(IO_PLACED, False):  # leave() already moved them, as local tensors
+                return None
             crossings = self.record.crossings
             return _map_out(lambda i, t: _unwrap(t, crossings.get((path, "result", i))), output)
         return None
@@ -516,6 +567,24 @@ def _note(rec: Record, parent: dict, key: tuple, t) -> Crossing:
         if parent.get(path) is not None:
             rec.unsafe.setdefault(parent[path], f"calls {path!r}, which is {why}")
     return c
+
+
+def _compile_moves(crossings: dict, path: str, src: str, dst: str) -> list | None:
+    """One ``Move`` (or None: a plain tensor passing through) per tensor recorded at ``(path, src)``,
+    or None if some tensor there cannot move as local tensors (a plain tensor the plan places)."""
+    moves = []
+    while (path, src, len(moves)) in crossings:
+        i = len(moves)
+        a, b = crossings[(path, src, i)], crossings.get((path, dst, i))
+        if b is None:
+            return None
+        if a.spec is None and b.spec is None:
+            moves.append(None)
+        elif a.spec is None or b.spec is None or a.spec.mesh != b.spec.mesh or a.spec.shape != b.spec.shape:
+            return None
+        else:
+            moves.append(Move(a.spec, b.spec, b.grad_placements))
+    return moves
 
 
 def _on_grad(t, fn) -> None:

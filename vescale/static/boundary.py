@@ -1,0 +1,192 @@
+"""Precompiled boundary moves of Static Eager mode: local tensor in, local tensor out.
+
+Where a static module meets a static caller and the plan redistributes between them, the general
+path wraps the local tensor as a DTensor (``from_local``), lets the plan's hook ``redistribute`` it
+and takes the local tensor back (``to_local``): three autograd nodes and DTensor's Python
+redistribution planner on every call, forward and backward, although the source and target
+layouts are the same step after step. Here each such spot gets, once, a pair of plain-tensor
+functions built from the recorded specs: the forward move (recorded placements before the plan's
+hook to those after it) and the backward move (the gradient's recorded placements to those
+DTensor's own backward would hand back: the source placements with Partial as Replicate, which is
+what ``from_local``'s default gradient layout is). One autograd node runs both.
+
+The common one-mesh-dim moves run as a single collective (the process group's own, called
+directly: no functional-collective wrapper, whose Python autograd registration costs more than the
+call on small tensors) plus the chunk/cat that puts the collective's dim 0 where the shard dim is. Everything else (several mesh dims at once, nested or uneven shards, other Partial ops)
+goes through DTensor's ``redistribute_local_tensor`` with the same specs, so every move computes
+what DTensor would.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._redistribute import redistribute_local_tensor
+
+__all__ = ["Move", "compile_move", "grad_layout", "grad_spec", "local_of", "dtensor_of"]
+
+LocalFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+def grad_layout(placements: tuple) -> tuple:
+    """The gradient placements ``from_local`` hands back by default: Partial becomes Replicate."""
+    return tuple(Replicate() if p.is_partial() else p for p in placements)
+
+
+def _is_sum(p) -> bool:
+    return type(p) is Partial and p.reduce_op == "sum"
+
+
+def _single_dim_move(src: DTensorSpec, dst: DTensorSpec, i: int) -> Optional[LocalFn]:
+    """A move that changes mesh dim ``i`` only, as one collective, or None if it is not a common
+    even case (then DTensor's own redistribution runs)."""
+    a, b = src.placements[i], dst.placements[i]
+    mesh = src.mesh
+    n, rank = mesh.size(i), mesh.get_local_rank(i)
+    group = mesh.get_group(i)
+    every = (*src.placements, *dst.placements)
+    if any(type(p) not in (Shard, Replicate, Partial) for p in every):
+        return None  # strided or custom placements: DTensor's own path
+    for p in (a, b):
+        if type(p) is Shard:
+            # Even, and not nested: no other mesh dim cuts the same tensor dim.
+            nested = any(type(q) is Shard and q.dim == p.dim for j, q in enumerate(every) if j % mesh.ndim != i)
+            if nested or p.dim < 0 or src.shape[p.dim] % n:
+                return None
+    if type(a) is Shard and type(b) is Replicate:
+        return lambda t, d=a.dim: _gather(t, d, n, group)
+    if _is_sum(a) and type(b) is Replicate:
+        return lambda t: _all_reduce(t, group)
+    if _is_sum(a) and type(b) is Shard:
+        return lambda t, d=b.dim: _reduce_scatter(t, d, n, group)
+    if type(a) is Replicate and type(b) is Shard:
+        return lambda t, d=b.dim: t.chunk(n, d)[rank].contiguous()
+    return None
+
+
+def _gather(t: torch.Tensor, d: int, n: int, group) -> torch.Tensor:
+    t = t.contiguous()
+    out = t.new_empty((n * t.shape[0], *t.shape[1:]))
+    dist.all_gather_single(out, t, group=group)
+    return out if d == 0 else torch.cat(out.chunk(n, 0), dim=d)
+
+
+def _reduce_scatter(t: torch.Tensor, d: int, n: int, group) -> torch.Tensor:
+    # The collective scatters dim 0: stack the n pieces of dim d along it.
+    t = torch.cat(t.chunk(n, d), dim=0) if d != 0 else t.contiguous()
+    out = t.new_empty((t.shape[0] // n, *t.shape[1:]))
+    dist.reduce_scatter_single(out, t, group=group)
+    return out
+
+
+def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
+    out = t.clone(memory_format=torch.contiguous_format)  # the input may be saved for backward
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def compile_move(src: DTensorSpec, dst: DTensorSpec) -> Optional[LocalFn]:
+    """The local function taking a shard laid out as ``src`` to one laid out as ``dst`` (same
+    global tensor), or None when nothing moves."""
+    if src.placements == dst.placements:
+        return None
+    changed = [i for i, (a, b) in enumerate(zip(src.placements, dst.placements)) if a != b]
+    if len(changed) == 1:
+        fn = _single_dim_move(src, dst, changed[0])
+        if fn is not None:
+            return fn
+    return lambda t: redistribute_local_tensor(t.contiguous(), src, dst)
+
+
+class _MoveFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, forward_fn, backward_fn):
+        ctx.backward_fn = backward_fn
+        return forward_fn(x) if forward_fn is not None else x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad is None or ctx.backward_fn is None:
+            return grad, None, None
+        return ctx.backward_fn(grad), None, None
+
+
+class Move:
+    """One boundary spot: the recorded layout before the plan's hook (``src``), after it (``dst``)
+    and the placements the gradient arrives in at ``dst`` (None: DTensor's default)."""
+
+    def __init__(self, src: DTensorSpec, dst: DTensorSpec, grad_placements: tuple | None):
+        self.forward_fn = compile_move(src, dst)
+        grad_in = DTensorSpec(dst.mesh, tuple(grad_placements or grad_layout(dst.placements)), tensor_meta=dst.tensor_meta)
+        grad_out = DTensorSpec(src.mesh, grad_layout(src.placements), tensor_meta=src.tensor_meta)
+        self.backward_fn = compile_move(grad_in, grad_out)
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        if self.forward_fn is None and (self.backward_fn is None or not t.requires_grad):
+            return t
+        return _MoveFn.apply(t, self.forward_fn, self.backward_fn)
+
+
+# ---------------------------------------------------------------------------------------------
+# DTensor <-> local with specs made once (what from_local / to_local do, without building and
+# hashing a new DTensorSpec on every call, forward and backward)
+# ---------------------------------------------------------------------------------------------
+
+
+def grad_spec(spec: DTensorSpec, placements: tuple | None) -> DTensorSpec:
+    """The spec of a contiguous gradient of a tensor laid out as ``spec``, in ``placements``
+    (None: ``from_local``'s default, the forward placements with Partial as Replicate)."""
+    shape = spec.shape
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(size, 1)
+    meta = TensorMeta(shape, tuple(reversed(stride)), spec.tensor_meta.dtype)
+    return DTensorSpec(spec.mesh, tuple(placements or grad_layout(spec.placements)), tensor_meta=meta)
+
+
+class _LocalOf(torch.autograd.Function):
+    """A DTensor's local tensor; its gradient goes back as a DTensor with a fixed spec."""
+
+    @staticmethod
+    def forward(ctx, dt, spec_of_grad):
+        ctx.spec_of_grad = spec_of_grad
+        return dt._local_tensor.view_as(dt._local_tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad is None:
+            return None, None
+        return DTensor(grad.contiguous(), ctx.spec_of_grad, requires_grad=False), None
+
+
+class _DTensorOf(torch.autograd.Function):
+    """A local tensor as the DTensor ``spec`` describes; its gradient comes back in the
+    placements of ``spec_of_grad`` (redistributed there if it arrives otherwise)."""
+
+    @staticmethod
+    def forward(ctx, t, spec, spec_of_grad):
+        ctx.spec_of_grad = spec_of_grad
+        return DTensor(t.view_as(t), spec, requires_grad=t.requires_grad)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad is None:
+            return None, None, None
+        local, want = grad._local_tensor, ctx.spec_of_grad
+        if grad._spec.placements != want.placements:
+            target = DTensorSpec(want.mesh, want.placements, tensor_meta=grad._spec.tensor_meta)
+            local = redistribute_local_tensor(local, grad._spec, target)
+        return local, None, None
+
+
+def local_of(dt: DTensor, spec_of_grad: DTensorSpec) -> torch.Tensor:
+    return _LocalOf.apply(dt, spec_of_grad) if dt.requires_grad else dt._local_tensor
+
+
+def dtensor_of(t: torch.Tensor, spec: DTensorSpec, spec_of_grad: DTensorSpec) -> DTensor:
+    return _DTensorOf.apply(t, spec, spec_of_grad)
