@@ -8,7 +8,8 @@ batches and must match the single-device run of the same model and experts kerne
   under EP the per-token sum over its experts);
 * local shapes *and values* of the expert tensors: tensor-parallel ``gate_up_proj`` holds this rank's
   slice of the gate half and of the up half (``InterleavedShard(1, 2)``), ``down_proj`` its columns;
-  expert-parallel ranks hold whole experts E/EP at a time; ZeRO-3 stores 1/DP of the experts.
+  expert-parallel ranks hold whole experts E/EP at a time; ZeRO-3 stores 1/DP of the experts (with
+  EP: 1/DP of the rank's E/EP experts).
 
 Kernels: the models' default (``grouped_mm``) everywhere, plus ``eager`` and ``batched_mm`` on the
 2-rank meshes. Attention is ``eager``: SDPA under DTensor is provided by another branch
@@ -48,6 +49,7 @@ CONFIGS_2 = [
 CONFIGS_4 = [
     ("mixtral", None, "DP=2xTP=2+SP+ZeRO-3", (2, 2), ("DP", "TP"), True),
     ("qwen3_moe", None, "DP=2xTP=2+ZeRO-3", (2, 2), ("DP", "TP"), True),
+    ("mixtral", None, "DP=2xEP=2+ZeRO-3", (2, 2), ("DP", "EP"), True),
 ]
 
 
@@ -105,18 +107,18 @@ def _distributed(configs):
 
 
 def _expected_local(full: torch.Tensor, tensor: str, coord: dict, sizes: dict) -> torch.Tensor:
-    """The piece of a single-device expert tensor a rank should hold under moe_plan."""
+    """The piece of a single-device expert tensor a rank should hold under moe_plan (at rest).
+    Mesh dims apply in mesh order, as DTensor nests shards of one tensor dim."""
     t = full
-    if "EP" in coord:  # whole experts
-        t = t.chunk(sizes["EP"], 0)[coord["EP"]]
-    if "TP" in coord:
-        if tensor == "gate_up_proj":  # this rank's slice of the gate half and of the up half
+    for dim_name in coord:
+        n, r = sizes[dim_name], coord[dim_name]
+        if dim_name == "TP" and tensor == "gate_up_proj":  # its slice of the gate half and of the up half
             gate, up = t.chunk(2, 1)
-            t = torch.cat([gate.chunk(sizes["TP"], 1)[coord["TP"]], up.chunk(sizes["TP"], 1)[coord["TP"]]], 1)
-        else:  # down_proj, row-parallel: its intermediate columns
-            t = t.chunk(sizes["TP"], 2)[coord["TP"]]
-    if "DP" in coord:  # ZeRO-3 at rest: 1/DP of the experts
-        t = t.chunk(sizes["DP"], 0)[coord["DP"]]
+            t = torch.cat([gate.chunk(n, 1)[r], up.chunk(n, 1)[r]], 1)
+        elif dim_name == "TP":  # down_proj, row-parallel: its intermediate columns
+            t = t.chunk(n, 2)[r]
+        else:  # EP: whole experts; DP (ZeRO-3 at rest): 1/DP of the experts
+            t = t.chunk(n, 0)[r]
     return t
 
 
@@ -146,5 +148,5 @@ def test_two_rank_tp_and_ep_match_single_device_with_every_kernel():
 
 
 @pytest.mark.multiproc
-def test_dp_tp_sp_zero3_matches_single_device():
+def test_four_rank_dp_tp_sp_ep_zero3_match_single_device():
     _check(run_on_ranks(_distributed, 4, CONFIGS_4, timeout=900), CONFIGS_4)

@@ -183,7 +183,9 @@ class _ExpertParallel:
         if not self.calls:
             return output
         call = self.calls.pop()
-        mod._parameters.update(call["saved"])  # always: the module gets its own parameters back
+        for name, local in call["local"].items():  # always: the module gets its parameters back ...
+            if mod._parameters.get(name) is local:  # ... unless a ZeRO-3 hook that ran first already did
+                mod._parameters[name] = call["saved"][name]
         mod.num_experts = call["num_experts"]
         if output is None or not isinstance(output, torch.Tensor):
             return output
