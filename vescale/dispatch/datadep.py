@@ -244,13 +244,9 @@ def _scatter_add(op, args, kwargs):
 def _accumulate_op(op, name, self, dim, index, src, alpha, scatter, inplace):
     if not isinstance(self, DTensor):
         # A plain tensor is the global tensor: add the DTensor arguments' global values into it.
-        if torch.is_grad_enabled() and isinstance(src, DTensor) and src.requires_grad:
-            # Autograd would hand the DTensor a plain gradient, which nothing downstream can reduce.
-            raise RuntimeError(
-                f"{name} of a DTensor that requires grad into a plain tensor: the result is plain, so "
-                "the DTensor's gradient would be a plain tensor. Make the target a DTensor (e.g. "
-                "torch.zeros_like(dtensor) or vescale's plan for the module), or add src.full_tensor()"
-            )
+        # Autograd gives a DTensor source a plain gradient here (the global value); flowing on into
+        # DTensor ops it meets them as Replicate, which is right (HF's eager kernel on unplanned
+        # inputs does exactly this), but a DTensor *leaf* would keep a plain .grad.
         target = self if inplace else self.clone()
         fn = target.scatter_add_ if scatter else target.index_add_
         extra = {} if scatter else {"alpha": alpha}
