@@ -14,6 +14,7 @@ import functools
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
@@ -111,6 +112,9 @@ def test_unused_experts_get_zero_gradient_and_nothing_hangs(kind, kernel):
 
 
 def _bad_plans(case: str):
+    # Both ranks must be connected before either can fail fast (a lowering error needs no
+    # collective) and tear its process group down under the other's start-up.
+    dist.barrier()
     mesh = vescale.init_mesh((2,), ("EP",))
     torch.manual_seed(0)
     model = Routed("eager")
