@@ -12,10 +12,13 @@
   backward); the CUDA fused kernels refuse in-kernel dropout on DTensors (rank-local masks).
 * ``conv``: plain tensors meet DTensors as Replicate in convolutions too; ``errors``: an op without
   a sharding rule names its module, placements and the plan statement that avoids it.
+* ``datadep``: data-dependent ops (``nonzero``, masks, ``bincount``, ``unique``, ``index_add_`` /
+  ``scatter_add_`` into sharded tensors, fp32 ``_grouped_mm``) with single-device answers.
 
 ``install()`` puts all of them in place; ``parallelize`` calls it. Nothing changes at import.
 """
 
+from .datadep import DATADEP_OPS, install_datadep_handlers, uninstall_datadep_handlers
 from .interleaved import install_interleaved_rules, uninstall_interleaved_rules
 from .attention import install_attention_rules
 from .conv import install_conv_handlers
@@ -30,6 +33,7 @@ def install() -> None:
     install_semantic_handlers()
     install_attention_rules()
     install_conv_handlers()
+    install_datadep_handlers()
     install_fast_search()
     install_shape_free_cache()
     install_local_optimizer_step()
@@ -48,5 +52,6 @@ def uninstall() -> None:
 __all__ = [
     "install", "uninstall", "ELEMENTWISE_OPTIMIZERS", "ShapeFreeCache", "install_shape_free_cache",
     "uninstall_shape_free_cache", "shape_free_cache", "install_semantic_handlers", "install_attention_rules",
+    "install_datadep_handlers", "uninstall_datadep_handlers", "DATADEP_OPS",
     "install_interleaved_rules", "uninstall_interleaved_rules", "install_fast_search", "uninstall_fast_search",
 ]

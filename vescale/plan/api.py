@@ -56,7 +56,7 @@ _ACTIVATION = re.compile(r"<(in|out)>(?:\\?\[(.+?)\\?\])?$")
 class Statement:
     """One call on a plan, kept verbatim so errors can quote it."""
 
-    kind: str  # "shard", "factory" or "eager"
+    kind: str  # "shard", "factory", "eager" or "experts"
     path: str
     placements: tuple[Placement, ...]
     mesh_dim: str | None
@@ -155,6 +155,14 @@ class VescalePlan:
         st = Statement("eager", path, (), None, None, len(self.statements))
         self.statements.append(st)
         return self
+
+    def experts(self, path: str, mesh: str = "EP") -> "VescalePlan":
+        """Expert parallelism for the MoE experts modules matching ``path`` (a module path regex): their
+        parameters are split by expert (``Shard(0)``) over mesh dim ``mesh``, and their tokens are
+        routed to the rank holding their expert and back with all-to-all around the module's
+        unchanged forward (``vescale.parallel.experts``, which says what an experts module is)."""
+        self.shard(rf"(?:{path})\.[^.]+", Shard(0), mesh=mesh)
+        return self._add("experts", path, Shard(0), mesh, None)
 
     def _add(self, kind, path, placement, mesh, phase) -> "VescalePlan":
         if not isinstance(path, str) or not (path or kind == "factory"):

@@ -155,7 +155,7 @@ def lower(plan: VescalePlan, model: nn.Module, mesh: DeviceMesh) -> PlanIR:
     raw: list[RawEntry] = []
     planned_buffers: set[str] = set()
     for st in plan.statements:
-        if st.kind == "eager":  # a mode choice for Static Eager, resolved by vescale.static
+        if st.kind in ("eager", "experts"):  # resolved by vescale.static / vescale.parallel.experts
             continue
         dims = _mesh_dims(st, mesh)
         if st.kind == "factory" or st.activation:

@@ -36,6 +36,7 @@ def llama_plan(
     dp: str | None = "DP",
     sequence_parallel: bool = True,
     zero3: bool = False,
+    mlp: bool = True,
 ) -> VescalePlan:
     """A plan for LLaMA-style causal LMs.
 
@@ -43,7 +44,8 @@ def llama_plan(
     ``None`` (or absent from ``mesh`` when a mesh is given) turns that parallelism off.
     ``sequence_parallel`` and ``zero3`` need ``tp`` and ``dp`` respectively. ``config`` (the
     model's config, ours or HF's) lets the plan replicate the key/value projections when the TP
-    size does not divide the number of key/value heads, as Megatron-LM does.
+    size does not divide the number of key/value heads, as Megatron-LM does. ``mlp=False`` leaves
+    the MLP blocks out of tensor parallelism (``vescale.zoo.moe_plan`` plans MoE blocks instead).
     """
     use_tp, use_dp = _mesh_has(mesh, tp), _mesh_has(mesh, dp)
     if sequence_parallel and not use_tp:
@@ -54,7 +56,7 @@ def llama_plan(
     if use_tp:
         kv_heads = getattr(config, "num_key_value_heads", None)
         split_kv = kv_heads is None or mesh is None or kv_heads % mesh[tp].size() == 0
-        _tensor_parallel(plan, tp, sequence_parallel, split_kv)
+        _tensor_parallel(plan, tp, sequence_parallel, split_kv, mlp)
     if use_dp:
         plan.shard(r"<in>\[input_ids\]", Shard(0), mesh=dp)
         plan.shard(r"<in>\[labels\]", Shard(0), mesh=dp)
@@ -64,7 +66,7 @@ def llama_plan(
     return plan
 
 
-def _tensor_parallel(plan: VescalePlan, tp: str, sequence_parallel: bool, split_kv: bool) -> None:
+def _tensor_parallel(plan: VescalePlan, tp: str, sequence_parallel: bool, split_kv: bool, mlp: bool = True) -> None:
     # Between blocks: sequence-sharded with SP, replicated without.
     between = Shard(1) if sequence_parallel else Replicate()
     # Vocabulary-parallel embedding with SP (its Partial output is reduce-scattered along the sequence).
@@ -72,10 +74,10 @@ def _tensor_parallel(plan: VescalePlan, tp: str, sequence_parallel: bool, split_
     # masked-partial layout of a vocabulary-parallel lookup whose output was all-reduced.
     plan.shard(r"model\.embed_tokens\.weight", Shard(0) if sequence_parallel else Shard(1), mesh=tp)
     plan.shard(r"model\.embed_tokens\.<out>", between, mesh=tp)
-    for block, col, row in (
-        ("self_attn", r"(q|k|v)_proj" if split_kv else "q_proj", "o_proj"),
-        ("mlp", r"(gate|up)_proj", "down_proj"),
-    ):
+    blocks = [("self_attn", r"(q|k|v)_proj" if split_kv else "q_proj", "o_proj")]
+    if mlp:
+        blocks.append(("mlp", r"(gate|up)_proj", "down_proj"))
+    for block, col, row in blocks:
         plan.shard(rf"{_LAYER}\.{block}\.<in>[hidden_states]" if block == "self_attn" else rf"{_LAYER}\.{block}\.<in>",
                    Replicate(), mesh=tp)
         plan.shard(rf"{_LAYER}\.{block}\.{col}\.weight", Shard(0), mesh=tp)

@@ -1,0 +1,110 @@
+"""Mixture-of-experts models from HuggingFace (Mixtral, Qwen3-MoE), unchanged, and their plan.
+
+    model = vescale.zoo.tiny_hf_mixtral()                  # or tiny_hf_qwen3_moe(); any experts kernel
+    plan = vescale.zoo.moe_plan(mesh, model.config, zero3=True)
+    vescale.parallelize(model, plan, mesh)
+
+``moe_plan`` is ``llama_plan`` (attention TP, SP, DP, ZeRO-3) with the dense MLP statements replaced
+by the experts' ones:
+
+* **tensor-parallel experts** (``tp``, the paper's MoE plan): HF keeps every expert's gate and up
+  projections in one tensor, ``gate_up_proj`` of shape (experts, 2 x intermediate, hidden), and its
+  kernels ``chunk`` the projection's output into gate and up. ``InterleavedShard(1, 2)`` gives each
+  rank its slice of both halves, so that ``chunk`` stays local; ``down_proj`` (experts, hidden,
+  intermediate) is row-parallel (``Shard(2)``) and the block's output is reduced once, as in LLaMA.
+  The router (``mlp.gate``) stays replicated: every rank routes every token the same way.
+* **expert parallelism** (``ep``): each rank of the ``EP`` mesh dim holds experts/EP whole experts and
+  the tokens are routed to them with all-to-all (``vescale.parallel.experts``); the EP dim also splits
+  the batch, like DP, for everything outside the experts.
+* **ZeRO-3** (``zero3``, on ``dp``): ``.*weight`` does not name HF's expert tensors
+  (``gate_up_proj``, ``down_proj``), so the plan adds them: stored ``Shard(0)`` (by expert) on DP,
+  gathered while their module runs.
+
+Every experts kernel HF offers (``config._experts_implementation``: ``grouped_mm`` — the default —,
+``batched_mm``, ``eager``) runs unchanged under these plans; ``vescale.dispatch`` supplies the
+data-dependent ops (``nonzero``, ``where``, ``index_add_``) and fp32 ``_grouped_mm`` they use.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+
+from ..placement import InterleavedShard
+from ..plan import INIT, RUN, VescalePlan
+from .hf import _transformers
+from .plans import _mesh_has, llama_plan
+
+__all__ = ["moe_plan", "TINY_MOE_SIZES", "tiny_hf_mixtral", "tiny_hf_qwen3_moe"]
+
+_EXPERTS = r"model\.layers\.\d+\.mlp\.experts"
+
+# Every sharded size (heads, kv heads, experts, intermediate, vocab, batch, sequence) divides by 2
+# and 4; 4 experts with 2 per token, so small batches still leave some experts without tokens.
+TINY_MOE_SIZES = dict(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_experts_per_tok=2,
+    max_position_embeddings=256,
+)
+
+
+def tiny_hf_mixtral(**overrides):
+    """``transformers.MixtralForCausalLM`` at the tiny sizes, 4 experts, the model's default kernels
+    otherwise (``use_cache=False`` only: training needs no KV cache). Overrides use HF's names, e.g.
+    ``experts_implementation="eager"``, ``attn_implementation="eager"``."""
+    t = _transformers()
+    settings = {**TINY_MOE_SIZES, "num_local_experts": 4, "use_cache": False, **overrides}
+    return t.MixtralForCausalLM(t.MixtralConfig(**settings))
+
+
+def tiny_hf_qwen3_moe(**overrides):
+    """``transformers.Qwen3MoeForCausalLM`` at the tiny sizes (4 experts of intermediate 32, head_dim 8),
+    default kernels otherwise (``use_cache=False``)."""
+    t = _transformers()
+    settings = {
+        **TINY_MOE_SIZES, "num_experts": 4, "moe_intermediate_size": 32, "head_dim": 8, "use_cache": False,
+        **overrides,
+    }
+    return t.Qwen3MoeForCausalLM(t.Qwen3MoeConfig(**settings))
+
+
+def moe_plan(
+    mesh: DeviceMesh | None = None,
+    config=None,
+    *,
+    tp: str | None = "TP",
+    dp: str | None = "DP",
+    ep: str | None = "EP",
+    sequence_parallel: bool = False,
+    zero3: bool = False,
+) -> VescalePlan:
+    """A plan for HF MoE causal LMs (Mixtral, Qwen3-MoE): ``llama_plan`` for attention, embeddings,
+    DP and ZeRO-3, plus tensor-parallel experts on ``tp`` and expert parallelism on ``ep``.
+
+    A mesh dim name that is ``None`` (or absent from ``mesh``) turns that parallelism off. Experts are
+    either tensor-parallel or expert-parallel, never both: with ``ep`` in the mesh the experts are
+    whole on each EP rank and replicated on ``tp``.
+    """
+    use_tp, use_dp, use_ep = _mesh_has(mesh, tp), _mesh_has(mesh, dp), _mesh_has(mesh, ep)
+    plan = llama_plan(mesh, config, tp=tp, dp=dp, sequence_parallel=sequence_parallel, zero3=zero3, mlp=False)
+    if use_tp:
+        between = Shard(1) if sequence_parallel else Replicate()
+        plan.shard(r"model\.layers\.\d+\.mlp\.<in>", Replicate(), mesh=tp)
+        plan.shard(r"model\.layers\.\d+\.mlp\.<out>", between, mesh=tp)
+        if not use_ep:
+            plan.shard(rf"{_EXPERTS}\.gate_up_proj", InterleavedShard(1, 2), mesh=tp)  # gate | up
+            plan.shard(rf"{_EXPERTS}\.down_proj", Shard(2), mesh=tp)  # row-parallel
+    if use_ep:
+        plan.shard(r"<in>\[input_ids\]", Shard(0), mesh=ep)  # EP ranks split the batch ...
+        plan.shard(r"<in>\[labels\]", Shard(0), mesh=ep)
+        plan.experts(_EXPERTS, mesh=ep)  # ... and own experts/EP experts each
+    if zero3 and use_dp:
+        # `.*weight` in llama_plan does not match HF's expert tensors.
+        plan.shard(rf"{_EXPERTS}\.(gate_up_proj|down_proj)", Shard(0), mesh=dp, phase=INIT)
+        plan.shard(rf"{_EXPERTS}\.(gate_up_proj|down_proj)", Replicate(), mesh=dp, phase=RUN)
+    return plan
