@@ -85,7 +85,7 @@ class ExpertsTensorParallel(ParallelStyle):
         return distribute_module(module, mesh, self._partition, self._inputs, self._outputs)
 
 
-def torchtitan_moe(model: nn.Module, mesh) -> nn.Module:
+def torchtitan_moe(model: nn.Module, mesh, zero3: bool = True) -> nn.Module:
     tp, dp = mesh["TP"], mesh["DP"]
     parallelize_module(model, tp, {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
@@ -114,9 +114,10 @@ def torchtitan_moe(model: nn.Module, mesh) -> nn.Module:
                 output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=False
             ),
         })
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=dp)
-    fully_shard(model, mesh=dp)
+    if zero3:  # FSDP on DP (off: TP only, e.g. for benchmarks on a DP=1 mesh)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=dp)
+        fully_shard(model, mesh=dp)
     return model
 
 
