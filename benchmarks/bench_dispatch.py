@@ -42,6 +42,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel import loss_parallel
 
 import vescale
@@ -96,18 +97,24 @@ def _megatron_moe_rank(dp: int, tp: int, sp: bool):
                                "num_key_value_heads": m["num_key_value_heads"] // tp,
                                "intermediate_size": m["intermediate_size"] // tp, "vocab_size": m["vocab_size"] // tp})
     if sp and tp > 1:
-        _sp_stand_ins(model, tp)
+        # HF's model derives rotary positions from the embeddings' length: cut the sequence at
+        # the first layer instead of after the embedding.
+        _sp_stand_ins(model, tp, cut=model.model.layers[0])
     return model
 
 
-def _sp_stand_ins(model, tp: int) -> None:
+def _sp_stand_ins(model, tp: int, cut=None) -> None:
     """Plain-tensor stand-ins of SP's collectives: a cat (all-gather) before attention and MLP, a
-    narrow (reduce-scatter) after them, after the embedding, and a cat after the final norm."""
+    narrow (reduce-scatter) after them, after the embedding (or before ``cut``), and a cat after
+    the final norm."""
     for layer in model.model.layers:
         for block in (layer.self_attn, layer.mlp):
             block.register_forward_pre_hook(lambda mod, args, kw: ((torch.cat([args[0] if args else kw.pop("hidden_states")] * tp, 1),) + tuple(args[1:]), kw), with_kwargs=True)
             block.register_forward_hook(lambda mod, args, out: (out[0].narrow(1, 0, out[0].shape[1] // tp),) + tuple(out[1:]) if isinstance(out, tuple) else out.narrow(1, 0, out.shape[1] // tp))
-    model.model.embed_tokens.register_forward_hook(lambda mod, args, out: out.narrow(1, 0, out.shape[1] // tp))
+    if cut is None:
+        model.model.embed_tokens.register_forward_hook(lambda mod, args, out: out.narrow(1, 0, out.shape[1] // tp))
+    else:
+        cut.register_forward_pre_hook(lambda mod, args: (args[0].narrow(1, 0, args[0].shape[1] // tp),) + tuple(args[1:]))
     model.model.norm.register_forward_hook(lambda mod, args, out: torch.cat([out] * tp, 1))
 
 
@@ -190,7 +197,13 @@ class Runner:
         (x, y), = synthetic_batches(1, self.batch, seq, self.vocab, seed=seq)
         t0 = time.perf_counter()
         # TorchTitan's LLaMA keeps the logits vocabulary-sharded (loss_parallel); its MoE here replicates them.
-        with loss_parallel() if self.variant == "torch" and self.kind == "llama" else contextlib.nullcontext():
+        if self.variant == "torch" and self.kind == "llama":
+            context = loss_parallel()
+        elif self.variant == "torch":  # HF's experts kernels mix plain index tensors with DTensors
+            context = implicit_replication()
+        else:
+            context = contextlib.nullcontext()
+        with context:
             loss = self.model(input_ids=x, labels=y).loss
             loss.backward()
         self.opt.step()
