@@ -67,3 +67,38 @@ def test_rank_raising_mid_step_ends_every_rank_with_named_error(skip):
     note = " ".join(r0["notes"])
     assert "this rank (0) failed in all_gather" in note, r0
     assert "rank 1: ValueError: bad sample on rank 1 (forward call 2, in model.layers.1)" in note, r0
+
+
+def _raise_in_backward_under_dp() -> dict:
+    """Data parallel only: rank 1 raises inside backward (a gradient hook), after the forward whose
+    last collective (the loss's reduction) both ranks passed; rank 0 first misses it in the gradient
+    reduction at the end of backward."""
+    torch.manual_seed(0)
+    model = tiny_llama()
+    vescale.manual_seed(0)
+    mesh = vescale.init_mesh((2,), ("DP",), timeout=TIMEOUT_S)
+    vescale.parallelize(model, llama_plan(mesh, model.config), mesh)
+    step = 0
+
+    def bad_gradient(mod, grad_input, grad_output):
+        if dist.get_rank() == 1 and step == 2:
+            raise ValueError("bad gradient on rank 1")
+
+    model.model.layers[1].register_full_backward_hook(bad_gradient)
+    start = time.time()
+    try:
+        for step, (ids, labels) in enumerate(synthetic_batches(4, 4, 16, 128, seed=1)):
+            model(input_ids=ids, labels=labels).loss.backward()
+            model.zero_grad()
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}", "notes": getattr(e, "__notes__", []), "seconds": time.time() - start}
+    return {"error": None, "seconds": time.time() - start}
+
+
+@pytest.mark.multiproc
+def test_a_failure_met_in_backward_is_named_and_ends_within_the_timeout():
+    r0, r1 = run_on_ranks(_raise_in_backward_under_dp, 2, timeout=60)
+    assert r1["error"] == "ValueError: bad gradient on rank 1", r1
+    assert r0["error"] is not None and r0["seconds"] < 6 * TIMEOUT_S, r0
+    note = " ".join(r0["notes"])
+    assert "this rank (0) failed in the gradient reduction at the end of backward" in note, r0

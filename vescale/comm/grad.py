@@ -155,7 +155,17 @@ class GradReducer:
 
     def finish(self) -> None:
         """Launch what is left, wait for every bucket, write the results into ``param.grad``.
-        Runs at the end of backward (queued callback); the same order on every rank."""
+        Runs at the end of backward (queued callback); the same order on every rank. A collective
+        that fails here (another rank stopped) gets a note naming what the other ranks reported."""
+        try:
+            self._finish()
+        except Exception as e:
+            from ..parallel.faults import note_peer_failures
+
+            note_peer_failures(e, "the gradient reduction at the end of backward")
+            raise
+
+    def _finish(self) -> None:
         self._queued = False
         if self.sync:
             for e in self._pending.values():  # accumulated in earlier micro-steps, no gradient now

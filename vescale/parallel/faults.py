@@ -25,7 +25,7 @@ from datetime import timedelta
 import torch.distributed as dist
 import torch.nn as nn
 
-__all__ = ["FaultReporter"]
+__all__ = ["FaultReporter", "note_peer_failures"]
 
 _KEY = "vescale/fault/{}"
 _COLLECTIVE_FILES = ("torch/distributed/distributed_c10d.py", "torch/distributed/_functional_collectives.py")
@@ -65,13 +65,7 @@ class FaultReporter:
         except Exception:  # the store's host may be the rank that died
             return
         if _is_comm_error(e):
-            others = self._read_others(store, rank)
-            note = "; ".join(others) if others else "no other rank reported an error within " f"{self.wait_s:.0f}s"
-            e.add_note(
-                f"vescale: this rank ({rank}) failed in {op or 'a collective'} in {module} (forward call "
-                f"{self.calls}) because another rank did not take part. Other ranks: {note}. Every rank must "
-                "run the same steps: a rank that raises or skips a step stops the others."
-            )
+            _add_peer_note(e, store, rank, f"{op or 'a collective'} in {module} (forward call {self.calls})", self.wait_s)
 
     def _where(self, tb) -> tuple[str, str | None]:
         module, op = "<root>", None
@@ -83,22 +77,49 @@ class FaultReporter:
                 op = frame.f_code.co_name
         return module, op
 
-    def _read_others(self, store, rank: int) -> list[str]:
-        world = dist.get_world_size()
-        keys = [_KEY.format(r) for r in range(world) if r != rank]
-        found: dict[str, str] = {}
-        deadline = time.time() + self.wait_s
-        while time.time() < deadline:
-            try:
-                for k in keys:
-                    if k not in found and store.check([k]):
-                        found[k] = store.get(k).decode()
-            except Exception:
-                break
-            if found:
-                break
-            time.sleep(0.1)
-        return [found[k] for k in keys if k in found]
+def note_peer_failures(e: BaseException, where: str, wait_s: float = 5.0) -> None:
+    """A communication error met outside forward (``where``: e.g. the gradient reduction at the end
+    of backward, where a data-parallel rank meets its first collective of a step): record it for the
+    other ranks and add to ``e`` what they reported."""
+    if getattr(e, "_vescale_fault_noted", False) or not dist.is_initialized() or not _is_comm_error(e):
+        return
+    e._vescale_fault_noted = True
+    store, rank = _store(), dist.get_rank()
+    if store is None:
+        return
+    try:
+        store.compare_set(_KEY.format(rank), "", f"rank {rank}: {type(e).__name__}: {_first_line(e)} (in {where})")
+    except Exception:
+        return
+    _add_peer_note(e, store, rank, where, wait_s)
+
+
+def _add_peer_note(e: BaseException, store, rank: int, where: str, wait_s: float) -> None:
+    others = _read_others(store, rank, wait_s)
+    note = "; ".join(others) if others else f"no other rank reported an error within {wait_s:.0f}s"
+    e.add_note(
+        f"vescale: this rank ({rank}) failed in {where} because another rank did not take part. "
+        f"Other ranks: {note}. Every rank must run the same steps: a rank that raises or skips a step "
+        "stops the others."
+    )
+
+
+def _read_others(store, rank: int, wait_s: float) -> list[str]:
+    world = dist.get_world_size()
+    keys = [_KEY.format(r) for r in range(world) if r != rank]
+    found: dict[str, str] = {}
+    deadline = time.time() + wait_s
+    while time.time() < deadline:
+        try:
+            for k in keys:
+                if k not in found and store.check([k]):
+                    found[k] = store.get(k).decode()
+        except Exception:
+            break
+        if found:
+            break
+        time.sleep(0.1)
+    return [found[k] for k in keys if k in found]
 
 
 def _first_line(e: BaseException) -> str:
