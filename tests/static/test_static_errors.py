@@ -131,3 +131,50 @@ def fake_world_2():
         yield
     finally:
         dist.destroy_process_group()
+
+
+class _Mix(nn.Module):
+    """Reshapes a batch-sharded tensor with the batch size read from a whole (plain) one: fine on
+    DTensors (both sizes are global), impossible on local shards (the element counts differ)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Linear(6, 6)
+
+    def forward(self, x, y):
+        z = self.w(y).reshape(x.shape[0], y.shape[1])
+        return z.sum() * x.sum()
+
+
+class _MixNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mix = _Mix()
+
+    def forward(self, x, y):
+        return self.mix(x, y)
+
+
+def _failing_reshape_error():
+    mesh = vescale.init_mesh((2,), ("DP",))
+    torch.manual_seed(0)
+    model = _MixNet()
+    plan = VescalePlan()
+    plan.shard(r"mix\.<in>\[y\]", Shard(0), mesh="DP")
+    vescale.parallelize(model, plan, mesh, mode="static")
+    data = torch.Generator().manual_seed(0)
+    try:
+        for _ in range(4):
+            x, y = torch.randn(4, 6, generator=data), torch.randn(4, 6, generator=data)
+            model(x, y).backward()
+    except PlanError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.multiproc
+def test_an_op_that_fails_on_local_shards_names_module_and_fix():
+    message = run_on_ranks(_failing_reshape_error, 2)[0]
+    assert message is not None, "the static step should have refused the module"
+    assert "module 'mix'" in message and "fails in Static Eager mode" in message, message
+    assert "plan.eager('mix')" in message, message

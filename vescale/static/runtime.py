@@ -130,6 +130,11 @@ def _why_not_local(func, args, kwargs) -> str | None:
     return f"{func} needs its inputs redistributed"
 
 
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0][:200] if lines else type(e).__name__
+
+
 def _sized_ops() -> set:
     """Ops whose size arguments DTensor rewrites from global to local sizes."""
     prop = DTensor._op_dispatcher.sharding_propagator
@@ -174,7 +179,18 @@ class _OpWatcher(TorchDispatchMode):
             why = _why_not_local(func, args, kwargs)
             if why:
                 self.record.unsafe[module] = why
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except RuntimeError as e:
+            if not (self.checking and func in self.sized):
+                raise
+            # A size that fit the global (DTensor) view no longer fits the local shards.
+            raise PlanError(
+                f"module {module!r}: {func} fails in Static Eager mode ({_first_line(e)}) although it ran "
+                f"on DTensors: the module computes a size that sharding changes (a global size from "
+                f"its config, or a length read from a tensor laid out differently from the one it "
+                f"reshapes); keep it on DTensors with plan.eager({module!r})"
+            ) from e
         if not self.checking and is_dtensor_op:
             # Remember which module made each autograd node: its backward ops are that module's too.
             for t in out if isinstance(out, (tuple, list)) else (out,):
