@@ -28,7 +28,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     args = ap.parse_args()
 
-    overrides = {"attn_implementation": "eager"}
+    overrides = {}
     if args.kernel:
         overrides["experts_implementation"] = args.kernel
     build = tiny_hf_mixtral if args.model == "mixtral" else tiny_hf_qwen3_moe

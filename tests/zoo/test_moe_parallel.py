@@ -12,8 +12,7 @@ batches and must match the single-device run of the same model and experts kerne
   EP: 1/DP of the rank's E/EP experts).
 
 Kernels: the models' default (``grouped_mm``) everywhere, plus ``eager`` and ``batched_mm`` on the
-2-rank meshes. Attention is ``eager``: SDPA under DTensor is provided by another branch
-(``ops-dit``); the experts' kernels are what this file is about.
+2-rank meshes. Attention is the models' default too (SDPA, run head-parallel by vescale.dispatch).
 """
 
 from __future__ import annotations
@@ -31,7 +30,6 @@ from vescale.testing import run_on_ranks
 from vescale.zoo import moe_plan, synthetic_batches, tiny_hf_mixtral, tiny_hf_qwen3_moe
 
 STEPS, LR, TOL = 10, 1e-3, 1e-5
-ATTN = "eager"
 MODELS = {"mixtral": tiny_hf_mixtral, "qwen3_moe": tiny_hf_qwen3_moe}
 EXPERTS = "model.layers.0.mlp.experts"
 
@@ -55,7 +53,7 @@ CONFIGS_4 = [
 
 def _build(model_name: str, kernel: str | None):
     torch.manual_seed(0)
-    kwargs = {"attn_implementation": ATTN}
+    kwargs = {}
     if kernel is not None:
         kwargs["experts_implementation"] = kernel
     return MODELS[model_name](**kwargs)

@@ -32,7 +32,7 @@ def _module():
     return mod
 
 
-BUILD = {"llama": lambda: tiny_hf_llama(), "mixtral": lambda: tiny_hf_mixtral(attn_implementation="eager")}
+BUILD = {"llama": lambda: tiny_hf_llama(), "mixtral": lambda: tiny_hf_mixtral()}
 CHECKED = {"llama": ["model.layers.0.self_attn.q_proj.weight", "model.embed_tokens.weight"],
            "mixtral": ["model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj",
                        "model.layers.0.self_attn.q_proj.weight"]}
