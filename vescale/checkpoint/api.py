@@ -32,6 +32,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from torch.distributed.tensor import DTensor
+
+from ..parallel.state import checkpointable
 from . import layout
 
 __all__ = ["save", "load", "wait", "AsyncCheckpoint"]
@@ -57,8 +60,29 @@ def _barrier() -> None:
 def _state(model: nn.Module, optimizer) -> dict:
     state = {"model": get_model_state_dict(model)}
     if optimizer is not None:
-        state["optim"] = get_optimizer_state_dict(model, optimizer)
+        # Optimiser state of an InterleavedShard parameter is laid out like it, which DCP cannot
+        # describe: save (and load into) the same global tensor laid out as Shard.
+        state["optim"] = _map_tensors(checkpointable, get_optimizer_state_dict(model, optimizer))
     return state
+
+
+def _map_tensors(fn, tree):
+    if isinstance(tree, dict):
+        return {k: _map_tensors(fn, v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_map_tensors(fn, v) for v in tree]
+    return fn(tree) if isinstance(tree, torch.Tensor) else tree
+
+
+def _relayout_optimizer_state(optimizer) -> None:
+    """After loading: each state tensor of a parameter's shape laid out like its parameter again
+    (vescale steps elementwise optimisers on local shards, which needs the same layout)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for key, value in optimizer.state.get(p, {}).items():
+                same_tensor = isinstance(value, DTensor) and isinstance(p, DTensor) and value.shape == p.shape
+                if same_tensor and value.placements != p.placements:
+                    optimizer.state[p][key] = value.redistribute(p.device_mesh, p.placements)
 
 
 def _rng_states() -> dict:
@@ -222,6 +246,7 @@ def load(
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optim"])
+        _relayout_optimizer_state(optimizer)
     _restore_rng(side["rng"])
     return {"step": side["step"], **side["extra"]}
 
