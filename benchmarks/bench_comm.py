@@ -16,7 +16,7 @@ not communicate, so the time is vescale's CPU cost of issuing them; the cost mod
 (in units of 2SB, S = bytes of all gradients) shows what fusion saves on a real 8x8 mesh.
 
 Part 3 (4 gloo ranks): the zoo LLaMA (4 layers), DP=2 x TP=2 + SP + ZeRO-3: vescale per-tensor vs
-vescale bucketed vs a TorchTitan-style stack on plain PyTorch (``parallelize_module`` TP + SP,
+vescale bucketed (eager and Static Eager) vs a TorchTitan-style stack on plain PyTorch (``parallelize_module`` TP + SP,
 ``fully_shard`` per block + root on DP): collectives per step and median step time.
 """
 
@@ -269,7 +269,7 @@ def _titan_style(model, mesh):
     return model
 
 
-STACKS = ("titan", "vescale per-tensor", "vescale bucketed")
+STACKS = ("titan", "vescale per-tensor", "vescale bucketed", "vescale static")
 
 
 def _llama_steps(kind: str, steps: int):
@@ -292,7 +292,8 @@ def _llama_steps(kind: str, steps: int):
         scale = 1.0 / dp
     else:
         plan = llama_plan(mesh, model.config, sequence_parallel=True, zero3=True)
-        vescale.parallelize(model, plan, mesh, **(dict(bucket_mb=None) if kind == "vescale per-tensor" else {}))
+        options = {"vescale per-tensor": dict(bucket_mb=None), "vescale static": dict(mode="static")}.get(kind, {})
+        vescale.parallelize(model, plan, mesh, **options)  # static: bucketed, Static Eager
         scale = 1.0
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     times, counts, losses = [], [], []
