@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 import vescale
+from vescale.debug import CollectiveCounter
 from vescale.random import consistent
 from vescale.testing import run_on_ranks
 from vescale.zoo import llama_plan, synthetic_batches, tiny_hf_llama, tiny_llama
@@ -64,14 +65,16 @@ def _train(model, count_step: int | None = None) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     out = {"losses": [], "grads": None, "dtensor_ops": None}
     for step, (input_ids, labels) in enumerate(synthetic_batches(STEPS, 4, 16, 128, seed=1)):
-        counter = _DTensorOps()
+        counter, collectives = _DTensorOps(), CollectiveCounter()
         if step == count_step:
+            collectives.__enter__()
             counter.__enter__()
         loss = model(input_ids=input_ids, labels=labels).loss
         loss.backward()
         if step == count_step:
             counter.__exit__(None, None, None)
-            out["dtensor_ops"] = counter.count
+            collectives.__exit__(None, None, None)
+            out["dtensor_ops"], out["collectives"] = counter.count, collectives.total
         if step == STEPS - 1:
             out["grads"] = {n: _value(p.grad) for n, p in model.named_parameters()}
         opt.step()
@@ -130,6 +133,13 @@ def _check(results, configs):
             # DTensor slices them inside attention and attention rightly stays eager.
             assert static["dtensor_ops"] * 2 < eager["dtensor_ops"], (
                 f"{what}: a static step dispatched {static['dtensor_ops']} DTensor ops, eager {eager['dtensor_ops']}"
+            )
+            # The same communication as eager mode, or less: no boundary may add a collective.
+            # (Not asserted where attention stays eager — TP=4 with replicated K/V: there a static
+            # step issues 2 more than eager, a known gap listed in docs/static.md.)
+            attention_static = not any("self_attn" in m for m in static["eager_modules"])
+            assert not attention_static or static["collectives"] <= eager["collectives"], (
+                f"{what}: a static step issued {static['collectives']} collectives, eager {eager['collectives']}"
             )
             for step, (a, b, c) in enumerate(zip(static["losses"], ref["losses"], eager["losses"])):
                 assert abs(a - b) <= TOL, f"{what}: step {step} static loss {a} vs single device {b}"

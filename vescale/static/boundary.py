@@ -124,6 +124,11 @@ class Move:
         grad_in = DTensorSpec(dst.mesh, tuple(grad_placements or grad_layout(dst.placements)), tensor_meta=dst.tensor_meta)
         grad_out = DTensorSpec(src.mesh, grad_layout(src.placements), tensor_meta=src.tensor_meta)
         self.backward_fn = compile_move(grad_in, grad_out)
+        self.layouts = (src.placements, dst.placements, grad_in.placements, grad_out.placements)  # for reports
+
+    def __repr__(self) -> str:
+        src, dst, g_in, g_out = (list(p) for p in self.layouts)
+        return f"Move({src} -> {dst}; grad {g_in} -> {g_out})"
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         if self.forward_fn is None and (self.backward_fn is None or not t.requires_grad):

@@ -28,7 +28,10 @@ def static_runtime(model: nn.Module) -> StaticRuntime:
 def install_static(model: nn.Module, plan: VescalePlan, ir: PlanIR) -> list:
     """Create the runtime (``model._vescale_static``) and install its hooks; returns the handles."""
     hooks = ir.hooks()
-    planned_pre = {m for (m, h) in hooks if h == "forward_pre"}
+    # Modules whose plan hooks place inputs / outputs. A pre-hook that only gathers ZeRO-3
+    # parameters moves no activation: wrapping there would only add a gradient reduction per
+    # module (each Linear's Partial input gradient reduced on its own, not summed first).
+    planned_pre = {m for (m, h), entries in hooks.items() if h == "forward_pre" and any(e.action == "redist" for e in entries)}
     planned_post = {m for (m, h) in hooks if h == "forward"}
     # Tensors made by planned factories are DTensors: the module that makes them stays eager.
     eager = resolve_eager_paths([s for s in plan.statements if s.kind == "eager"], model)
