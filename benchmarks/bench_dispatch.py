@@ -333,8 +333,10 @@ def _measure(mesh, shape, sp, zero3, rounds, variants, kind) -> dict:
             steady[v].append(runners[v].step())
     fresh_len = {v: [] for v in variants}
     for i in range(3):  # a new sequence length each time, then the same length again
-        seq = SEQ - 8 * (i + 1)
-        for v in variants:
+        for k, v in enumerate(variants):
+            # Lengths no variant has run: the variants share PyTorch's shape-keyed sharding cache,
+            # so a length another variant ran first would not be new to this one.
+            seq = SEQ + 8 * (1 + i + 3 * k)
             new = runners[v].step(seq)
             again = min(runners[v].step(seq) for _ in range(2))
             fresh_len[v].append(new / again)
