@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from torch.distributed.tensor import DTensor
 
+from ..parallel.hooks import _map_tensors
 from ..parallel.state import checkpointable
 from . import layout
 
@@ -62,16 +63,8 @@ def _state(model: nn.Module, optimizer) -> dict:
     if optimizer is not None:
         # Optimiser state of an InterleavedShard parameter is laid out like it, which DCP cannot
         # describe: save (and load into) the same global tensor laid out as Shard.
-        state["optim"] = _map_tensors(checkpointable, get_optimizer_state_dict(model, optimizer))
+        state["optim"] = _map_tensors(checkpointable, get_optimizer_state_dict(model, optimizer))  # in place
     return state
-
-
-def _map_tensors(fn, tree):
-    if isinstance(tree, dict):
-        return {k: _map_tensors(fn, v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_map_tensors(fn, v) for v in tree]
-    return fn(tree) if isinstance(tree, torch.Tensor) else tree
 
 
 def _relayout_optimizer_state(optimizer) -> None:

@@ -23,6 +23,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
@@ -145,12 +146,7 @@ class Move:
 def grad_spec(spec: DTensorSpec, placements: tuple | None) -> DTensorSpec:
     """The spec of a contiguous gradient of a tensor laid out as ``spec``, in ``placements``
     (None: ``from_local``'s default, the forward placements with Partial as Replicate)."""
-    shape = spec.shape
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= max(size, 1)
-    meta = TensorMeta(shape, tuple(reversed(stride)), spec.tensor_meta.dtype)
+    meta = TensorMeta(spec.shape, tuple(make_contiguous_strides_for(spec.shape)), spec.tensor_meta.dtype)
     return DTensorSpec(spec.mesh, tuple(placements or grad_layout(spec.placements)), tensor_meta=meta)
 
 

@@ -35,6 +35,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..parallel.faults import _first_line
 from ..parallel.hooks import IO_PLACED
 from ..plan.ir import PlanError
 from .boundary import Move, dtensor_of, grad_spec, local_of
@@ -128,11 +129,6 @@ def _why_not_local(func, args, kwargs) -> str | None:
     if sharding.use_val_from_redistribute_schema and not any(moved):
         return None  # only size arguments are rewritten: checked in the first static step
     return f"{func} needs its inputs redistributed"
-
-
-def _first_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return lines[0][:200] if lines else type(e).__name__
 
 
 def _sized_ops() -> set:
@@ -315,9 +311,6 @@ class StaticRuntime:
         self.watcher: _OpWatcher | None = None
         self.replay: _RandomReplay | None = None
         self.static_steps = self.recorded_steps = 0
-        # Precompiled local moves at static-static boundaries (boundary.py); False runs DTensor's
-        # from_local / redistribute / to_local there instead (same results; for comparisons).
-        self.precompiled_moves = True
 
     # -- which representation each module uses in the current step ---------------------------
 
@@ -506,7 +499,7 @@ class StaticRuntime:
         """Between two static modules, where the plan's hook redistributes: move the local tensors
         with the boundary's precompiled moves (see ``boundary.py``) and tell the plan's hook that
         they are placed already. None when a tensor here has no precompiled move."""
-        moves = self._moves(path, src, dst) if self.precompiled_moves else None
+        moves = self._moves(path, src, dst)
         if moves is None:
             return None
         mod.__dict__[IO_PLACED] = True

@@ -33,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
 from ..plan import INIT, RUN, VescalePlan
+from .plans import _mesh_has
 
 __all__ = ["TINY_DIT_SIZES", "tiny_dit", "dit_plan"]
 
@@ -67,10 +68,6 @@ def tiny_dit(**overrides):
     return _diffusers().DiTTransformer2DModel(**{**TINY_DIT_SIZES, **overrides})
 
 
-def _has(mesh: DeviceMesh | None, name: str | None) -> bool:
-    return name is not None and (mesh is None or name in (mesh.mesh_dim_names or ()))
-
-
 def dit_plan(
     mesh: DeviceMesh | None = None,
     config=None,
@@ -82,7 +79,7 @@ def dit_plan(
     """A plan for ``DiTTransformer2DModel`` (see the module doc). ``tp`` / ``dp`` name the mesh
     dimensions; a name that is ``None`` or absent from ``mesh`` turns that parallelism off.
     ``config`` (the model's) is checked: the TP size must divide the number of heads."""
-    use_tp, use_dp = _has(mesh, tp), _has(mesh, dp)
+    use_tp, use_dp = _mesh_has(mesh, tp), _mesh_has(mesh, dp)
     if zero3 and not use_dp:
         raise ValueError(f"dit_plan: zero3=True shards parameters over the DP dimension, but {dp!r} is not in the mesh")
     plan = VescalePlan()

@@ -27,6 +27,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from ..placement import InterleavedShard
 from ..plan import INIT, RUN, VescalePlan
+from .plans import _mesh_has
 from .hf import _transformers
 
 __all__ = ["TINY_GPT2_SIZES", "tiny_hf_gpt2_config", "tiny_hf_gpt2", "gpt2_plan"]
@@ -45,10 +46,6 @@ def tiny_hf_gpt2_config(**overrides):
 def tiny_hf_gpt2(**overrides):
     """``transformers.GPT2LMHeadModel`` from ``tiny_hf_gpt2_config(**overrides)``, randomly initialised."""
     return _transformers().GPT2LMHeadModel(tiny_hf_gpt2_config(**overrides))
-
-
-def _mesh_has(mesh: DeviceMesh | None, name: str | None) -> bool:
-    return name is not None and (mesh is None or name in (mesh.mesh_dim_names or ()))
 
 
 def gpt2_plan(
