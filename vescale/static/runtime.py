@@ -74,6 +74,9 @@ class Record:
     checked: bool = False  # a static step has run (and checked its shapes) with it
     moves: dict = field(default_factory=dict)  # (module, "in" | "out") -> [Move | None] or None
     param_grad_specs: dict = field(default_factory=dict)  # (module, name) -> spec of its gradient
+    # (module, "in" | "out") -> the plan key of each tensor crossing there, in crossing order
+    # (argument name or position, output index or field; None inside a nested container)
+    keys: dict = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -296,7 +299,14 @@ def _unwrap(t: torch.Tensor, c: Crossing | None):
 class StaticRuntime:
     """Static Eager state of one parallelised model (``model._vescale_static``)."""
 
-    def __init__(self, model: nn.Module, eager_paths: set[str], planned_pre: set[str], planned_post: set[str]):
+    def __init__(
+        self,
+        model: nn.Module,
+        eager_paths: set[str],
+        planned_pre: set[str],
+        planned_post: set[str],
+        annotated: tuple[set[str], set[str]] = (set(), set()),
+    ):
         self.model = model
         # Module path -> its caller's path ("" is the root, whose caller is the user: None): the
         # nearest ancestor that runs forward. A container (ModuleList) is never called, so the
@@ -304,6 +314,9 @@ class StaticRuntime:
         self.parent = _callers(model)
         self.forced_eager = set(eager_paths)
         self.planned_pre, self.planned_post = planned_pre, planned_post
+        # Modules whose inputs / outputs a plan.annotate describes: between two static modules the
+        # local tensors there are laid out as annotated already (checked while recording).
+        self.annotated_pre, self.annotated_post = annotated
         self.records: dict[tuple, Record] = {}
         self.state: State | None = None
         self.record: Record | None = None
@@ -407,10 +420,15 @@ class StaticRuntime:
         if self._tracking():
             self.stack.append(None)  # this module's hooks run now, not its body
         wraps = self.parent_static(path) and (path in self.planned_pre or not self.is_static(path))
-        if wraps and self.state is State.STATIC and self.is_static(path):
-            moved = self._move(mod, path, "in", "body", lambda fn: _map_io(fn, args, kwargs))
-            if moved is not None:
-                return moved
+        if self.state is State.STATIC and self.is_static(path):
+            if wraps:
+                moved = self._move(mod, path, "in", "body", lambda fn: _map_io(fn, args, kwargs))
+                if moved is not None:
+                    return moved
+            elif path in self.annotated_pre and self.parent_static(path):
+                mod.__dict__[IO_PLACED] = True  # local, as annotated: the plan's hook leaves them be
+        elif self.state is State.RECORD:
+            self.record.keys.setdefault((path, "in"), _input_keys(mod, args, kwargs))
         return self._to_dtensors(path, "in", wraps, lambda fn: _map_io(fn, args, kwargs))
 
     def inside(self, mod, path: str, args, kwargs):
@@ -489,10 +507,15 @@ class StaticRuntime:
         if self._tracking() and self.stack:
             self.stack[-1] = None  # the body is over
         wraps = self.is_static(path) and (path in self.planned_post or not self.parent_static(path))
-        if wraps and self.state is State.STATIC and self.parent_static(path):
-            moved = self._move(mod, path, "out", "result", lambda fn: _map_out(fn, output))
-            if moved is not None:
-                return moved
+        if self.state is State.STATIC and self.parent_static(path):
+            if wraps:
+                moved = self._move(mod, path, "out", "result", lambda fn: _map_out(fn, output))
+                if moved is not None:
+                    return moved
+            elif path in self.annotated_post and self.is_static(path):
+                mod.__dict__[IO_PLACED] = True  # local, as annotated: the plan's hook leaves them be
+        elif self.state is State.RECORD:
+            self.record.keys.setdefault((path, "out"), _output_keys(output))
         return self._to_dtensors(path, "out", wraps, lambda fn: _map_out(fn, output))
 
     def _move(self, mod, path: str, src: str, dst: str, walk):
@@ -520,8 +543,12 @@ class StaticRuntime:
             rec = self.record
 
             def note(i, t):
-                _note(rec, self.parent, (path, where, i), t)
-                return _mirror(t) if wraps else t
+                c = _note(rec, self.parent, (path, where, i), t)
+                # This spot's own tensor (the mirror of the wrap, or a view): its gradient is what
+                # the plan's hook hands back here (a plan.redistribute's grad_dst), not a sum.
+                t = _mirror(t) if wraps else (t.view_as(t) if isinstance(t, DTensor) and t.requires_grad else t)
+                _on_grad(t, lambda g, c=c: setattr(c, "grad_placements", g))
+                return t
 
             return walk(note)
         if self.state is State.STATIC and wraps:
@@ -572,6 +599,34 @@ def _callers(model: nn.Module) -> dict[str, str | None]:
     return callers
 
 
+def _input_keys(mod: nn.Module, args, kwargs) -> list:
+    """The plan key (``<in>[key]``) of each tensor ``_map_io`` visits: the argument's name (its
+    position if the signature has no name for it), None for a tensor inside a container."""
+    from ..parallel.hooks import _tensors_in
+    from ..plan.lower import forward_arg_names
+
+    names = forward_arg_names(mod)[0]
+    keys: list = []
+    for key, value in [(names[i] if i < len(names) else i, a) for i, a in enumerate(args)] + list(kwargs.items()):
+        keys += [key] if isinstance(value, torch.Tensor) else [None] * len(_tensors_in(value))
+    return keys
+
+
+def _output_keys(output) -> list:
+    """The plan key (``<out>[key]``) of each tensor ``_map_out`` visits (None inside a nested container)."""
+    from ..parallel.hooks import _tensors_in
+
+    if isinstance(output, torch.Tensor):
+        return [0]
+    items = list(enumerate(output)) if isinstance(output, (tuple, list)) else list(output.items()) if isinstance(output, dict) else []
+    if not items:
+        return [None] * len(_tensors_in(output))
+    keys: list = []
+    for key, value in items:
+        keys += [key] if isinstance(value, torch.Tensor) else [None] * len(_tensors_in(value))
+    return keys
+
+
 def _tensors(args, kwargs) -> list[torch.Tensor]:
     found = []
     _map_io(lambda i, t: found.append(t) or t, args, kwargs)
@@ -609,7 +664,10 @@ def _compile_moves(crossings: dict, path: str, src: str, dst: str) -> list | Non
         elif a.spec is None or b.spec is None or a.spec.mesh != b.spec.mesh or a.spec.shape != b.spec.shape:
             return None
         else:
-            moves.append(Move(a.spec, b.spec, b.grad_placements))
+            # The gradient leaves as recorded where the plan moved the tensor (a redistribute's
+            # grad_dst); an unmoved tensor's gradient leaves in from_local's default layout.
+            moved = a.spec.placements != b.spec.placements
+            moves.append(Move(a.spec, b.spec, b.grad_placements, a.grad_placements if moved else None))
     return moves
 
 
