@@ -283,7 +283,7 @@ _GRAD_CHECKED = "_vescale_grad_checked"  # parameters swapped for a checked view
 def _check_grads_once(mod: nn.Module, path: str, notes: list[Entry]) -> None:
     """For this forward call, the module uses a view of each annotated parameter, whose gradient
     (as the module computes it, before vescale reduces it) must have the annotated placements."""
-    from .placing import _fmt
+    from .placing import _fmt, agrees
 
     swapped = []
     for e in notes:
@@ -295,7 +295,7 @@ def _check_grads_once(mod: nn.Module, path: str, notes: list[Entry]) -> None:
 
         def check(grad, e=e, name=name):
             have = tuple(grad.placements) if isinstance(grad, DTensor) else None
-            if have is None or any(w is not None and w != h for w, h in zip(e.targets, have)):
+            if have is None or not all(agrees(w, h) for w, h in zip(e.targets, have)):
                 raise PlanError(
                     f"the gradient of {name!r} is {_fmt(have) if have else 'a plain tensor'} but plan statement(s) "
                     f"#{', #'.join(map(str, e.statements))} annotate it as {_fmt(e.targets)}; fix or drop the annotation"

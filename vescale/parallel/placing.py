@@ -78,6 +78,17 @@ def _arrives_as(t: torch.Tensor, mesh: DeviceMesh) -> tuple:
     return tuple(Shard(p.dim % t.ndim) if type(p) is Shard else p for p in t.placements)
 
 
+def agrees(stated, have) -> bool:
+    """Whether placement ``have`` is what a statement's ``stated`` placement says (None: anything).
+    A stated Partial matches any Partial with its reduce op, e.g. the masked Partial of a
+    vocabulary-parallel embedding's output, which DTensor keeps as a Partial subclass."""
+    if stated is None:
+        return True
+    if stated.is_partial():
+        return have.is_partial() and have.reduce_op == stated.reduce_op
+    return stated == have
+
+
 def _statements(e) -> str:
     return "plan statement(s) #" + ", #".join(map(str, e.statements))
 
@@ -91,7 +102,7 @@ def place_entry(t, mesh: DeviceMesh, e, what: str):
         return _annotated(t, mesh, e, what)
     if e.sources is not None:
         have = _arrives_as(t, mesh)
-        if any(s is not None and s != h for s, h in zip(e.sources, have)):
+        if not all(agrees(s, h) for s, h in zip(e.sources, have)):
             hint = "; a plain tensor arrives as Replicate: plan.annotate it first if it is a local shard" if not isinstance(t, DTensor) else ""
             raise PlanError(
                 f"{what}: {_statements(e)} redistribute(s) it from {_fmt(e.sources)} but it arrives as "
@@ -109,7 +120,7 @@ def place_entry(t, mesh: DeviceMesh, e, what: str):
 def _annotated(t: torch.Tensor, mesh: DeviceMesh, e, what: str) -> DTensor:
     if isinstance(t, DTensor):
         have = _arrives_as(t, mesh)
-        if any(a is not None and a != h for a, h in zip(e.targets, have)):
+        if not all(agrees(a, h) for a, h in zip(e.targets, have)):
             raise PlanError(
                 f"{what}: {_statements(e)} annotate(s) it as {_fmt(e.targets)} but it is a DTensor laid out as "
                 f"{_fmt(have)}; fix the annotation (vescale.static.export_plan prints the recorded placements)"
@@ -137,7 +148,7 @@ class _RedistributeWithGrad(torch.autograd.Function):
         if ctx.grad_src is not None:
             arrived = tuple(grad.placements)
             want = tuple(a if s is None else s for a, s in zip(arrived, ctx.grad_src))
-            if want != arrived:
+            if not all(agrees(w, a) for w, a in zip(want, arrived)):
                 grad = grad.redistribute(ctx.mesh, want)
         if tuple(grad.placements) != ctx.grad_dst:
             grad = grad.redistribute(ctx.mesh, ctx.grad_dst)

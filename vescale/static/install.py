@@ -38,7 +38,9 @@ def install_static(model: nn.Module, plan: VescalePlan, ir: PlanIR) -> list:
     # Tensors made by planned factories are DTensors: the module that makes them stays eager.
     eager = resolve_eager_paths([s for s in plan.statements if s.kind == "eager"], model)
     eager |= {m for (m, h) in hooks if h == "factory"}
-    rt = StaticRuntime(model, eager, planned_pre, planned_post, annotated)
+    where = {"forward_pre": "in", "forward": "out"}
+    grad_dst_spots = {(m, where[h], e.key): e.grad_targets for (m, h), entries in hooks.items() if h in where for e in entries if e.grad_targets}
+    rt = StaticRuntime(model, eager, planned_pre, planned_post, annotated, grad_dst_spots)
     model._vescale_static = rt
     handles = []
     for path, mod in model.named_modules():

@@ -33,11 +33,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 
 from ..parallel.faults import _first_line
 from ..parallel.hooks import IO_PLACED
 from ..plan.ir import PlanError
+from ..parallel.placing import grad_layout
 from .boundary import Move, dtensor_of, grad_spec, local_of
 
 __all__ = ["StaticRuntime", "State"]
@@ -54,6 +55,9 @@ class Crossing:
 
     spec: object | None = None  # DTensorSpec, or None for a plain (global) tensor
     grad_placements: tuple | None = None  # placements its gradient arrived in
+    # Where a plan.redistribute states grad_dst: the placements the gradient leaves here in (full
+    # mesh); None: DTensor's default (the forward placements with Partial as Replicate).
+    leave_grad: tuple | None = None
     # Gradient specs, made once in the first static step: for a local tensor wrapped here (the
     # default layout, as the recording step's _mirror had it) and for a DTensor unwrapped here.
     wrap_grad: object | None = None
@@ -259,6 +263,37 @@ class _RandomReplay(TorchDispatchMode):
         return out._local_tensor if isinstance(out, DTensor) else out
 
 
+def _enter_beneath(mode: TorchDispatchMode) -> None:
+    """Enter ``mode`` beneath the dispatch modes already open (it sees ops after them)."""
+    above = _pop_modes_above(None)
+    mode.__enter__()
+    for m in reversed(above):
+        _push_mode(m)
+
+
+def _exit_from_anywhere(mode: TorchDispatchMode) -> None:
+    """Exit ``mode`` wherever it is on the dispatch mode stack, leaving the modes above it in place."""
+    if not any(m is mode for m in _get_current_dispatch_mode_stack()):
+        return
+    above = _pop_modes_above(mode)
+    _push_mode(mode)
+    mode.__exit__(None, None, None)  # pops it (now the top) and restores its flags
+    for m in reversed(above):
+        _push_mode(m)
+
+
+def _pop_modes_above(mode) -> list:
+    """Pop the user-level dispatch modes down to ``mode`` (popped too) or all of them (``None``);
+    returns those above it, top first."""
+    above = []
+    while _get_current_dispatch_mode_stack():
+        top = _pop_mode()
+        if top is mode:
+            break
+        above.append(top)
+    return above
+
+
 # ---------------------------------------------------------------------------------------------
 # The runtime
 # ---------------------------------------------------------------------------------------------
@@ -273,15 +308,18 @@ def _wrap(t: torch.Tensor, c: Crossing | None):
     if c is None or c.spec is None or isinstance(t, DTensor):
         return t
     if c.wrap_grad is None:
-        c.wrap_grad = grad_spec(c.spec, None)
+        c.wrap_grad = grad_spec(c.spec, c.leave_grad)
     return dtensor_of(t, c.spec, c.wrap_grad)
 
 
-def _mirror(t):
-    """While recording: what static mode's wrap does to the gradient at this spot (DTensor's
-    default for from_local: laid out like the forward value), applied to an eager DTensor."""
+def _mirror(t, leave_grad: tuple | None = None):
+    """While recording: what static mode's wrap does to the gradient at this spot, applied to an
+    eager DTensor: the gradient leaves in ``leave_grad`` (a plan.redistribute's grad_dst), or by
+    DTensor's default for from_local (laid out like the forward value)."""
     if not isinstance(t, DTensor):
         return t
+    if leave_grad is not None:
+        return dtensor_of(t.to_local(grad_placements=leave_grad), t._spec, grad_spec(t._spec, leave_grad))
     return DTensor.from_local(t.to_local(), t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
 
 
@@ -306,6 +344,7 @@ class StaticRuntime:
         planned_pre: set[str],
         planned_post: set[str],
         annotated: tuple[set[str], set[str]] = (set(), set()),
+        grad_dst_spots: dict | None = None,
     ):
         self.model = model
         # Module path -> its caller's path ("" is the root, whose caller is the user: None): the
@@ -317,6 +356,8 @@ class StaticRuntime:
         # Modules whose inputs / outputs a plan.annotate describes: between two static modules the
         # local tensors there are laid out as annotated already (checked while recording).
         self.annotated_pre, self.annotated_post = annotated
+        # (module, "in" | "out", key) -> a plan.redistribute's grad_dst there (None per unstated dim)
+        self.grad_dst_spots = dict(grad_dst_spots or {})
         self.records: dict[tuple, Record] = {}
         self.state: State | None = None
         self.record: Record | None = None
@@ -383,7 +424,10 @@ class StaticRuntime:
 
     def _open_watcher(self, checking: bool) -> None:
         self.watcher = _OpWatcher(self.record, self.stack, checking)
-        self.watcher.__enter__()
+        # A recording's watcher outlives this forward (it watches backward too, and is closed at the
+        # next root forward), so it goes beneath the modes the user has open: a user's mode entered
+        # around the step (vescale.debug.CollectiveCounter, say) exits first and must pop itself.
+        _enter_beneath(self.watcher)
 
     def end_forward(self) -> None:
         """Root cleanup hook: the forward is over. A recording keeps watching through backward
@@ -402,7 +446,7 @@ class StaticRuntime:
 
     def _close_watcher(self) -> None:
         watcher, self.watcher = self.watcher, None
-        watcher.__exit__(None, None, None)
+        _exit_from_anywhere(watcher)
         self.stack.clear()
 
     def _when_backward_done(self, record: Record) -> None:
@@ -542,13 +586,14 @@ class StaticRuntime:
         if self.state is State.RECORD:
             rec = self.record
 
+            keys = rec.keys.get((path, where), [])
+
             def note(i, t):
                 c = _note(rec, self.parent, (path, where, i), t)
-                # This spot's own tensor (the mirror of the wrap, or a view): its gradient is what
-                # the plan's hook hands back here (a plan.redistribute's grad_dst), not a sum.
-                t = _mirror(t) if wraps else (t.view_as(t) if isinstance(t, DTensor) and t.requires_grad else t)
-                _on_grad(t, lambda g, c=c: setattr(c, "grad_placements", g))
-                return t
+                stated = self.grad_dst_spots.get((path, where, keys[i])) if i < len(keys) else None
+                if stated is not None and isinstance(t, DTensor):
+                    c.leave_grad = tuple(g or d for g, d in zip(stated, grad_layout(t.placements)))
+                return _mirror(t, c.leave_grad) if wraps else t
 
             return walk(note)
         if self.state is State.STATIC and wraps:
@@ -664,10 +709,7 @@ def _compile_moves(crossings: dict, path: str, src: str, dst: str) -> list | Non
         elif a.spec is None or b.spec is None or a.spec.mesh != b.spec.mesh or a.spec.shape != b.spec.shape:
             return None
         else:
-            # The gradient leaves as recorded where the plan moved the tensor (a redistribute's
-            # grad_dst); an unmoved tensor's gradient leaves in from_local's default layout.
-            moved = a.spec.placements != b.spec.placements
-            moves.append(Move(a.spec, b.spec, b.grad_placements, a.grad_placements if moved else None))
+            moves.append(Move(a.spec, b.spec, b.grad_placements, a.leave_grad))
     return moves
 
 
