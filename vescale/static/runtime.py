@@ -35,6 +35,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 
+from ..dispatch.local import why_rule_not_local
 from ..parallel.faults import _first_line
 from ..parallel.hooks import IO_PLACED
 from ..plan.ir import PlanError
@@ -121,21 +122,7 @@ def _why_not_local(func, args, kwargs) -> str | None:
         if runs_locally is not None and runs_locally(func, args, kwargs):
             return None
         return f"{func} has a custom DTensor handler"
-    try:
-        info = dispatcher.unwrap_to_op_info(func, args, kwargs)
-        sharding = dispatcher.sharding_propagator.propagate_op_sharding(info.schema)
-    except Exception as e:  # DTensor itself will report it when the op runs
-        return f"{func} has no sharding decision ({type(e).__name__})"
-    if not sharding.needs_redistribute:
-        return None
-    moved = [
-        a.placements != b.placements
-        for a, b in zip(info.schema.args_schema, sharding.redistribute_schema.args_schema)
-        if hasattr(a, "placements")
-    ]
-    if sharding.use_val_from_redistribute_schema and not any(moved):
-        return None  # only size arguments are rewritten: checked in the first static step
-    return f"{func} needs its inputs redistributed"
+    return why_rule_not_local(func, args, kwargs)
 
 
 def _sized_ops() -> set:
