@@ -74,4 +74,5 @@ def test_interleaved_weights_multiply_locally_and_match_one_device():
         # The input's gradient is a Partial sum over the split columns; the weight's stays interleaved.
         assert case["grad_placements"] == ((Partial(),), (InterleavedShard(2, 2),)), case
     misaligned = r[("grouped_mm", 12)]  # 6 local floats a row: 24 bytes, not a multiple of 16
-    assert misaligned["placements"] == (Replicate(),) and misaligned["values"] and misaligned["grads"], misaligned
+    assert misaligned["placements"] == (Replicate(),) and misaligned["forward"].get("all_gather", 0) >= 1, misaligned
+    assert misaligned["values"] and misaligned["grads"], misaligned
