@@ -22,7 +22,7 @@ import vescale
 from vescale.debug import CollectiveCounter
 from vescale.plan.ir import PlanError
 from vescale.random import consistent
-from vescale.testing import run_on_ranks
+from vescale.testing import error_of, run_on_ranks
 
 
 class MLP(nn.Module):
@@ -79,11 +79,7 @@ def test_redistribute_does_what_shard_does():
 
 
 def _wrong_source():
-    try:
-        _step(_tp_plan(lambda p: p.redistribute(r"down\.<out>", Shard(0), Replicate(), mesh="TP")))
-    except PlanError as e:
-        return str(e)
-    return None
+    return error_of(_step, _tp_plan(lambda p: p.redistribute(r"down\.<out>", Shard(0), Replicate(), mesh="TP")), kind=PlanError)
 
 
 @pytest.mark.multiproc
@@ -146,16 +142,13 @@ def test_annotate_takes_a_plain_tensor_as_its_local_shard_and_dropout_draws_sing
 
 
 def _annotate_errors():
-    messages = []
-    for plan in (
-        _tp_plan().annotate(r"norm\.<in>", Replicate(), mesh="TP"),  # it is Shard(0)
-        _tp_plan().annotate(r"norm\.weight\.grad", Replicate(), mesh="TP"),  # it is Partial
-    ):
-        try:
-            _step(plan)
-            messages.append(None)
-        except (PlanError, RuntimeError) as e:
-            messages.append(str(e))
+    messages = [
+        error_of(_step, plan, kind=PlanError)
+        for plan in (
+            _tp_plan().annotate(r"norm\.<in>", Replicate(), mesh="TP"),  # it is Shard(0)
+            _tp_plan().annotate(r"norm\.weight\.grad", Replicate(), mesh="TP"),  # it is Partial
+        )
+    ]
     ok = _step(_tp_plan().annotate(r"norm\.weight\.grad", Partial(), mesh="TP").annotate(r"norm\.<in>", Shard(0), mesh="TP"))
     return messages, ok[0]
 

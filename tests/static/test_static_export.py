@@ -22,7 +22,7 @@ import vescale
 from vescale.debug import CollectiveCounter
 from vescale.placement import InterleavedShard
 from vescale.plan.ir import PlanError
-from vescale.testing import run_on_ranks
+from vescale.testing import error_of, run_on_ranks, train_losses
 from vescale.zoo import llama_plan, synthetic_batches, tiny_llama
 
 STEPS = 4
@@ -42,14 +42,7 @@ def _train(exported: str | None):
     vescale.manual_seed(0)
     model = tiny_llama(hidden_dropout=0.1, attention_dropout=0.1)
     vescale.parallelize(model, _plan_with(mesh, model.config, exported), mesh, mode="static")
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    losses = []
-    for input_ids, labels in synthetic_batches(STEPS, 4, 16, 128, seed=1):
-        loss = model(input_ids=input_ids, labels=labels).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = train_losses(model, synthetic_batches(STEPS, 4, 16, 128, seed=1), torch.optim.SGD(model.parameters(), lr=0.05))
     rt = vescale.static.static_runtime(model)
     return losses, vescale.static.export_plan(model), rt.static_steps
 
@@ -75,11 +68,7 @@ def _edited():
     line = next(x for x in exported.splitlines() if x.startswith("plan.redistribute(") and "mlp" in x)
     wrong = line.replace("[Shard(1)], [Replicate()]", "[Shard(0)], [Replicate()]", 1)
     assert wrong != line, line
-    try:
-        _train(exported.replace(line, wrong))
-    except PlanError as e:
-        return str(e)
-    return None
+    return error_of(_train, exported.replace(line, wrong), kind=PlanError)
 
 
 @pytest.mark.multiproc

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import vescale
-from vescale.testing import run_on_ranks
+from vescale.testing import run_on_ranks, train_losses
 from vescale.zoo import moe_plan, synthetic_batches, tiny_hf_mixtral
 
 STEPS, LR = 6, 0.05
@@ -30,15 +30,7 @@ EXPERTS = ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts")
 
 
 def _train(model) -> list[float]:
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for input_ids, labels in synthetic_batches(STEPS, 4, 16, 128, seed=1):
-        loss = model(input_ids=input_ids, labels=labels).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train_losses(model, synthetic_batches(STEPS, 4, 16, 128, seed=1), torch.optim.SGD(model.parameters(), lr=LR))
 
 
 def _run(shape, names, zero3: bool) -> dict:
