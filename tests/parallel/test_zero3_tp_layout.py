@@ -1,0 +1,121 @@
+"""ZeRO-3 under tensor parallelism communicates over DP only, as FSDP2 does.
+
+On a DP x TP mesh the at-rest shard of a TP-sharded weight is a piece of the rank's own TP shard
+(``vescale.placement.nested``), so the RUN gathers and the gradient reduce-scatters of the zoo
+LLaMA run over the DP group alone and move the RUN (TP) shard, 1/TP of a TP-sharded weight, not the
+whole weight over all DP x TP ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Replicate, Shard
+
+import vescale
+from vescale.placement import InterleavedShard, blockwise, nest_zero_shards
+from vescale.testing import run_on_ranks
+from vescale.zoo import llama_plan, synthetic_batches, tiny_llama
+
+R = Replicate()
+
+
+def test_zero_shard_nests_inside_tp_shard_where_it_divides():
+    col = nest_zero_shards((Shard(0), Shard(0)), (R, Shard(0)), (64, 32), (2, 4))
+    assert col == (InterleavedShard(0, 4), Shard(0))
+    assert blockwise((64, 32), (2, 4), col)
+    # Row-wise weights and norms already shard another dim on TP (or none): unchanged.
+    assert nest_zero_shards((Shard(0), Shard(1)), (R, Shard(1)), (64, 32), (2, 4)) == (Shard(0), Shard(1))
+    assert nest_zero_shards((Shard(0), R), (R, R), (64,), (2, 4)) == (Shard(0), R)
+    # 12 rows do not split into 2 x 4 even blocks: PyTorch cannot distribute it, keep (S, S).
+    assert nest_zero_shards((Shard(0), Shard(0)), (R, Shard(0)), (12, 32), (2, 4)) == (Shard(0), Shard(0))
+    # TP before DP in mesh order already nests; fused q|k|v sections are not blocks.
+    assert nest_zero_shards((Shard(0), Shard(0)), (Shard(0), R), (64, 32), (4, 2)) == (Shard(0), Shard(0))
+    assert not blockwise((12, 4), (2,), (InterleavedShard(0, 3),))
+
+
+def _spy_step(bucket_mb):
+    """Two training steps of the zoo LLaMA (TP + SP + ZeRO-3) on DP=2 x TP=2; every gather and
+    reduce-scatter vescale.comm issues in the second step: (kind, group ranks, bytes moved)."""
+    mesh = vescale.init_mesh((2, 2), ("DP", "TP"))
+    torch.manual_seed(0)
+    model = vescale.parallelize(tiny_llama(), llama_plan(mesh, zero3=True), mesh, bucket_mb=bucket_mb)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    input_ids, labels = synthetic_batches(1, 4, 16, 128, seed=1)[0]
+    seen = []
+    real_ag, real_rs = dist.all_gather_single, dist.reduce_scatter_single
+
+    def ag(out, inp, group=None, **kw):
+        seen.append(("all_gather", tuple(dist.get_process_group_ranks(group)), out.numel() * out.element_size()))
+        return real_ag(out, inp, group=group, **kw)
+
+    def rs(out, inp, group=None, **kw):
+        seen.append(("reduce_scatter", tuple(dist.get_process_group_ranks(group)), inp.numel() * inp.element_size()))
+        return real_rs(out, inp, group=group, **kw)
+
+    losses = []
+    for step in range(2):
+        if step == 1:
+            dist.all_gather_single, dist.reduce_scatter_single = ag, rs
+        try:
+            loss = model(input_ids=input_ids, labels=labels).loss
+            loss.backward()
+        finally:
+            dist.all_gather_single, dist.reduce_scatter_single = real_ag, real_rs
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    run_bytes = full_bytes = norm_bytes = 0
+    at_rest = {}
+    for name, p in model.named_parameters():
+        at_rest[name] = tuple(p.placements)
+        nbytes = p.numel() * p.element_size()
+        tp_sharded = any(isinstance(q, Shard) for q in p.placements[1:])
+        full_bytes += nbytes
+        run_bytes += nbytes // (2 if tp_sharded else 1)  # the RUN shard: 1/TP of a TP-sharded weight
+        norm_bytes += nbytes if p.ndim == 1 else 0
+    dp_group = tuple(dist.get_process_group_ranks(mesh.get_group("DP")))
+    return seen, dp_group, (run_bytes, full_bytes, norm_bytes), at_rest, losses
+
+
+@pytest.mark.multiproc
+def test_zero3_gathers_and_reduce_scatters_run_over_dp_only():
+    for seen, dp_group, (run_bytes, full_bytes, norm_bytes), at_rest, _ in run_on_ranks(_spy_step, 4, 25.0):
+        # Column-wise weights are nested at rest; row-wise ones and norms keep Shard(0) on DP.
+        assert at_rest["model.layers.0.self_attn.q_proj.weight"] == (InterleavedShard(0, 2), Shard(0))
+        assert at_rest["model.embed_tokens.weight"] == (InterleavedShard(0, 2), Shard(0))
+        assert at_rest["model.layers.0.self_attn.o_proj.weight"] == (Shard(0), Shard(1))
+        assert at_rest["model.layers.0.input_layernorm.weight"] == (Shard(0), R)
+        gathers = [(g, b) for k, g, b in seen if k == "all_gather"]
+        scatters = [(g, b) for k, g, b in seen if k == "reduce_scatter"]
+        # Every gather is over this rank's DP group (2 ranks), none over DP x TP (4), and moves the
+        # RUN shards only: per pass (forward, then backward's refills) the bytes of the TP shards
+        # (half of a TP-sharded weight at TP=2), not of the whole weights.
+        assert {g for g, _ in gathers} == {dp_group}, gathers
+        assert sum(b for _, b in gathers) == 2 * run_bytes and run_bytes < full_bytes, (gathers, run_bytes)
+        # Gradients: one reduce-scatter over DP of the TP shards of every weight but the norms. The
+        # norms' gradients are Partial on TP as well (SP splits the tokens there), so they alone
+        # are reduced over DP x TP (one fused collective, input TP x their size).
+        over_dp = [b for g, b in scatters if g == dp_group]
+        others = [(g, b) for g, b in scatters if g != dp_group]
+        assert sum(over_dp) == run_bytes - norm_bytes, (scatters, run_bytes, norm_bytes)
+        assert others == [((0, 1, 2, 3), 2 * norm_bytes)], others
+
+
+@pytest.mark.multiproc
+def test_zero3_tp_losses_match_single_device_and_the_per_tensor_path():
+    torch.manual_seed(0)
+    model = tiny_llama()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    input_ids, labels = synthetic_batches(1, 4, 16, 128, seed=1)[0]
+    single = []
+    for _ in range(2):
+        loss = model(input_ids=input_ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        single.append(loss.item())
+    for bucket_mb in (25.0, None):  # vescale.comm's collectives and DTensor's per-tensor path
+        for *_, losses in run_on_ranks(_spy_step, 4, bucket_mb):
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(single), rtol=1e-5, atol=1e-5)
