@@ -64,13 +64,13 @@ def shard_indices(size: int, dim: int, mesh_shape, coord, placements) -> torch.T
     """The global indices along tensor dim ``dim`` (of length ``size``) that the shard at mesh
     coordinate ``coord`` holds, in local order (each placement's own split, left to right, as
     ``distribute_tensor`` applies them)."""
-    index = torch.arange(size)
+    index = torch.arange(size).view([1] * dim + [size])  # the placements split tensor dim ``dim``
     for mesh_dim, p in enumerate(placements):
         if _is_shard_like(p) and p.dim == dim:
             index = p._select_split_tensor(
                 index, mesh_shape[mesh_dim], coord[mesh_dim], with_padding=False, contiguous=False, clone=False
             )
-    return index
+    return index.reshape(-1)
 
 
 @functools.lru_cache(maxsize=4096)
