@@ -40,11 +40,12 @@ def _spy_step(bucket_mb):
     reduce-scatter vescale.comm issues in the second step: (kind, group ranks, bytes moved)."""
     mesh = vescale.init_mesh((2, 2), ("DP", "TP"))
     torch.manual_seed(0)
-    model = vescale.parallelize(tiny_llama(), llama_plan(mesh, zero3=True), mesh, bucket_mb=bucket_mb)
+    # check_inputs="off": no input checksums (all-reduces of their own) among the collectives counted.
+    model = vescale.parallelize(tiny_llama(), llama_plan(mesh, zero3=True), mesh, bucket_mb=bucket_mb, check_inputs="off")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     input_ids, labels = synthetic_batches(1, 4, 16, 128, seed=1)[0]
     seen = []
-    real_ag, real_rs = dist.all_gather_single, dist.reduce_scatter_single
+    real_ag, real_rs, real_ar = dist.all_gather_single, dist.reduce_scatter_single, dist.all_reduce
 
     def ag(out, inp, group=None, **kw):
         seen.append(("all_gather", tuple(dist.get_process_group_ranks(group)), out.numel() * out.element_size()))
@@ -54,15 +55,19 @@ def _spy_step(bucket_mb):
         seen.append(("reduce_scatter", tuple(dist.get_process_group_ranks(group)), inp.numel() * inp.element_size()))
         return real_rs(out, inp, group=group, **kw)
 
+    def ar(tensor, group=None, **kw):
+        seen.append(("all_reduce", tuple(dist.get_process_group_ranks(group)), tensor.numel() * tensor.element_size()))
+        return real_ar(tensor, group=group, **kw)
+
     losses = []
     for step in range(2):
         if step == 1:
-            dist.all_gather_single, dist.reduce_scatter_single = ag, rs
+            dist.all_gather_single, dist.reduce_scatter_single, dist.all_reduce = ag, rs, ar
         try:
             loss = model(input_ids=input_ids, labels=labels).loss
             loss.backward()
         finally:
-            dist.all_gather_single, dist.reduce_scatter_single = real_ag, real_rs
+            dist.all_gather_single, dist.reduce_scatter_single, dist.all_reduce = real_ag, real_rs, real_ar
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -75,32 +80,28 @@ def _spy_step(bucket_mb):
         full_bytes += nbytes
         run_bytes += nbytes // (2 if tp_sharded else 1)  # the RUN shard: 1/TP of a TP-sharded weight
         norm_bytes += nbytes if p.ndim == 1 else 0
-    dp_group = tuple(dist.get_process_group_ranks(mesh.get_group("DP")))
-    return seen, dp_group, (run_bytes, full_bytes, norm_bytes), at_rest, losses
+    groups = tuple(tuple(dist.get_process_group_ranks(mesh.get_group(d))) for d in ("DP", "TP"))
+    return seen, groups, (run_bytes, full_bytes, norm_bytes), at_rest, losses
 
 
 @pytest.mark.multiproc
 def test_zero3_gathers_and_reduce_scatters_run_over_dp_only():
-    for seen, dp_group, (run_bytes, full_bytes, norm_bytes), at_rest, _ in run_on_ranks(_spy_step, 4, 25.0):
+    for seen, (dp_group, tp_group), (run_bytes, full_bytes, norm_bytes), at_rest, _ in run_on_ranks(_spy_step, 4, 25.0):
         # Column-wise weights are nested at rest; row-wise ones and norms keep Shard(0) on DP.
         assert at_rest["model.layers.0.self_attn.q_proj.weight"] == (InterleavedShard(0, 2), Shard(0))
         assert at_rest["model.embed_tokens.weight"] == (InterleavedShard(0, 2), Shard(0))
         assert at_rest["model.layers.0.self_attn.o_proj.weight"] == (Shard(0), Shard(1))
         assert at_rest["model.layers.0.input_layernorm.weight"] == (Shard(0), R)
-        gathers = [(g, b) for k, g, b in seen if k == "all_gather"]
-        scatters = [(g, b) for k, g, b in seen if k == "reduce_scatter"]
-        # Every gather is over this rank's DP group (2 ranks), none over DP x TP (4), and moves the
-        # RUN shards only: per pass (forward, then backward's refills) the bytes of the TP shards
-        # (half of a TP-sharded weight at TP=2), not of the whole weights.
-        assert {g for g, _ in gathers} == {dp_group}, gathers
-        assert sum(b for _, b in gathers) == 2 * run_bytes and run_bytes < full_bytes, (gathers, run_bytes)
-        # Gradients: one reduce-scatter over DP of the TP shards of every weight but the norms. The
-        # norms' gradients are Partial on TP as well (SP splits the tokens there), so they alone
-        # are reduced over DP x TP (one fused collective, input TP x their size).
-        over_dp = [b for g, b in scatters if g == dp_group]
-        others = [(g, b) for g, b in scatters if g != dp_group]
-        assert sum(over_dp) == run_bytes - norm_bytes, (scatters, run_bytes, norm_bytes)
-        assert others == [((0, 1, 2, 3), 2 * norm_bytes)], others
+        by_kind = {k: [(g, b) for kind, g, b in seen if kind == k] for k in ("all_gather", "reduce_scatter", "all_reduce")}
+        # Every gather and reduce-scatter is over this rank's DP group (2 ranks), none over
+        # DP x TP (4), and each moves RUN shards only: per pass (forward, backward's refills, the
+        # gradients) the bytes of the TP shards (half a TP-sharded weight at TP=2), not whole weights.
+        assert {g for g, _ in by_kind["all_gather"] + by_kind["reduce_scatter"]} == {dp_group}, seen
+        assert sum(b for _, b in by_kind["all_gather"]) == 2 * run_bytes and run_bytes < full_bytes, (seen, run_bytes)
+        assert sum(b for _, b in by_kind["reduce_scatter"]) == run_bytes, (seen, run_bytes)
+        # The norms' gradients are Partial on TP too (SP splits the tokens there): after the
+        # reduce-scatter over DP their shards (1/DP) are all-reduced over TP, once for all of them.
+        assert by_kind["all_reduce"] == [(tp_group, norm_bytes // 2)], by_kind["all_reduce"]
 
 
 @pytest.mark.multiproc

@@ -10,7 +10,8 @@ a single collective over the (flattened) group of every mesh dimension involved:
   the sum of its own row. Blocks a rank does not hold are zeros, so a dimension that is Shard in
   the gradient and must stay Shard under another split (a weight sharded on TP and DP) is handled in
   the same collective. A dimension that is Replicate in the gradient and Shard in the parameter is
-  sliced locally first and stays out of the group.
+  sliced locally first and stays out of the group; one that goes Partial -> Replicate is all-reduced
+  over after the reduce-scatter (``then_all_reduce``), on the scattered shard.
 * ``all_gather``: Shard -> Replicate on some dimensions (ZeRO-3 gathers), the reverse: every member
   sends its block, the base block is assembled and the target block sliced from it.
 
@@ -60,6 +61,7 @@ class Transfer:
     contributes: bool = True  # False where the input is Replicate on a group dim and coord != 0
     even: bool = False  # members' rows are the base block's dim-0 chunks, in order: no copies needed
     held: Block = ((), ())  # the input's block where it is wider than src (sliced locally first)
+    then_all_reduce: tuple[int, ...] = ()  # reduce_scatter: mesh dims the output is all-reduced over next
 
     @property
     def out_shape(self) -> tuple[int, ...]:
@@ -170,6 +172,20 @@ def _reduce_plan(shape, mesh_shape, coord, src, dst) -> Transfer | None:
         return None
     if all(src[i].is_partial() and dst[i].is_replicate() for i in changed):
         return Transfer("all_reduce", tuple(changed))
+    tail = tuple(i for i in changed if src[i].is_partial() and dst[i].is_replicate())
+    if tail:
+        # Partial -> Replicate dims next to a scatter (SP's norm gradients: Partial on DP and TP,
+        # Shard(0) on DP only): a reduce-scatter over the scatter dims, the others kept Partial, then
+        # an all-reduce of the shard over them. Folding them into the reduce-scatter would move TP
+        # times the bytes, and the members receiving the same block would each sum in their own
+        # order: replicas differing in the last bit, which a checkpoint (one replica saved) exposes.
+        mid = tuple(src[i] if i in tail else dst[i] for i in range(len(src)))
+        t = _scatter_plan(shape, mesh_shape, coord, src, mid)
+        return None if t is None else dataclasses.replace(t, then_all_reduce=tail)
+    return _scatter_plan(shape, mesh_shape, coord, src, dst)
+
+
+def _scatter_plan(shape, mesh_shape, coord, src, dst) -> Transfer | None:
     # A gradient Replicate on a mesh dim where its parameter is sharded (a vocabulary-parallel
     # weight's gradient under SP) is sliced to this rank's shard locally, for free, so that dim
     # stays out of the collective: a reduce-scatter over DP of the TP shard, not over DP x TP of
