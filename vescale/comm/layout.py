@@ -262,14 +262,25 @@ def pack_gather(local: torch.Tensor, t: Transfer) -> torch.Tensor:
 
 
 def unpack_gather(rows: torch.Tensor, t: Transfer) -> torch.Tensor:
-    """This rank's output block from the gathered (members, row) tensor (contiguous)."""
+    """This rank's output block from the gathered (members, row) tensor (contiguous). Even rows that
+    are the output itself (nested ZeRO shards) are returned as a view: no copy."""
     rows = rows.view(len(t.members), t.row)
     if t.even:
         base = rows.view(t.base[0])
-    else:
-        base = torch.empty(t.base[0], dtype=rows.dtype, device=rows.device)
-        for i, m in enumerate(t.members):
-            base[_slices(m, t.base)] = rows[i, : math.prod(m[0])].view(m[0])
-    if t.out == t.base:
-        return base
-    return base[_slices(t.out, t.base)].contiguous()
+        return base if t.out == t.base else base[_slices(t.out, t.base)].contiguous()
+    # Only the output block is assembled, from the part of each member's block inside it.
+    out = torch.empty(t.out[0], dtype=rows.dtype, device=rows.device)
+    for i, m in enumerate(t.members):
+        common = _intersection(m, t.out)
+        if common is not None:
+            out[_slices(common, t.out)] = rows[i, : math.prod(m[0])].view(m[0])[_slices(common, m)]
+    return out
+
+
+def _intersection(a: Block, b: Block) -> Block | None:
+    (sa, oa), (sb, ob) = a, b
+    lo = [max(x, y) for x, y in zip(oa, ob)]
+    hi = [min(x + n, y + k) for x, n, y, k in zip(oa, sa, ob, sb)]
+    if any(h <= l for l, h in zip(lo, hi)):
+        return None
+    return tuple(h - l for l, h in zip(lo, hi)), tuple(lo)
