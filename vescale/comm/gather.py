@@ -82,7 +82,8 @@ class _Collective:
 
     def __init__(self, items, plans, idx: list[int], mesh: DeviceMesh, dims, stats):
         self.idx, self.plans = idx, [plans[i] for i in idx]
-        rows = torch.cat([pack_gather(items[i][0]._local_tensor.detach(), t) for i, t in zip(idx, self.plans)])
+        packed = [pack_gather(items[i][0]._local_tensor.detach(), t) for i, t in zip(idx, self.plans)]
+        rows = packed[0] if len(packed) == 1 else torch.cat(packed)  # one parameter: sent as it is
         self.width = rows.numel()
         self.out = rows.new_empty(len(self.plans[0].members) * self.width)
         self.work = dist.all_gather_single(self.out, rows, group=group_of(mesh, dims), async_op=True)
