@@ -35,15 +35,16 @@ def test_zero_shard_nests_inside_tp_shard_where_it_divides():
     assert not blockwise((12, 4), (2,), (InterleavedShard(0, 3),))
 
 
-def _spy_step(bucket_mb):
+def _spy_step(bucket_mb, vocab: int = 128):
     """Two training steps of the zoo LLaMA (TP + SP + ZeRO-3) on DP=2 x TP=2; every gather and
     reduce-scatter vescale.comm issues in the second step: (kind, group ranks, bytes moved)."""
     mesh = vescale.init_mesh((2, 2), ("DP", "TP"))
     torch.manual_seed(0)
     # check_inputs="off": no input checksums (all-reduces of their own) among the collectives counted.
-    model = vescale.parallelize(tiny_llama(), llama_plan(mesh, zero3=True), mesh, bucket_mb=bucket_mb, check_inputs="off")
+    model = vescale.parallelize(tiny_llama(vocab_size=vocab), llama_plan(mesh, zero3=True), mesh, bucket_mb=bucket_mb,
+                                check_inputs="off")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    input_ids, labels = synthetic_batches(1, 4, 16, 128, seed=1)[0]
+    input_ids, labels = synthetic_batches(1, 4, 16, vocab, seed=1)[0]
     seen = []
     real_ag, real_rs, real_ar = dist.all_gather_single, dist.reduce_scatter_single, dist.all_reduce
 
@@ -81,6 +82,12 @@ def _spy_step(bucket_mb):
         run_bytes += nbytes // (2 if tp_sharded else 1)  # the RUN shard: 1/TP of a TP-sharded weight
         norm_bytes += nbytes if p.ndim == 1 else 0
     groups = tuple(tuple(dist.get_process_group_ranks(mesh.get_group(d))) for d in ("DP", "TP"))
+    # Rank (dp, tp) holds block tp * DP + dp of dim 0: a piece of its own TP shard.
+    q = dict(model.named_parameters())["model.layers.0.self_attn.q_proj.weight"]
+    dp, tp = mesh.get_coordinate()
+    rows = q.shape[0] // 4
+    block = q.full_tensor()[(tp * 2 + dp) * rows : (tp * 2 + dp + 1) * rows]
+    assert torch.equal(q.to_local(), block), (dp, tp)
     return seen, groups, (run_bytes, full_bytes, norm_bytes), at_rest, losses
 
 
@@ -104,19 +111,39 @@ def test_zero3_gathers_and_reduce_scatters_run_over_dp_only():
         assert by_kind["all_reduce"] == [(tp_group, norm_bytes // 2)], by_kind["all_reduce"]
 
 
-@pytest.mark.multiproc
-def test_zero3_tp_losses_match_single_device_and_the_per_tensor_path():
+def _single_device_losses(vocab: int) -> list[float]:
     torch.manual_seed(0)
-    model = tiny_llama()
+    model = tiny_llama(vocab_size=vocab)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    input_ids, labels = synthetic_batches(1, 4, 16, 128, seed=1)[0]
-    single = []
+    input_ids, labels = synthetic_batches(1, 4, 16, vocab, seed=1)[0]
+    losses = []
     for _ in range(2):
         loss = model(input_ids=input_ids, labels=labels).loss
         loss.backward()
         opt.step()
         opt.zero_grad()
-        single.append(loss.item())
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.multiproc
+def test_zero3_tp_losses_match_single_device_and_the_per_tensor_path():
+    single = _single_device_losses(128)
     for bucket_mb in (25.0, None):  # vescale.comm's collectives and DTensor's per-tensor path
         for *_, losses in run_on_ranks(_spy_step, 4, bucket_mb):
             torch.testing.assert_close(torch.tensor(losses), torch.tensor(single), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.multiproc
+def test_a_dim_that_does_not_split_evenly_keeps_shard_shard_and_its_own_gather():
+    """130 rows do not split into DP x TP = 4 even blocks: the embedding and head keep
+    ``(Shard(0), Shard(0))`` and are gathered over DP x TP, in a collective of their own; the rest
+    of their unit (the final norm) is still gathered over DP alone. Losses still match one device."""
+    single = _single_device_losses(130)
+    for seen, (dp_group, _), _, at_rest, losses in run_on_ranks(_spy_step, 4, 25.0, 130):
+        assert at_rest["model.embed_tokens.weight"] == (Shard(0), Shard(0))
+        assert at_rest["model.layers.0.self_attn.q_proj.weight"] == (InterleavedShard(0, 2), Shard(0))
+        groups = [g for k, g, _ in seen if k == "all_gather"]
+        assert set(groups) == {dp_group, (0, 1, 2, 3)}, groups
+        assert groups.count((0, 1, 2, 3)) == 2  # the rest unit, in forward and in backward
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(single), rtol=1e-5, atol=1e-5)
