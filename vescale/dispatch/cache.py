@@ -31,13 +31,15 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
-from torch.distributed.tensor._ops._view_ops import InputDim, dim_maps
-from torch.distributed.tensor.placement_types import _StridedShard
-
-from .interleaved import SIZE_DEPENDENT_OPS
-from torch.utils._pytree import tree_map_only
+from torch.distributed.tensor._ops import _math_ops
+from torch.distributed.tensor._ops._math_ops import _skip_dim, replicate_reduction_dims
+from torch.distributed.tensor._ops._view_ops import dim_maps, propagate_shape_and_sharding
+from torch.distributed.tensor._ops.utils import is_tensor_evenly_shardable
+from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
 from .errors import is_missing_rule, missing_rule_error
+from .interleaved import SIZE_DEPENDENT_OPS
+from .metas import fast_outputs, meta_outputs
 
 aten = torch.ops.aten
 # View-like ops and the function whose dim-mapping rule PyTorch uses for them.
@@ -73,10 +75,27 @@ def _size_class(n: int) -> int:
     return n if n < 2 else 2  # 0 and 1 change broadcasting and shardability; larger sizes do not
 
 
+def _shard_fit(spec: DTensorSpec) -> tuple:
+    """Per sharded tensor dim: whether the mesh divides it and whether every rank gets a piece.
+    PyTorch's rules test exactly these (``is_tensor_evenly_shardable``, ``is_tensor_shardable``);
+    e.g. nll_loss's mean refuses an uneven split, and strategies that would leave a rank empty are
+    dropped. A ``_StridedShard`` dim keeps its exact size (its tests involve the split factor)."""
+    shards: dict = {}
+    fit = []
+    shape = spec.tensor_meta.shape
+    for mesh_size, p in zip(spec.mesh.shape, spec.placements):
+        if isinstance(p, _StridedShard):
+            fit.append((p.dim, shape[p.dim]))
+        elif isinstance(p, Shard):
+            shards[p.dim] = shards.get(p.dim, 1) * mesh_size
+    fit.extend((d, shape[d] % n == 0, shape[d] >= n) for d, n in sorted(shards.items()) if d < len(shape))
+    return tuple(fit)
+
+
 def _arg_key(a):
     if isinstance(a, DTensorSpec):
         meta = a.tensor_meta
-        return ("T", a.mesh, a.placements, meta.dtype, tuple(_size_class(n) for n in meta.shape))
+        return ("T", a.mesh, a.placements, meta.dtype, tuple(_size_class(n) for n in meta.shape), _shard_fit(a))
     if isinstance(a, (list, tuple)):
         return tuple(_arg_key(x) for x in a)
     if isinstance(a, torch.Tensor):  # a plain tensor argument (rare): never shape-free
@@ -86,14 +105,30 @@ def _arg_key(a):
 
 
 def _view_key(op_schema: OpSchema):
-    """(input spec with pass-through dims abstracted, the dim-mapping rule) for a view-like op."""
+    """A view-like op's key: its input placements and the decision PyTorch's own rule makes for
+    them at these sizes (``propagate_shape_and_sharding`` over the ``dim_maps`` rule: which input
+    dims stay sharded and where their shards land in the output). Computing that decision is plain
+    Python on placements and sizes, microseconds; what a miss costs is everything around it."""
     spec, *rest = op_schema.args_schema
     if not isinstance(spec, DTensorSpec) or op_schema.kwargs_schema:
         raise TypeError
     rule = dim_maps[_VIEW_RULES[op_schema.op]](spec, *rest)
-    passed = {r.input_dim for r in rule if type(r) is InputDim}
-    sizes = tuple(_size_class(n) if d in passed else n for d, n in enumerate(spec.shape))
-    return (("T", spec.mesh, spec.placements, spec.tensor_meta.dtype, sizes), repr(rule))
+    target, out = propagate_shape_and_sharding(
+        spec.placements, tuple(spec.shape), rule, spec.mesh.shape, op_schema.op in _STRICT_VIEWS
+    )
+    return (("T", spec.mesh, spec.placements, spec.tensor_meta.dtype, len(spec.shape)), len(rule),
+            tuple(target), tuple(out))
+
+
+def _nll_mean_even(op_schema: OpSchema) -> bool | None:
+    """nll_loss_forward with mean reduction refuses a target that its input's placements (channel
+    dim replicated) would split unevenly; that test must be part of the key."""
+    x, target, _, reduction = op_schema.args_schema[:4]
+    if reduction != 1 or not isinstance(target, DTensorSpec):
+        return None
+    channel = 1 if x.ndim >= 2 else 0
+    placements = _skip_dim(replicate_reduction_dims(x.placements, [channel]), channel)
+    return is_tensor_evenly_shardable(target.shape, DTensorSpec(x.mesh, placements))
 
 
 def _key(op_schema: OpSchema):
@@ -102,32 +137,30 @@ def _key(op_schema: OpSchema):
             return (op_schema.op, _view_key(op_schema))
         args = tuple(_arg_key(a) for a in op_schema.args_schema)
         kwargs = tuple(sorted((k, _arg_key(v)) for k, v in op_schema.kwargs_schema.items()))
+        if op_schema.op is aten.nll_loss_forward.default:
+            args += (_nll_mean_even(op_schema),)
     except Exception:  # unhashable arguments, a rule that does not apply, ...: not cached
         return None
     return (op_schema.op, args, kwargs)
 
 
-def _meta_of(x):
-    if isinstance(x, torch.Tensor):
-        return TensorMeta(shape=x.shape, stride=x.stride(), dtype=x.dtype)
-    if isinstance(x, (tuple, list)):
-        return type(x)(_meta_of(i) for i in x)
-    return None
+# PyTorch strategies that return exactly one strategy, derived from the input placements alone
+# (and the non-tensor arguments and ranks, which keys keep): the softmax dim or the loss's class dim
+# is replicated, everything else follows the input. With one strategy no cost is compared, so the
+# decision, redistribution included, is the same at every size (nll_loss's mean also refuses an
+# uneven target split: ``_nll_mean_even`` puts that test in the key).
+_ONE_STRATEGY_RULES = (
+    _math_ops.softmax_strategy,
+    _math_ops.softmax_backward_strategy,
+    _math_ops.nll_loss_forward_strategy,
+    _math_ops.nll_loss_backward_strategy,
+)
 
 
-def _meta_outputs(op_schema: OpSchema):
-    """Output TensorMeta(s) from the op's meta kernel, or None when it has none."""
-
-    def empty(spec: DTensorSpec):
-        m = spec.tensor_meta
-        return torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device="meta")
-
-    try:
-        args = tree_map_only(DTensorSpec, empty, op_schema.args_schema)
-        kwargs = tree_map_only(DTensorSpec, empty, op_schema.kwargs_schema)
-        return _meta_of(op_schema.op(*args, **kwargs))
-    except Exception:  # no meta kernel, data-dependent output, ...: PyTorch's path decides
-        return None
+def _decided_by_key(prop, op) -> bool:
+    """Whether the key determines a decision that moves inputs: view-like ops (their key holds
+    PyTorch's own decision) and ops still ruled by a one-strategy function above."""
+    return op in _VIEW_RULES or any(prop.op_strategy_funcs.get(op) is f for f in _ONE_STRATEGY_RULES)
 
 
 def _output_metas(spec):
@@ -175,8 +208,9 @@ class ShapeFreeCache:
         self.hits = self.misses = 0
 
     def _kind(self, op_schema: OpSchema, result: OutputSharding) -> str | None:
-        """How a decision can be replayed: "plain" (runs on the local shards as they are),
-        "rewrite" (the same, with size arguments rewritten to local sizes), or None (never)."""
+        """How a decision can be replayed: "plain" (runs on the local shards as they are), "moved"
+        (inputs redistributed to placements the key determines, and/or size arguments rewritten to
+        local sizes), or None (never)."""
         prop, op = self.propagator, op_schema.op
         if op in prop.op_to_scalar_shape_adjuster or op in prop.squeeze_op_to_dims_variant:
             return None
@@ -184,18 +218,15 @@ class ShapeFreeCache:
             return None  # vescale.dispatch.interleaved's cat rule compares exact section sizes
         if not result.needs_redistribute:
             return "plain" if result.redistribute_schema is None else None
-        if op in _VIEW_RULES and result.use_val_from_redistribute_schema:
-            moved = [
-                a.placements != b.placements
-                for a, b in zip(op_schema.args_schema, result.redistribute_schema.args_schema)
-                if isinstance(a, DTensorSpec)
-            ]
-            return None if any(moved) else "rewrite"
-        return None
+        if result.redistribute_schema is None or not _decided_by_key(prop, op):
+            return None
+        return "moved"
 
-    def _replay(self, op_schema: OpSchema, template, kind: str) -> OutputSharding | None:
-        metas = _meta_outputs(op_schema)
-        if metas is None or _output_metas(template) is None:
+    def _replay(self, op_schema: OpSchema, template, targets, dtypes) -> OutputSharding | None:
+        metas = fast_outputs(op_schema, dtypes)
+        if metas is None:
+            metas = meta_outputs(op_schema)
+        if metas is None:
             return None
         if isinstance(template, tuple) and (not isinstance(metas, tuple) or len(metas) != len(template)):
             return None
@@ -203,10 +234,29 @@ class ShapeFreeCache:
         if mesh is None:
             return None
         spec = _with_metas(template, metas, mesh)
-        if kind == "plain":
+        if targets is None:
             return OutputSharding(spec)
-        local_args = self.propagator._adjust_shape_and_stride_args(metas, op_schema, spec)
-        return OutputSharding(spec, local_args, needs_redistribute=True, use_val_from_redistribute_schema=True)
+        return self._moved(op_schema, spec, metas, targets, mesh)
+
+    def _moved(self, op_schema: OpSchema, spec, metas, targets, mesh) -> OutputSharding | None:
+        """The tail of PyTorch's ``propagate_op_sharding_non_cached`` for a one-strategy decision:
+        inputs redistributed to the learned placements, then size arguments made local."""
+        args = op_schema.args_spec
+        if len(args) != len(targets):
+            return None
+        expected = tuple(_with_metas(t, a.tensor_meta, mesh) for a, t in zip(args, targets))
+        needs = any(a.placements != t.placements for a, t in zip(args, targets))
+        suggestion, local_args = None, False
+        if needs:
+            suggestion = OpSchema(op_schema.op, expected, {})
+            suggestion._inplace_rewrap_schema_suggestion(op_schema)
+        prop = self.propagator
+        if op_schema.op in prop.op_to_shape_and_stride_idx and any(
+            isinstance(p, (Shard, _StridedShard)) for p in spec.placements
+        ):
+            suggestion = prop._adjust_shape_and_stride_args(metas, suggestion or op_schema, spec)
+            needs = local_args = True
+        return OutputSharding(spec, suggestion, needs_redistribute=needs, use_val_from_redistribute_schema=local_args)
 
     def __call__(self, op_schema: OpSchema) -> OutputSharding:
         key = _key(op_schema)
@@ -237,14 +287,22 @@ class ShapeFreeCache:
         kind = self._kind(op_schema, result)
         if kind is None or spec is None or (not isinstance(spec, DTensorSpec) and not isinstance(spec, tuple)):
             return _NEVER
+        metas = _output_metas(spec)
+        if metas is None:
+            return _NEVER
+        dtypes = metas.dtype if isinstance(metas, TensorMeta) else tuple(m and m.dtype for m in metas)
+        targets = result.redistribute_schema.args_spec if kind == "moved" else None
+        entry = (spec, targets, dtypes)
         try:
-            replayed = self._replay(op_schema, spec, kind)
+            replayed = self._replay(op_schema, *entry)
         except Exception:
             return _NEVER
         same = replayed is not None and replayed.output_spec == spec and (
             replayed.redistribute_schema == result.redistribute_schema
+        ) and replayed.needs_redistribute == result.needs_redistribute and (
+            replayed.use_val_from_redistribute_schema == result.use_val_from_redistribute_schema
         )
-        return (spec, kind) if same else _NEVER
+        return entry if same else _NEVER
 
     def clear(self) -> None:
         self.entries.clear()

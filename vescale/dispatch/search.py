@@ -29,7 +29,7 @@ import threading
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, TupleStrategy
 from torch.distributed.tensor.placement_types import _is_shard_like
-from .cache import _meta_outputs
+from .metas import meta_outputs as _meta_outputs
 from torch.distributed.tensor._ops.single_dim_strategy import (
     _dijkstra_expand_single_dim_strategy_to_mesh,
     _expand_single_dim_strategy_to_mesh,
