@@ -222,6 +222,8 @@ def _meta_cases(mesh):
         n = int(torch.Size(shape).numel())
         for new in [(n,), (-1, 8), (2, -1, 1, 4), (1, n), (n, 1), (2, 2, -1)]:
             cases += [(aten.view.default, (s(shape), list(new))), (aten._unsafe_view.default, (s(shape), list(new)))]
+    for args in [(1,), (1, 2), (1, 2, 5), (2, 0, 16, 2), (2, -3, None), (2, None, -1, 3), (0, 5, 9), (-1, -20, 3), (1, 4, 2)]:
+        cases += [(aten.slice.Tensor, (s((4, 6, 8)), *args)), (aten.slice.Tensor, (t, *args))]
     for shape, new in [((4, 1, 8), [4, 6, 8]), ((1, 8), [3, 5, 8]), ((4, 1, 8), [-1, 6, -1]), ((8,), [2, 8])]:
         cases += [(aten.expand.default, (s(shape), new))]
     return cases

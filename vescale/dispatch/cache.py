@@ -6,22 +6,30 @@ FakeTensor run per op to learn output shapes, ~1-3 ms, then the strategy). For m
 placement decision does not depend on sizes at all: if the inputs already sit in one of the op's
 sharding rules, the op runs on the local shards as they are, whatever their length.
 
-``ShapeFreeCache`` sits in front of PyTorch's miss path. It remembers decisions that needed no
-redistribution and no rewriting of shape arguments, under a key that keeps what can change the
-decision: the op, every non-tensor argument, and per tensor its mesh, placements, dtype, rank and
-which dims have size 0 or 1 (broadcasting). On a hit only the output metadata is recomputed, by
-running the op on meta-device tensors (tens of microseconds instead of a FakeTensor run).
+``ShapeFreeCache`` sits in front of PyTorch's miss path. Its key keeps what can change the decision:
+the op, every non-tensor argument, and per tensor its mesh, placements, dtype, rank, which dims have
+size 0 or 1 (broadcasting) and, per sharded dim, whether the mesh divides it and gives every rank a
+piece (PyTorch's ``is_tensor_evenly_shardable`` / ``is_tensor_shardable`` tests). Three kinds of
+decision are reused:
 
-View-like ops (view, _unsafe_view, reshape, expand) carry sizes in their arguments, and DTensor
-rewrites those to local sizes. Their key replaces the size argument by PyTorch's own dim-mapping rule
-(``_view_ops.dim_maps``: which input dims are kept, split, flattened or broadcast) and keeps the exact
-size of every input dim the rule does more with than pass through; a hit re-derives the local size
-arguments with PyTorch's ``_adjust_shape_and_stride_args``.
+* "plain": no redistribution and no argument rewriting; any op.
+* view-like ops (view, _unsafe_view, reshape, expand): the key holds the decision PyTorch's own view
+  rule makes at these sizes (``propagate_shape_and_sharding`` over ``dim_maps``), computed on every
+  call (pure Python, microseconds), instead of the sizes. Flattening or splitting a dim whose size
+  changed is a hit when the decision is the same; an uneven split or a new ``_StridedShard`` split
+  factor is a different decision, so a different key. The local size arguments are re-derived with
+  PyTorch's ``_adjust_shape_and_stride_args``, inputs moved as the decision says.
+* ops whose PyTorch rule returns a single strategy derived from placements alone (softmax and its
+  backward, nll_loss forward and backward: ``_ONE_STRATEGY_RULES``): their redistributions (gather
+  the vocabulary dim, replicate a Partial gradient) are replayed with the new sizes.
 
-Every key is verified once: the first time it is seen, the fast answer is computed beside PyTorch's
-full one and the key is served only if the two are equal (output specs, metadata and rewritten
-arguments). Ops that redistribute their inputs, squeeze and data-dependent ops always go to PyTorch.
+On a hit the output metadata comes from ``metas.py`` (arithmetic where certain, else the op's meta
+kernel), not from a FakeTensor run. Every key is verified once: the first time it is seen, the fast
+answer is computed beside PyTorch's full one and the key is served only if the two are equal
+(output specs, metadata, redistribution and rewritten arguments). Decisions of the cost-based search
+(``search.py``) that move inputs, squeeze and data-dependent ops always go to PyTorch.
 """
+
 
 from __future__ import annotations
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema
-from torch.utils._pytree import tree_map_only
 
 __all__ = ["meta_outputs", "fast_outputs", "contiguous_strides"]
 
@@ -42,16 +41,22 @@ def _meta_of(x):
     return None
 
 
+def _on_meta(a):
+    """A meta-device tensor for every DTensorSpec in ``a`` (lists and tuples walked; a plain loop:
+    pytree's tree_map cost more than the meta kernels it fed)."""
+    if isinstance(a, DTensorSpec):
+        m = a.tensor_meta
+        return torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device="meta")
+    if isinstance(a, (list, tuple)) and not isinstance(a, torch.Size):
+        return type(a)(_on_meta(x) for x in a)
+    return a
+
+
 def meta_outputs(op_schema: OpSchema):
     """Output TensorMeta(s) from the op's meta kernel, or None when it has none."""
-
-    def empty(spec: DTensorSpec):
-        m = spec.tensor_meta
-        return torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device="meta")
-
     try:
-        args = tree_map_only(DTensorSpec, empty, op_schema.args_schema)
-        kwargs = tree_map_only(DTensorSpec, empty, op_schema.kwargs_schema)
+        args = tuple(_on_meta(a) for a in op_schema.args_schema)
+        kwargs = {k: _on_meta(v) for k, v in op_schema.kwargs_schema.items()}
         return _meta_of(op_schema.op(*args, **kwargs))
     except Exception:  # no meta kernel, data-dependent output, ...: PyTorch's path decides
         return None
@@ -222,6 +227,28 @@ def _expand(op_schema: OpSchema, dtype):
     return TensorMeta(torch.Size(shape), tuple(stride), dtype)
 
 
+def _slice(op_schema: OpSchema, dtype):
+    """slice(dim, start, end, step) is a view: the dim's size is its clamped range's length over
+    step and its stride times step (``at::native::slice``); other dims unchanged."""
+    x = op_schema.args_schema[0].tensor_meta
+    dim, start, end, step = (list(op_schema.args_schema[1:]) + [0, None, None, 1][len(op_schema.args_schema) - 1:])[:4]
+    ndim = len(x.shape)
+    if op_schema.kwargs_schema or ndim == 0 or not -ndim <= dim < ndim or step is None or step <= 0:
+        return None
+    dim %= ndim
+    size = x.shape[dim]
+    start = 0 if start is None else start
+    end = size if end is None else end
+    start = start + size if start < 0 else start
+    end = end + size if end < 0 else end
+    start = min(max(start, 0), size)
+    end = min(max(end, start), size)
+    shape, stride = list(x.shape), list(x.stride)
+    shape[dim] = (end - start + step - 1) // step
+    stride[dim] *= step
+    return TensorMeta(torch.Size(shape), tuple(stride), dtype)
+
+
 def _same_as_first(op_schema: OpSchema, dtype):
     """detach / alias return a view with the input's sizes and strides; clone (preserve format) of a
     contiguous tensor and the softmax kernels of a contiguous input return a contiguous tensor."""
@@ -266,6 +293,7 @@ _RULES = {
     aten.view_copy.default: _view,
     aten.reshape.default: _view,
     aten.expand.default: _expand,
+    aten.slice.Tensor: _slice,
     aten.mm.default: _matmul,
     aten.bmm.default: _matmul,
     aten.transpose.int: _transpose,
