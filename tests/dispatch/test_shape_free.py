@@ -207,6 +207,20 @@ def _meta_cases(mesh):
     t = s((4, 8, 6), (48, 1, 8))  # a transposed (4, 6, 8)
     cases += [(aten.add.Tensor, (t, t)), (aten.mul.Tensor, (t, s((4, 8, 6)))), (aten.neg.default, (t,)),
               (aten.silu.default, (t,)), (aten.mul.Tensor, (t, s((8, 1))))]
+    # rotary embedding: heads-first views of (batch, seq, heads, dim), their halves, broadcast cos/sin
+    q = s((2, 4, 6, 8), (192, 8, 32, 1))
+    half = s((2, 4, 6, 4), (192, 8, 32, 1))
+    back = s((2, 4, 6, 8), (192, 48, 1, 6))  # a transposed gradient
+    for x in (q, half, back):
+        n = x.tensor_meta.shape[-1]
+        cases += [(aten.mul.Tensor, (x, s((1, 1, 6, n)))), (aten.neg.default, (x,)), (aten.mul.Tensor, (s((1, 1, 6, n)), x)),
+                  (aten.add.Tensor, (x, s(tuple(x.tensor_meta.shape)))), (aten.div.Scalar, (x, 3)),
+                  (aten.mul.Tensor, (x, s((2, 4, 6, 1)))), (aten.mul.Tensor, (x, s((), dtype=torch.float32)))]
+    cases += [(aten.add.Tensor, (q, back)), (aten.div.Scalar, (s((4, 6, 8), (6, 1, 0)), 8)), (aten.neg.default, (s((4, 1, 8), (8, 64, 1)),))]
+    odd = s((4, 1, 8), (8, 64, 1))  # contiguous, with an unusual stride on its size-1 dim
+    cases += [(aten.add.Tensor, (odd, odd)), (aten.add.Tensor, (odd, s((4, 1, 8)))), (aten.mul.Tensor, (odd, s((4, 6, 8)))),
+              (aten.mul.Tensor, (s((4, 6, 8), (1, 4, 24)), s((4, 6, 8), (1, 4, 24)))), (aten.exp.default, (s((4, 6, 8), (1, 4, 24)),)),
+              (aten.mul.Tensor, (s((4, 6, 8), (1, 4, 24)), s((6, 8))))]
     cases += [(aten.mm.default, (s((6, 8)), s((8, 5)))), (aten.mm.default, (s((6, 8)), s((8, 5), (1, 8)))),
               (aten.bmm.default, (s((3, 6, 8)), s((3, 8, 5)))), (aten.t.default, (s((6, 8)),)), (aten.t.default, (s((6,)),)),
               (aten.transpose.int, (s((4, 6, 8)), 1, 2)), (aten.transpose.int, (t, -1, 0))]
@@ -251,3 +265,36 @@ def test_a_view_of_a_contiguous_tensor_is_contiguous(shape, new):
     """What ``metas._view`` assumes, checked on PyTorch's own view kernel (size-1 dims included)."""
     y = torch.empty(shape, device="meta").view(new)
     assert y.is_contiguous() and y.stride() == torch.empty(y.shape).stride()
+
+
+def test_elementwise_metadata_equals_fake_tensor_on_random_layouts(mesh):
+    """Seeded random layouts (permuted, sliced, size-1 and broadcast dims) of unary, binary and
+    ternary elementwise ops: the arithmetic answer equals PyTorch's FakeTensor run every time it
+    answers at all (size-1 output dims, where PyTorch's own paths disagree, never are)."""
+    import random
+
+    prop = DTensor._op_dispatcher.sharding_propagator
+    rng = random.Random(0)
+
+    def layout(shape, dtype=torch.float32):
+        base = torch.empty([n * rng.choice((1, 1, 2)) for n in shape], device="meta")
+        x = base[tuple(slice(None, n) for n in shape)]
+        perm = list(range(len(shape)))
+        rng.shuffle(perm)
+        x = x.permute(perm).contiguous().permute([perm.index(i) for i in range(len(shape))]) if rng.random() < 0.5 else x
+        return _spec(mesh, tuple(x.shape), tuple(x.stride()), dtype)
+
+    answered = 0
+    for _ in range(600):
+        shape = tuple(rng.choice((1, 2, 3, 5)) for _ in range(rng.randint(1, 4)))
+        other = tuple(n if rng.random() < 0.7 else 1 for n in shape)[rng.randint(0, len(shape) - 1):]
+        op, args = rng.choice([(aten.neg.default, (layout(shape),)), (aten.add.Tensor, (layout(shape), layout(other))),
+                               (aten.mul.Tensor, (layout(other), layout(shape))), (aten.add.Tensor, (layout(shape), layout(shape))),
+                               (aten.mul.Tensor, (layout(shape), _spec(mesh, ()))), (aten.where.self, (layout(other, torch.bool), layout(shape), layout(shape)))])
+        schema = OpSchema(op, args, {})
+        theirs = prop._propagate_tensor_meta_non_cached(schema)
+        ours = fast_outputs(schema, theirs.dtype)
+        if ours is not None:
+            answered += 1
+            assert (tuple(ours.shape), tuple(ours.stride)) == (tuple(theirs.shape), tuple(theirs.stride)), f"{op} {args}"
+    assert answered >= 150, f"only {answered} of 600 answered"

@@ -120,30 +120,29 @@ def _tensor_metas(op_schema: OpSchema) -> list | None:
 
 
 def _elementwise(op_schema: OpSchema, dtype):
-    """Inputs of one shape with the same dense strides give an output with those strides; otherwise
-    an out-of-place elementwise op on contiguous inputs returns a contiguous tensor of the
-    broadcast shape: TensorIterator keeps its fast contiguous setup when all inputs have the output's
-    shape, and otherwise orders output dims by the inputs' strides, which for contiguous inputs
-    never reorder two dims of size > 1 (broadcast dims have stride 0 and are skipped); only an
-    output dim of size 1 could then land elsewhere, so that case is left to the meta kernel."""
+    """An out-of-place elementwise op's output, where every path PyTorch may take to it (the C++
+    TensorIterator meta, the Python reference's ``compute_elementwise_output_strides``, FakeTensor's
+    fast elementwise impl) agrees, which needs an output without size-1 dims (their strides are
+    where those paths differ): canonical contiguous inputs give a contiguous output (contiguous
+    strides never reorder two dims of size > 1; broadcast dims have stride 0 and are skipped), and
+    inputs of the output's shape with the same dense strides keep them (all strides distinct, so
+    no tie to break). Anything else: None, and the caller runs the meta kernel."""
     if op_schema.is_inplace_op() or op_schema.is_out_variant_op():
         return None
     metas = _tensor_metas(op_schema)
     if not metas:
         return None
-    first = metas[0]
-    if not _contiguous(first) and all(tuple(m.shape) == tuple(first.shape) and tuple(m.stride) == tuple(first.stride)
-                                      for m in metas) and _non_overlapping_and_dense(first):
-        # TensorIterator's NON_OVERLAPPING_DENSE fast setup: same shapes and strides, kept
-        return TensorMeta(first.shape, tuple(first.stride), dtype)
-    if not all(_contiguous(m) for m in metas):
-        return None
     shape = _broadcast([m.shape for m in metas])
-    if shape is None or 0 in shape:
+    if shape is None or 0 in shape or 1 in shape:
         return None
-    if 1 in shape and any(tuple(m.shape) != shape for m in metas):
-        return None
-    return TensorMeta(torch.Size(shape), contiguous_strides(shape), dtype)
+    if all(_contiguous(m) for m in metas):
+        return TensorMeta(torch.Size(shape), contiguous_strides(shape), dtype)
+    first = metas[0]
+    if all(tuple(m.shape) == shape and tuple(m.stride) == tuple(first.stride) for m in metas) and (
+        _non_overlapping_and_dense(first)
+    ):
+        return TensorMeta(first.shape, tuple(first.stride), dtype)
+    return None
 
 
 def _fresh(shape, dtype) -> TensorMeta:
