@@ -298,3 +298,21 @@ def test_elementwise_metadata_equals_fake_tensor_on_random_layouts(mesh):
             answered += 1
             assert (tuple(ours.shape), tuple(ours.stride)) == (tuple(theirs.shape), tuple(theirs.stride)), f"{op} {args}"
     assert answered >= 150, f"only {answered} of 600 answered"
+
+
+def test_a_replayed_spec_is_what_dtensorspecs_constructor_makes(mesh):
+    """Hits copy a constructor-made template's fields instead of constructing (the shard order is
+    derived from the placements alone); the copy must equal a constructed spec field for field."""
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from vescale.dispatch.cache import _with_metas
+
+    learned = TensorMeta(torch.Size([8, 6, 4]), (24, 4, 1), torch.float32)
+    now = TensorMeta(torch.Size([8, 10, 4]), (40, 4, 1), torch.float32)
+    for placements in [(Shard(0), Shard(1)), (Replicate(), Partial()), (Shard(0), _StridedShard(0, split_factor=2)), (Shard(1), Shard(1))]:
+        template = _with_metas(DTensorSpec(mesh, placements, tensor_meta=learned), learned, mesh)
+        copied = _with_metas(template, now, mesh, built=True)
+        built = DTensorSpec(mesh, placements, tensor_meta=now, use_strided_shard_as_shard_order=template.use_strided_shard_as_shard_order)
+        assert {k: v for k, v in vars(copied).items() if k != "_hash"} == {k: v for k, v in vars(built).items() if k != "_hash"}
+        assert copied == built and hash(copied) == hash(built) and copied.mesh is mesh

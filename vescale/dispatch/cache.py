@@ -177,20 +177,44 @@ def _output_metas(spec):
     return tuple(None if s is None else s.tensor_meta for s in spec)  # None marks a masked-off output
 
 
-def _with_metas(template, metas, mesh):
+def _with_metas(template, metas, mesh, built=False):
     """The template's placements with new metadata, on ``mesh``: the op's own mesh object, never
     the one the template was learned on (DeviceMesh equality ignores the rank that built it, so a
-    mesh from another process or simulated rank compares equal but holds other coordinates)."""
+    mesh from another process or simulated rank compares equal but holds other coordinates).
+
+    ``built``: the template came out of ``DTensorSpec``'s constructor with these placements and
+    flag (``_learn`` stores only such templates), so the new spec is that spec's fields with the
+    mesh and metadata replaced. The constructor would derive the same shard order again (from the
+    placements alone) at ~15 us a spec, several per hit."""
 
     def one(spec, meta):
         if spec is None:
             return None
+        if built:
+            new = object.__new__(DTensorSpec)
+            new.__dict__.update(spec.__dict__)
+            new.__dict__.update(mesh=mesh, tensor_meta=meta, _hash=None)
+            return new
         return DTensorSpec(mesh, spec.placements, tensor_meta=meta,
                            use_strided_shard_as_shard_order=spec.use_strided_shard_as_shard_order)
 
     if isinstance(template, DTensorSpec):
         return one(template, metas)
     return tuple(one(s, m) for s, m in zip(template, metas))
+
+
+def _same_decision(a: OutputSharding, b: OutputSharding) -> bool:
+    return (a.output_spec == b.output_spec and a.redistribute_schema == b.redistribute_schema
+            and a.needs_redistribute == b.needs_redistribute
+            and a.use_val_from_redistribute_schema == b.use_val_from_redistribute_schema)
+
+
+def _built_targets(replayed: OutputSharding, op_schema: OpSchema):
+    """The input specs a replay built (the redistribution's), or the inputs themselves where it
+    built none (a view whose size arguments alone were rewritten): constructor-made either way."""
+    if replayed.redistribute_schema is None:
+        return op_schema.args_spec
+    return replayed.redistribute_schema.args_spec
 
 
 def _interleaved_output(spec) -> bool:
@@ -230,7 +254,7 @@ class ShapeFreeCache:
             return None
         return "moved"
 
-    def _replay(self, op_schema: OpSchema, template, targets, dtypes) -> OutputSharding | None:
+    def _replay(self, op_schema: OpSchema, template, targets, dtypes, built=True) -> OutputSharding | None:
         metas = fast_outputs(op_schema, dtypes)
         if metas is None:
             metas = meta_outputs(op_schema)
@@ -241,18 +265,18 @@ class ShapeFreeCache:
         mesh = _mesh_of(op_schema)
         if mesh is None:
             return None
-        spec = _with_metas(template, metas, mesh)
+        spec = _with_metas(template, metas, mesh, built)
         if targets is None:
             return OutputSharding(spec)
-        return self._moved(op_schema, spec, metas, targets, mesh)
+        return self._moved(op_schema, spec, metas, targets, mesh, built)
 
-    def _moved(self, op_schema: OpSchema, spec, metas, targets, mesh) -> OutputSharding | None:
+    def _moved(self, op_schema: OpSchema, spec, metas, targets, mesh, built) -> OutputSharding | None:
         """The tail of PyTorch's ``propagate_op_sharding_non_cached`` for a one-strategy decision:
         inputs redistributed to the learned placements, then size arguments made local."""
         args = op_schema.args_spec
         if len(args) != len(targets):
             return None
-        expected = tuple(_with_metas(t, a.tensor_meta, mesh) for a, t in zip(args, targets))
+        expected = tuple(_with_metas(t, a.tensor_meta, mesh, built) for a, t in zip(args, targets))
         needs = any(a.placements != t.placements for a, t in zip(args, targets))
         suggestion, local_args = None, False
         if needs:
@@ -300,17 +324,18 @@ class ShapeFreeCache:
             return _NEVER
         dtypes = metas.dtype if isinstance(metas, TensorMeta) else tuple(m and m.dtype for m in metas)
         targets = result.redistribute_schema.args_spec if kind == "moved" else None
-        entry = (spec, targets, dtypes)
-        try:
-            replayed = self._replay(op_schema, *entry)
+        try:  # built by DTensorSpec's constructor here, so that hits may copy them
+            replayed = self._replay(op_schema, spec, targets, dtypes, built=False)
         except Exception:
             return _NEVER
-        same = replayed is not None and replayed.output_spec == spec and (
-            replayed.redistribute_schema == result.redistribute_schema
-        ) and replayed.needs_redistribute == result.needs_redistribute and (
-            replayed.use_val_from_redistribute_schema == result.use_val_from_redistribute_schema
-        )
-        return entry if same else _NEVER
+        if replayed is None or not _same_decision(replayed, result):
+            return _NEVER
+        entry = (replayed.output_spec, None if targets is None else _built_targets(replayed, op_schema), dtypes)
+        try:
+            again = self._replay(op_schema, *entry)
+        except Exception:
+            return _NEVER
+        return entry if again is not None and _same_decision(again, result) else _NEVER
 
     def clear(self) -> None:
         self.entries.clear()
