@@ -141,6 +141,29 @@ def test_an_uneven_flatten_is_not_reused(mesh):
         dispatch.install()
 
 
+# --- split (rotary embedding's halves; vescale's interleaved rule passes plain tensors through) ----
+
+
+def test_a_split_learned_at_one_length_is_a_hit_at_another_with_pytorchs_answer(mesh):
+    fn = lambda s: _dt(mesh, (4, s, 8), (Shard(0), Shard(1)), s).split(4, -1)  # noqa: E731
+    ours, hits, misses, theirs = _learn_then_reuse(mesh, fn, 6, 10)
+    assert hits == 1 and misses == 0
+    _same(ours, theirs)
+
+
+def test_a_split_of_the_sharded_dim_is_reused_only_with_as_many_pieces(mesh):
+    """Splitting the sequence-sharded dim gathers it first (PyTorch's rule); the replay carries
+    that redistribution. A length that gives another number of pieces is not served."""
+    fn = lambda s: _dt(mesh, (4, s, 8), (Shard(0), Shard(1)), s).split(4, 1)  # noqa: E731
+    ours, hits, misses, theirs = _learn_then_reuse(mesh, fn, 8, 6)  # 4+4, then 4+2
+    assert hits == 1 and misses == 0
+    assert all(o.placements == (Shard(0), Replicate()) for o in ours)
+    _same(ours, theirs)
+    ours, hits, misses, theirs = _learn_then_reuse(mesh, fn, 8, 12)  # 4+4, then 4+4+4
+    assert hits == 0 and misses == 1 and len(ours) == 3
+    _same(ours, theirs)
+
+
 # --- the loss ops: decisions that redistribute --------------------------------------------------
 
 
@@ -238,6 +261,8 @@ def _meta_cases(mesh):
             cases += [(aten.view.default, (s(shape), list(new))), (aten._unsafe_view.default, (s(shape), list(new)))]
     for args in [(1,), (1, 2), (1, 2, 5), (2, 0, 16, 2), (2, -3, None), (2, None, -1, 3), (0, 5, 9), (-1, -20, 3), (1, 4, 2)]:
         cases += [(aten.slice.Tensor, (s((4, 6, 8)), *args)), (aten.slice.Tensor, (t, *args))]
+    for args in [(4,), (4, -1), (3, 2), (5, 0), (8, 1), (2, -3)]:
+        cases += [(aten.split.Tensor, (s((6, 8, 5)), *args)), (aten.split.Tensor, (t, *args))]
     for shape, new in [((4, 1, 8), [4, 6, 8]), ((1, 8), [3, 5, 8]), ((4, 1, 8), [-1, 6, -1]), ((8,), [2, 8])]:
         cases += [(aten.expand.default, (s(shape), new))]
     return cases

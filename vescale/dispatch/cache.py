@@ -41,12 +41,13 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
 from torch.distributed.tensor._ops import _math_ops
 from torch.distributed.tensor._ops._math_ops import _skip_dim, replicate_reduction_dims
+from torch.distributed.tensor._ops._tensor_ops import split_strategy
 from torch.distributed.tensor._ops._view_ops import dim_maps, propagate_shape_and_sharding
 from torch.distributed.tensor._ops.utils import is_tensor_evenly_shardable
 from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
 from .errors import is_missing_rule, missing_rule_error
-from .interleaved import SIZE_DEPENDENT_OPS
+from .interleaved import _SPLIT_OPS, SIZE_DEPENDENT_OPS, _local_split_args
 from .metas import fast_outputs, meta_outputs
 
 aten = torch.ops.aten
@@ -171,6 +172,18 @@ def _decided_by_key(prop, op) -> bool:
     return op in _VIEW_RULES or any(prop.op_strategy_funcs.get(op) is f for f in _ONE_STRATEGY_RULES)
 
 
+def _plain_split(prop, op_schema: OpSchema) -> bool:
+    """A split of a tensor with no interleaved (``_StridedShard``) placement: vescale's interleaved
+    rule passes it to PyTorch's ``split_strategy`` (one strategy: the split dim unsharded, every
+    piece laid out alike; the number of pieces is checked against the metadata on replay) and
+    vescale's size adjuster returns the schema as it is."""
+    op, spec = op_schema.op, op_schema.args_schema[0]
+    return (op in _SPLIT_OPS and isinstance(spec, DTensorSpec)
+            and getattr(prop.op_strategy_funcs.get(op), "__wrapped__", None) is split_strategy
+            and prop.op_to_scalar_shape_adjuster.get(op) is _local_split_args
+            and not any(isinstance(p, _StridedShard) for p in spec.placements))
+
+
 def _output_metas(spec):
     if isinstance(spec, DTensorSpec):
         return spec.tensor_meta
@@ -244,13 +257,16 @@ class ShapeFreeCache:
         (inputs redistributed to placements the key determines, and/or size arguments rewritten to
         local sizes), or None (never)."""
         prop, op = self.propagator, op_schema.op
-        if op in prop.op_to_scalar_shape_adjuster or op in prop.squeeze_op_to_dims_variant:
+        if op in prop.squeeze_op_to_dims_variant:
+            return None
+        plain_split = _plain_split(prop, op_schema)
+        if op in prop.op_to_scalar_shape_adjuster and not plain_split:
             return None
         if op in SIZE_DEPENDENT_OPS and _interleaved_output(result.output_spec):
             return None  # vescale.dispatch.interleaved's cat rule compares exact section sizes
         if not result.needs_redistribute:
             return "plain" if result.redistribute_schema is None else None
-        if result.redistribute_schema is None or not _decided_by_key(prop, op):
+        if result.redistribute_schema is None or not (plain_split or _decided_by_key(prop, op)):
             return None
         return "moved"
 
@@ -260,7 +276,7 @@ class ShapeFreeCache:
             metas = meta_outputs(op_schema)
         if metas is None:
             return None
-        if isinstance(template, tuple) and (not isinstance(metas, tuple) or len(metas) != len(template)):
+        if isinstance(template, tuple) and (not isinstance(metas, (tuple, list)) or len(metas) != len(template)):
             return None
         mesh = _mesh_of(op_schema)
         if mesh is None:
@@ -287,6 +303,10 @@ class ShapeFreeCache:
             isinstance(p, (Shard, _StridedShard)) for p in spec.placements
         ):
             suggestion = prop._adjust_shape_and_stride_args(metas, suggestion or op_schema, spec)
+            needs = local_args = True
+        adjuster = prop.op_to_scalar_shape_adjuster.get(op_schema.op)  # only a plain split gets here
+        if adjuster is not None and any(isinstance(p, (Shard, _StridedShard)) for e in expected for p in e.placements):
+            suggestion = adjuster(list(expected), suggestion or op_schema)
             needs = local_args = True
         return OutputSharding(spec, suggestion, needs_redistribute=needs, use_val_from_redistribute_schema=local_args)
 

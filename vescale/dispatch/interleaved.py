@@ -39,7 +39,8 @@ _SPLIT_OPS = (aten.split.Tensor, aten.split_with_sizes.default)
 _CAT_OPS = (aten.cat.default,)
 _MATMUL_OPS = (aten.mm.default, aten.bmm.default, aten._grouped_mm.default)
 # Ops whose interleaved decision depends on exact sizes, which a shape-free cache key leaves out
-# (split is never cached: its size argument is rewritten per call).
+# (split of an interleaved tensor is never cached either: its size argument is rewritten per call;
+# cache.py reuses only splits without a _StridedShard placement).
 SIZE_DEPENDENT_OPS = frozenset(_CAT_OPS)
 _LOCK = threading.Lock()
 _SAVED: dict = {}  # op -> PyTorch's strategy function, while installed

@@ -248,6 +248,27 @@ def _slice(op_schema: OpSchema, dtype):
     return TensorMeta(torch.Size(shape), tuple(stride), dtype)
 
 
+def _split(op_schema: OpSchema, dtypes):
+    """split(x, size, dim): pieces of ``size`` (the last one shorter) along dim, each a view with
+    x's strides (``at::native::split``)."""
+    x, size = op_schema.args_schema[0].tensor_meta, op_schema.args_schema[1]
+    dim = op_schema.args_schema[2] if len(op_schema.args_schema) > 2 else 0
+    ndim = len(x.shape)
+    if op_schema.kwargs_schema or not isinstance(size, int) or size <= 0 or not -ndim <= dim < ndim:
+        return None
+    dim %= ndim
+    n = x.shape[dim]
+    lengths = [size] * (n // size) + ([n % size] if n % size else [])
+    if not lengths or len(lengths) != len(dtypes):
+        return None
+    pieces = []
+    for length, dtype in zip(lengths, dtypes):
+        shape = list(x.shape)
+        shape[dim] = length
+        pieces.append(TensorMeta(torch.Size(shape), tuple(x.stride), dtype))
+    return pieces
+
+
 def _same_as_first(op_schema: OpSchema, dtype):
     """detach / alias return a view with the input's sizes and strides; clone (preserve format) of a
     contiguous tensor and the softmax kernels of a contiguous input return a contiguous tensor."""
@@ -316,6 +337,8 @@ def fast_outputs(op_schema: OpSchema, dtypes):
     try:
         if op is aten.nll_loss_forward.default:
             return _nll_loss_forward(op_schema, dtypes) if isinstance(dtypes, tuple) and len(dtypes) == 2 else None
+        if op is aten.split.Tensor:
+            return _split(op_schema, dtypes) if isinstance(dtypes, tuple) else None
         if isinstance(dtypes, tuple):
             return None
         rule = _RULES.get(op)
