@@ -283,6 +283,9 @@ def test_arithmetic_output_metadata_equals_fake_tensor_propagation(mesh):
         for a, b in zip(outs, refs):
             assert (tuple(a.shape), tuple(a.stride), a.dtype) == (tuple(b.shape), tuple(b.stride), b.dtype), f"{op} {args}"
     assert known >= 100, f"only {known} cases took the arithmetic path"
+    x = _spec(mesh, (4, 6, 8))
+    for op in (aten.add_.Tensor, aten.mul_.Tensor):  # the result is the argument, laid out as it is
+        assert fast_outputs(OpSchema(op, (x, x), {}), torch.float32) is None
 
 
 @pytest.mark.parametrize("shape,new", list(itertools.product([(4, 6, 8), (4, 1, 8), (1, 6, 1, 8)], [(-1,), (2, -1), (-1, 1, 4)])))

@@ -29,8 +29,11 @@ aten = torch.ops.aten
 
 
 def _is_elementwise(op) -> bool:
-    # PyTorch's own mark for TensorIterator elementwise ops (DTensor's pointwise rules use it too)
-    return torch.Tag.pointwise in op.tags
+    """PyTorch's own mark for TensorIterator elementwise ops (DTensor's pointwise rules use it too);
+    in-place and out= variants excluded (their output is an argument, laid out as it is)."""
+    schema = op._schema
+    return (torch.Tag.pointwise in op.tags and not schema.is_mutable
+            and not any(a.is_out for a in schema.arguments))
 
 
 def _meta_of(x):
@@ -127,8 +130,6 @@ def _elementwise(op_schema: OpSchema, dtype):
     strides never reorder two dims of size > 1; broadcast dims have stride 0 and are skipped), and
     inputs of the output's shape with the same dense strides keep them (all strides distinct, so
     no tie to break). Anything else: None, and the caller runs the meta kernel."""
-    if op_schema.is_inplace_op() or op_schema.is_out_variant_op():
-        return None
     metas = _tensor_metas(op_schema)
     if not metas:
         return None
@@ -329,6 +330,18 @@ _RULES = {
 }
 
 
+_RULE_OF: dict = {}  # op -> its rule here, or None: decided once per op
+
+
+def _rule_of(op):
+    try:
+        return _RULE_OF[op]
+    except KeyError:
+        rule = _RULES.get(op) or (_elementwise if _is_elementwise(op) else None)
+        _RULE_OF[op] = rule
+        return rule
+
+
 def fast_outputs(op_schema: OpSchema, dtypes):
     """Output TensorMeta(s) by arithmetic, or None where this module does not know them for certain.
     ``dtypes``: the output dtype (a tuple of them for a tuple-returning op) PyTorch gave this op for
@@ -341,11 +354,7 @@ def fast_outputs(op_schema: OpSchema, dtypes):
             return _split(op_schema, dtypes) if isinstance(dtypes, tuple) else None
         if isinstance(dtypes, tuple):
             return None
-        rule = _RULES.get(op)
-        if rule is not None:
-            return rule(op_schema, dtypes)
-        if _is_elementwise(op):
-            return _elementwise(op_schema, dtypes)
+        rule = _rule_of(op)
+        return None if rule is None else rule(op_schema, dtypes)
     except (AttributeError, IndexError, TypeError):  # an argument of an unexpected kind
         return None
-    return None
