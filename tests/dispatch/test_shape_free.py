@@ -26,7 +26,7 @@ from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 import vescale
 from vescale import dispatch
 from vescale.dispatch.cache import _key
-from vescale.dispatch.metas import fast_outputs
+from vescale.dispatch.metas import fast_outputs, miss_outputs
 from vescale.testing import forget_dtensor_caches
 
 aten = torch.ops.aten
@@ -273,7 +273,7 @@ def test_arithmetic_output_metadata_equals_fake_tensor_propagation(mesh):
     known = 0
     for op, args in _meta_cases(mesh):
         schema = OpSchema(op, args, {})
-        theirs = prop._propagate_tensor_meta_non_cached(schema)  # PyTorch's FakeTensor run
+        theirs = type(prop)._propagate_tensor_meta_non_cached(prop, schema)  # PyTorch's FakeTensor run
         dtypes = theirs.dtype if isinstance(theirs, TensorMeta) else tuple(m.dtype for m in theirs)
         ours = fast_outputs(schema, dtypes)
         if ours is None:
@@ -320,7 +320,7 @@ def test_elementwise_metadata_equals_fake_tensor_on_random_layouts(mesh):
                                (aten.mul.Tensor, (layout(other), layout(shape))), (aten.add.Tensor, (layout(shape), layout(shape))),
                                (aten.mul.Tensor, (layout(shape), _spec(mesh, ()))), (aten.where.self, (layout(other, torch.bool), layout(shape), layout(shape)))])
         schema = OpSchema(op, args, {})
-        theirs = prop._propagate_tensor_meta_non_cached(schema)
+        theirs = type(prop)._propagate_tensor_meta_non_cached(prop, schema)
         ours = fast_outputs(schema, theirs.dtype)
         if ours is not None:
             answered += 1
@@ -344,3 +344,21 @@ def test_a_replayed_spec_is_what_dtensorspecs_constructor_makes(mesh):
         built = DTensorSpec(mesh, placements, tensor_meta=now, use_strided_shard_as_shard_order=template.use_strided_shard_as_shard_order)
         assert {k: v for k, v in vars(copied).items() if k != "_hash"} == {k: v for k, v in vars(built).items() if k != "_hash"}
         assert copied == built and hash(copied) == hash(built) and copied.mesh is mesh
+
+
+def test_miss_path_metadata_for_mm_and_embedding_equals_fake_tensor_propagation(mesh):
+    """A miss of a new length skips the FakeTensor run for mm and embedding (metas.miss_outputs);
+    every answer must be PyTorch's, and mixed dtypes are left to PyTorch (which refuses them)."""
+    prop = DTensor._op_dispatcher.sharding_propagator
+    s = lambda *a, **k: _spec(mesh, *a, **k)  # noqa: E731
+    ids = lambda shape, dtype=torch.int64: s(shape, dtype=dtype)  # noqa: E731
+    cases = [(aten.mm.default, (s((6, 8)), s((8, 5)))), (aten.mm.default, (s((6, 8), (1, 6)), s((8, 5), (1, 8)))),
+             (aten.bmm.default, (s((3, 6, 8)), s((3, 8, 5)))), (aten.mm.default, (s((6, 8), dtype=torch.bfloat16), s((8, 5), dtype=torch.bfloat16))),
+             (aten.embedding.default, (s((16, 4)), ids((2, 6)))), (aten.embedding.default, (s((16, 4)), ids((7,), torch.int32))),
+             (aten.embedding.default, (s((16, 4), (1, 16)), ids((2, 3, 5)))), (aten.embedding.default, (s((16, 4), dtype=torch.bfloat16), ids((2, 6))))]
+    for op, args in cases:
+        schema = OpSchema(op, args, {})
+        ours, theirs = miss_outputs(schema), type(prop)._propagate_tensor_meta_non_cached(prop, schema)
+        assert ours is not None, f"{op} {args}"
+        assert (tuple(ours.shape), tuple(ours.stride), ours.dtype) == (tuple(theirs.shape), tuple(theirs.stride), theirs.dtype)
+    assert miss_outputs(OpSchema(aten.mm.default, (s((6, 8)), s((8, 5), dtype=torch.float64)), {})) is None

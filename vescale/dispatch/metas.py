@@ -23,7 +23,7 @@ import torch
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema
 
-__all__ = ["meta_outputs", "fast_outputs", "contiguous_strides"]
+__all__ = ["meta_outputs", "fast_outputs", "miss_outputs", "contiguous_strides"]
 
 aten = torch.ops.aten
 
@@ -358,3 +358,21 @@ def fast_outputs(op_schema: OpSchema, dtypes):
         return None if rule is None else rule(op_schema, dtypes)
     except (AttributeError, IndexError, TypeError):  # an argument of an unexpected kind
         return None
+
+
+def miss_outputs(op_schema: OpSchema):
+    """What PyTorch's miss path learns from its FakeTensor run, where that is arithmetic and the
+    dtype certain without a learned answer: ``mm``/``bmm`` of operands of one dtype (a fresh
+    contiguous result of that dtype) and ``embedding`` of a 2-D weight by integer indices (the rows
+    gathered into a fresh contiguous tensor, shaped ``indices.shape + (dim,)``, the weight's dtype).
+    None for anything else (the FakeTensor run decides)."""
+    op, args = op_schema.op, op_schema.args_schema
+    if op_schema.kwargs_schema or len(args) < 2 or not all(isinstance(a, DTensorSpec) for a in args[:2]):
+        return None
+    a, b = args[0].tensor_meta, args[1].tensor_meta
+    if op in (aten.mm.default, aten.bmm.default) and len(args) == 2 and a.dtype == b.dtype:
+        return _matmul(op_schema, a.dtype)
+    if (op is aten.embedding.default and len(a.shape) == 2 and len(b.shape) >= 1
+            and b.dtype in (torch.int64, torch.int32)):
+        return _fresh((*b.shape, a.shape[1]), a.dtype)
+    return None
