@@ -230,7 +230,8 @@ def _built_targets(replayed: OutputSharding, op_schema: OpSchema):
     return replayed.redistribute_schema.args_spec
 
 
-def _interleaved_output(spec) -> bool:
+def _any_interleaved(spec) -> bool:
+    """Whether the spec (or any of a tuple of them) has an interleaved (``_StridedShard``) placement."""
     specs = spec if isinstance(spec, tuple) else (spec,)
     return any(isinstance(p, _StridedShard) for s in specs if s is not None for p in s.placements)
 
@@ -262,8 +263,8 @@ class ShapeFreeCache:
         plain_split = _plain_split(prop, op_schema)
         if op in prop.op_to_scalar_shape_adjuster and not plain_split:
             return None
-        if op in SIZE_DEPENDENT_OPS and _interleaved_output(result.output_spec):
-            return None  # vescale.dispatch.interleaved's cat rule compares exact section sizes
+        if op in SIZE_DEPENDENT_OPS and (_any_interleaved(result.output_spec) or _any_interleaved(op_schema.args_spec)):
+            return None  # vescale.dispatch.interleaved's cat and _grouped_mm rules read exact sizes
         if not result.needs_redistribute:
             return "plain" if result.redistribute_schema is None else None
         if result.redistribute_schema is None or not (plain_split or _decided_by_key(prop, op)):
