@@ -37,6 +37,7 @@ def mesh():
     if dist.is_initialized():
         dist.destroy_process_group()
     dist.init_process_group("fake", rank=0, world_size=4)
+    dispatch.install()  # every test here runs with the shape-free cache unless it says otherwise
     try:
         yield vescale.init_mesh((2, 2), ("DP", "TP"))
     finally:
@@ -60,6 +61,7 @@ def _same(ours, theirs):
     for a, b in zip(outs, refs):
         assert a.placements == b.placements, f"placements {a.placements} vs PyTorch's {b.placements}"
         assert a.shape == b.shape and a.stride() == b.stride(), f"{a.shape}/{a.stride()} vs {b.shape}/{b.stride()}"
+        assert a._spec.tensor_meta == b._spec.tensor_meta, f"{a._spec.tensor_meta} vs PyTorch's {b._spec.tensor_meta}"
         assert a._local_tensor.shape == b._local_tensor.shape and a._local_tensor.stride() == b._local_tensor.stride()
         assert torch.equal(a._local_tensor, b._local_tensor)
 
@@ -379,3 +381,22 @@ def test_an_interleaved_grouped_mm_decision_is_never_reused(mesh):
     for weight, kind in [((Replicate(), InterleavedShard(2, 2)), None), ((Replicate(), Replicate()), "plain")]:
         b = DTensorSpec(mesh, weight, tensor_meta=meta(4, 8, 16))
         assert cache._kind(OpSchema(aten._grouped_mm.default, (a, b, offs), {}), out) == kind
+
+
+def test_a_scalar_of_another_type_is_another_key(mesh):
+    """Hits take the output dtype from the learned answer; ``x ** 2`` and ``x ** 2.0`` on an integer
+    tensor (``pow.Tensor_Scalar``; 2 == 2.0 as Python values) give different dtypes, so they must
+    not share a key."""
+    x = lambda n: _dt(mesh, (n, 8), (Shard(0), Replicate()), n, dtype=torch.int64)  # noqa: E731
+    forget_dtensor_caches()
+    assert (x(6) ** 2).dtype == torch.int64
+    _clear_sharding_prop_cache()
+    ours = x(10) ** 2.0
+    dispatch.uninstall()
+    forget_dtensor_caches()
+    try:
+        theirs = x(10) ** 2.0
+    finally:
+        dispatch.install()
+    assert ours._spec.tensor_meta.dtype == theirs._spec.tensor_meta.dtype == torch.float32
+    _same(ours, theirs)

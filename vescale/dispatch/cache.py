@@ -109,6 +109,10 @@ def _arg_key(a):
         return tuple(_arg_key(x) for x in a)
     if isinstance(a, torch.Tensor):  # a plain tensor argument (rare): never shape-free
         raise TypeError
+    if isinstance(a, (bool, int, float, complex)):
+        # 2 == 2.0 == True as keys, but an int tensor times 2.0 is a float tensor: the type decides
+        # the output dtype, which hits take from the learned answer
+        return (type(a), a)
     hash(a)  # raises TypeError for unhashable values: such a schema is not cached
     return a
 
