@@ -7,7 +7,7 @@ placement decision does not depend on sizes at all: if the inputs already sit in
 sharding rules, the op runs on the local shards as they are, whatever their length.
 
 ``ShapeFreeCache`` sits in front of PyTorch's miss path. Its key keeps what can change the decision:
-the op, every non-tensor argument, and per tensor its mesh, placements, dtype, rank, which dims have
+the op, every non-tensor argument (a Python scalar with its type), and per tensor its mesh, placements, dtype, rank, which dims have
 size 0 or 1 (broadcasting) and, per sharded dim, whether the mesh divides it and gives every rank a
 piece (PyTorch's ``is_tensor_evenly_shardable`` / ``is_tensor_shardable`` tests). Three kinds of
 decision are reused:

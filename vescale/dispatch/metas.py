@@ -6,12 +6,16 @@ often, on every hit of a new sequence length, so they take it from here:
 
 * ``meta_outputs``: the op's own meta kernel on meta-device tensors (any op that has one);
 * ``fast_outputs``: arithmetic for the op kinds a transformer step is made of, only where the result
-  is certain from the input metadata: elementwise ops on contiguous inputs (TensorIterator gives a
-  contiguous result then, see ``_elementwise``), ``mm``/``bmm`` (always a fresh contiguous tensor),
-  ``transpose``/``t`` (sizes and strides swapped), ``detach``/``alias``, ``clone`` and the softmax /
+  is certain from the input metadata: elementwise ops whose output has no size-1 dim, on contiguous
+  inputs or inputs with one dense layout (see ``_elementwise``), ``mm``/``bmm`` (always a fresh
+  contiguous tensor), views and reshapes of contiguous tensors, ``expand``, ``slice``, ``split``,
+  ``transpose``/``t`` (sizes and strides moved), ``detach``/``alias``, ``clone`` and the softmax /
   NLL-loss kernels of contiguous inputs. Anything else returns None and the caller runs the meta
-  kernel. Output dtypes are not derived: callers pass the dtype(s) PyTorch gave for the same op and
-  input dtypes (promotion depends only on those and the scalar arguments, which cache keys keep).
+  kernel. Output dtypes are not derived: callers pass the dtype(s) PyTorch gave for the same op,
+  input dtypes and scalar arguments (promotion depends only on those, which cache keys keep, a
+  Python scalar with its type);
+* ``miss_outputs``: the same for PyTorch's own miss path where the dtype needs no learned answer
+  (``mm``/``bmm`` of one dtype, ``embedding``), in place of its FakeTensor run.
 
 The meta kernels of elementwise and loss ops are Python references in PyTorch 2.13 (0.3-2 ms each on
 this project's CI machine), which made a cache hit cost nearly as much as the miss it replaced.
