@@ -5,6 +5,8 @@
 * ``search``: cheap sharding-propagation misses on N-D meshes (match the inputs as they are before
   any search; PyTorch's priority-queue search before its exhaustive expansion).
 * ``cache``: a sharding cache keyed without sizes, so a new sequence length is a hit.
+* ``metas``: output metadata by arithmetic where certain, for cache hits and for misses of ``mm`` /
+  ``embedding`` (no FakeTensor run).
 * ``interleaved``: ``split`` of an ``InterleavedShard`` tensor into its sections (and the reverse
   ``cat``) on the local shards.
 * ``optim``: stock ``torch.optim`` steps on DTensor parameters run on their local shards.

@@ -6,22 +6,30 @@ FakeTensor run per op to learn output shapes, ~1-3 ms, then the strategy). For m
 placement decision does not depend on sizes at all: if the inputs already sit in one of the op's
 sharding rules, the op runs on the local shards as they are, whatever their length.
 
-``ShapeFreeCache`` sits in front of PyTorch's miss path. It remembers decisions that needed no
-redistribution and no rewriting of shape arguments, under a key that keeps what can change the
-decision: the op, every non-tensor argument, and per tensor its mesh, placements, dtype, rank and
-which dims have size 0 or 1 (broadcasting). On a hit only the output metadata is recomputed, by
-running the op on meta-device tensors (tens of microseconds instead of a FakeTensor run).
+``ShapeFreeCache`` sits in front of PyTorch's miss path. Its key keeps what can change the decision:
+the op, every non-tensor argument (a Python scalar with its type), and per tensor its mesh, placements, dtype, rank, which dims have
+size 0 or 1 (broadcasting) and, per sharded dim, whether the mesh divides it and gives every rank a
+piece (PyTorch's ``is_tensor_evenly_shardable`` / ``is_tensor_shardable`` tests). Three kinds of
+decision are reused:
 
-View-like ops (view, _unsafe_view, reshape, expand) carry sizes in their arguments, and DTensor
-rewrites those to local sizes. Their key replaces the size argument by PyTorch's own dim-mapping rule
-(``_view_ops.dim_maps``: which input dims are kept, split, flattened or broadcast) and keeps the exact
-size of every input dim the rule does more with than pass through; a hit re-derives the local size
-arguments with PyTorch's ``_adjust_shape_and_stride_args``.
+* "plain": no redistribution and no argument rewriting; any op.
+* view-like ops (view, _unsafe_view, reshape, expand): the key holds the decision PyTorch's own view
+  rule makes at these sizes (``propagate_shape_and_sharding`` over ``dim_maps``), computed on every
+  call (pure Python, microseconds), instead of the sizes. Flattening or splitting a dim whose size
+  changed is a hit when the decision is the same; an uneven split or a new ``_StridedShard`` split
+  factor is a different decision, so a different key. The local size arguments are re-derived with
+  PyTorch's ``_adjust_shape_and_stride_args``, inputs moved as the decision says.
+* ops whose PyTorch rule returns a single strategy derived from placements alone (softmax and its
+  backward, nll_loss forward and backward: ``_ONE_STRATEGY_RULES``): their redistributions (gather
+  the vocabulary dim, replicate a Partial gradient) are replayed with the new sizes.
 
-Every key is verified once: the first time it is seen, the fast answer is computed beside PyTorch's
-full one and the key is served only if the two are equal (output specs, metadata and rewritten
-arguments). Ops that redistribute their inputs, squeeze and data-dependent ops always go to PyTorch.
+On a hit the output metadata comes from ``metas.py`` (arithmetic where certain, else the op's meta
+kernel), not from a FakeTensor run. Every key is verified once: the first time it is seen, the fast
+answer is computed beside PyTorch's full one and the key is served only if the two are equal
+(output specs, metadata, redistribution and rewritten arguments). Decisions of the cost-based search
+(``search.py``) that move inputs, squeeze and data-dependent ops always go to PyTorch.
 """
+
 
 from __future__ import annotations
 
@@ -31,13 +39,16 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
-from torch.distributed.tensor._ops._view_ops import InputDim, dim_maps
-from torch.distributed.tensor.placement_types import _StridedShard
-
-from .interleaved import SIZE_DEPENDENT_OPS
-from torch.utils._pytree import tree_map_only
+from torch.distributed.tensor._ops import _math_ops
+from torch.distributed.tensor._ops._math_ops import _skip_dim, replicate_reduction_dims
+from torch.distributed.tensor._ops._tensor_ops import split_strategy
+from torch.distributed.tensor._ops._view_ops import dim_maps, propagate_shape_and_sharding
+from torch.distributed.tensor._ops.utils import is_tensor_evenly_shardable
+from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
 from .errors import is_missing_rule, missing_rule_error
+from .interleaved import _SPLIT_OPS, SIZE_DEPENDENT_OPS, _local_split_args
+from .metas import fast_outputs, meta_outputs
 
 aten = torch.ops.aten
 # View-like ops and the function whose dim-mapping rule PyTorch uses for them.
@@ -73,27 +84,64 @@ def _size_class(n: int) -> int:
     return n if n < 2 else 2  # 0 and 1 change broadcasting and shardability; larger sizes do not
 
 
+def _shard_fit(spec: DTensorSpec) -> tuple:
+    """Per sharded tensor dim: whether the mesh divides it and whether every rank gets a piece.
+    PyTorch's rules test exactly these (``is_tensor_evenly_shardable``, ``is_tensor_shardable``);
+    e.g. nll_loss's mean refuses an uneven split, and strategies that would leave a rank empty are
+    dropped. A ``_StridedShard`` dim keeps its exact size (its tests involve the split factor)."""
+    shards: dict = {}
+    fit = []
+    shape = spec.tensor_meta.shape
+    for mesh_size, p in zip(spec.mesh.shape, spec.placements):
+        if isinstance(p, _StridedShard):
+            fit.append((p.dim, shape[p.dim]))
+        elif isinstance(p, Shard):
+            shards[p.dim] = shards.get(p.dim, 1) * mesh_size
+    fit.extend((d, shape[d] % n == 0, shape[d] >= n) for d, n in sorted(shards.items()) if d < len(shape))
+    return tuple(fit)
+
+
 def _arg_key(a):
     if isinstance(a, DTensorSpec):
         meta = a.tensor_meta
-        return ("T", a.mesh, a.placements, meta.dtype, tuple(_size_class(n) for n in meta.shape))
+        return ("T", a.mesh, a.placements, meta.dtype, tuple(_size_class(n) for n in meta.shape), _shard_fit(a))
     if isinstance(a, (list, tuple)):
         return tuple(_arg_key(x) for x in a)
     if isinstance(a, torch.Tensor):  # a plain tensor argument (rare): never shape-free
         raise TypeError
+    if isinstance(a, (bool, int, float, complex)):
+        # 2 == 2.0 == True as keys, but an int tensor times 2.0 is a float tensor: the type decides
+        # the output dtype, which hits take from the learned answer
+        return (type(a), a)
     hash(a)  # raises TypeError for unhashable values: such a schema is not cached
     return a
 
 
 def _view_key(op_schema: OpSchema):
-    """(input spec with pass-through dims abstracted, the dim-mapping rule) for a view-like op."""
+    """A view-like op's key: its input placements and the decision PyTorch's own rule makes for
+    them at these sizes (``propagate_shape_and_sharding`` over the ``dim_maps`` rule: which input
+    dims stay sharded and where their shards land in the output). Computing that decision is plain
+    Python on placements and sizes, microseconds; what a miss costs is everything around it."""
     spec, *rest = op_schema.args_schema
     if not isinstance(spec, DTensorSpec) or op_schema.kwargs_schema:
         raise TypeError
     rule = dim_maps[_VIEW_RULES[op_schema.op]](spec, *rest)
-    passed = {r.input_dim for r in rule if type(r) is InputDim}
-    sizes = tuple(_size_class(n) if d in passed else n for d, n in enumerate(spec.shape))
-    return (("T", spec.mesh, spec.placements, spec.tensor_meta.dtype, sizes), repr(rule))
+    target, out = propagate_shape_and_sharding(
+        spec.placements, tuple(spec.shape), rule, spec.mesh.shape, op_schema.op in _STRICT_VIEWS
+    )
+    return (("T", spec.mesh, spec.placements, spec.tensor_meta.dtype, len(spec.shape)), len(rule),
+            tuple(target), tuple(out))
+
+
+def _nll_mean_even(op_schema: OpSchema) -> bool | None:
+    """nll_loss_forward with mean reduction refuses a target that its input's placements (channel
+    dim replicated) would split unevenly; that test must be part of the key."""
+    x, target, _, reduction = op_schema.args_schema[:4]
+    if reduction != 1 or not isinstance(target, DTensorSpec):
+        return None
+    channel = 1 if x.ndim >= 2 else 0
+    placements = _skip_dim(replicate_reduction_dims(x.placements, [channel]), channel)
+    return is_tensor_evenly_shardable(target.shape, DTensorSpec(x.mesh, placements))
 
 
 def _key(op_schema: OpSchema):
@@ -102,32 +150,42 @@ def _key(op_schema: OpSchema):
             return (op_schema.op, _view_key(op_schema))
         args = tuple(_arg_key(a) for a in op_schema.args_schema)
         kwargs = tuple(sorted((k, _arg_key(v)) for k, v in op_schema.kwargs_schema.items()))
+        if op_schema.op is aten.nll_loss_forward.default:
+            args += (_nll_mean_even(op_schema),)
     except Exception:  # unhashable arguments, a rule that does not apply, ...: not cached
         return None
     return (op_schema.op, args, kwargs)
 
 
-def _meta_of(x):
-    if isinstance(x, torch.Tensor):
-        return TensorMeta(shape=x.shape, stride=x.stride(), dtype=x.dtype)
-    if isinstance(x, (tuple, list)):
-        return type(x)(_meta_of(i) for i in x)
-    return None
+# PyTorch strategies that return exactly one strategy, derived from the input placements alone
+# (and the non-tensor arguments and ranks, which keys keep): the softmax dim or the loss's class dim
+# is replicated, everything else follows the input. With one strategy no cost is compared, so the
+# decision, redistribution included, is the same at every size (nll_loss's mean also refuses an
+# uneven target split: ``_nll_mean_even`` puts that test in the key).
+_ONE_STRATEGY_RULES = (
+    _math_ops.softmax_strategy,
+    _math_ops.softmax_backward_strategy,
+    _math_ops.nll_loss_forward_strategy,
+    _math_ops.nll_loss_backward_strategy,
+)
 
 
-def _meta_outputs(op_schema: OpSchema):
-    """Output TensorMeta(s) from the op's meta kernel, or None when it has none."""
+def _decided_by_key(prop, op) -> bool:
+    """Whether the key determines a decision that moves inputs: view-like ops (their key holds
+    PyTorch's own decision) and ops still ruled by a one-strategy function above."""
+    return op in _VIEW_RULES or any(prop.op_strategy_funcs.get(op) is f for f in _ONE_STRATEGY_RULES)
 
-    def empty(spec: DTensorSpec):
-        m = spec.tensor_meta
-        return torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device="meta")
 
-    try:
-        args = tree_map_only(DTensorSpec, empty, op_schema.args_schema)
-        kwargs = tree_map_only(DTensorSpec, empty, op_schema.kwargs_schema)
-        return _meta_of(op_schema.op(*args, **kwargs))
-    except Exception:  # no meta kernel, data-dependent output, ...: PyTorch's path decides
-        return None
+def _plain_split(prop, op_schema: OpSchema) -> bool:
+    """A split of a tensor with no interleaved (``_StridedShard``) placement: vescale's interleaved
+    rule passes it to PyTorch's ``split_strategy`` (one strategy: the split dim unsharded, every
+    piece laid out alike; the number of pieces is checked against the metadata on replay) and
+    vescale's size adjuster returns the schema as it is."""
+    op, spec = op_schema.op, op_schema.args_schema[0]
+    return (op in _SPLIT_OPS and isinstance(spec, DTensorSpec)
+            and getattr(prop.op_strategy_funcs.get(op), "__wrapped__", None) is split_strategy
+            and prop.op_to_scalar_shape_adjuster.get(op) is _local_split_args
+            and not any(isinstance(p, _StridedShard) for p in spec.placements))
 
 
 def _output_metas(spec):
@@ -136,14 +194,24 @@ def _output_metas(spec):
     return tuple(None if s is None else s.tensor_meta for s in spec)  # None marks a masked-off output
 
 
-def _with_metas(template, metas, mesh):
+def _with_metas(template, metas, mesh, built=False):
     """The template's placements with new metadata, on ``mesh``: the op's own mesh object, never
     the one the template was learned on (DeviceMesh equality ignores the rank that built it, so a
-    mesh from another process or simulated rank compares equal but holds other coordinates)."""
+    mesh from another process or simulated rank compares equal but holds other coordinates).
+
+    ``built``: the template came out of ``DTensorSpec``'s constructor with these placements and
+    flag (``_learn`` stores only such templates), so the new spec is that spec's fields with the
+    mesh and metadata replaced. The constructor would derive the same shard order again (from the
+    placements alone) at ~15 us a spec, several per hit."""
 
     def one(spec, meta):
         if spec is None:
             return None
+        if built:
+            new = object.__new__(DTensorSpec)
+            new.__dict__.update(spec.__dict__)
+            new.__dict__.update(mesh=mesh, tensor_meta=meta, _hash=None)
+            return new
         return DTensorSpec(mesh, spec.placements, tensor_meta=meta,
                            use_strided_shard_as_shard_order=spec.use_strided_shard_as_shard_order)
 
@@ -152,7 +220,22 @@ def _with_metas(template, metas, mesh):
     return tuple(one(s, m) for s, m in zip(template, metas))
 
 
-def _interleaved_output(spec) -> bool:
+def _same_decision(a: OutputSharding, b: OutputSharding) -> bool:
+    return (a.output_spec == b.output_spec and a.redistribute_schema == b.redistribute_schema
+            and a.needs_redistribute == b.needs_redistribute
+            and a.use_val_from_redistribute_schema == b.use_val_from_redistribute_schema)
+
+
+def _built_targets(replayed: OutputSharding, op_schema: OpSchema):
+    """The input specs a replay built (the redistribution's), or the inputs themselves where it
+    built none (a view whose size arguments alone were rewritten): constructor-made either way."""
+    if replayed.redistribute_schema is None:
+        return op_schema.args_spec
+    return replayed.redistribute_schema.args_spec
+
+
+def _any_interleaved(spec) -> bool:
+    """Whether the spec (or any of a tuple of them) has an interleaved (``_StridedShard``) placement."""
     specs = spec if isinstance(spec, tuple) else (spec,)
     return any(isinstance(p, _StridedShard) for s in specs if s is not None for p in s.placements)
 
@@ -175,38 +258,62 @@ class ShapeFreeCache:
         self.hits = self.misses = 0
 
     def _kind(self, op_schema: OpSchema, result: OutputSharding) -> str | None:
-        """How a decision can be replayed: "plain" (runs on the local shards as they are),
-        "rewrite" (the same, with size arguments rewritten to local sizes), or None (never)."""
+        """How a decision can be replayed: "plain" (runs on the local shards as they are), "moved"
+        (inputs redistributed to placements the key determines, and/or size arguments rewritten to
+        local sizes), or None (never)."""
         prop, op = self.propagator, op_schema.op
-        if op in prop.op_to_scalar_shape_adjuster or op in prop.squeeze_op_to_dims_variant:
+        if op in prop.squeeze_op_to_dims_variant:
             return None
-        if op in SIZE_DEPENDENT_OPS and _interleaved_output(result.output_spec):
-            return None  # vescale.dispatch.interleaved's cat rule compares exact section sizes
+        plain_split = _plain_split(prop, op_schema)
+        if op in prop.op_to_scalar_shape_adjuster and not plain_split:
+            return None
+        if op in SIZE_DEPENDENT_OPS and (_any_interleaved(result.output_spec) or _any_interleaved(op_schema.args_spec)):
+            return None  # vescale.dispatch.interleaved's cat and _grouped_mm rules read exact sizes
         if not result.needs_redistribute:
             return "plain" if result.redistribute_schema is None else None
-        if op in _VIEW_RULES and result.use_val_from_redistribute_schema:
-            moved = [
-                a.placements != b.placements
-                for a, b in zip(op_schema.args_schema, result.redistribute_schema.args_schema)
-                if isinstance(a, DTensorSpec)
-            ]
-            return None if any(moved) else "rewrite"
-        return None
-
-    def _replay(self, op_schema: OpSchema, template, kind: str) -> OutputSharding | None:
-        metas = _meta_outputs(op_schema)
-        if metas is None or _output_metas(template) is None:
+        if result.redistribute_schema is None or not (plain_split or _decided_by_key(prop, op)):
             return None
-        if isinstance(template, tuple) and (not isinstance(metas, tuple) or len(metas) != len(template)):
+        return "moved"
+
+    def _replay(self, op_schema: OpSchema, template, targets, dtypes, built=True) -> OutputSharding | None:
+        metas = fast_outputs(op_schema, dtypes)
+        if metas is None:
+            metas = meta_outputs(op_schema)
+        if metas is None:
+            return None
+        if isinstance(template, tuple) and (not isinstance(metas, (tuple, list)) or len(metas) != len(template)):
             return None
         mesh = _mesh_of(op_schema)
         if mesh is None:
             return None
-        spec = _with_metas(template, metas, mesh)
-        if kind == "plain":
+        spec = _with_metas(template, metas, mesh, built)
+        if targets is None:
             return OutputSharding(spec)
-        local_args = self.propagator._adjust_shape_and_stride_args(metas, op_schema, spec)
-        return OutputSharding(spec, local_args, needs_redistribute=True, use_val_from_redistribute_schema=True)
+        return self._moved(op_schema, spec, metas, targets, mesh, built)
+
+    def _moved(self, op_schema: OpSchema, spec, metas, targets, mesh, built) -> OutputSharding | None:
+        """The tail of PyTorch's ``propagate_op_sharding_non_cached`` for a one-strategy decision:
+        inputs redistributed to the learned placements, then size arguments made local."""
+        args = op_schema.args_spec
+        if len(args) != len(targets):
+            return None
+        expected = tuple(_with_metas(t, a.tensor_meta, mesh, built) for a, t in zip(args, targets))
+        needs = any(a.placements != t.placements for a, t in zip(args, targets))
+        suggestion, local_args = None, False
+        if needs:
+            suggestion = OpSchema(op_schema.op, expected, {})
+            suggestion._inplace_rewrap_schema_suggestion(op_schema)
+        prop = self.propagator
+        if op_schema.op in prop.op_to_shape_and_stride_idx and any(
+            isinstance(p, (Shard, _StridedShard)) for p in spec.placements
+        ):
+            suggestion = prop._adjust_shape_and_stride_args(metas, suggestion or op_schema, spec)
+            needs = local_args = True
+        adjuster = prop.op_to_scalar_shape_adjuster.get(op_schema.op)  # only a plain split gets here
+        if adjuster is not None and any(isinstance(p, (Shard, _StridedShard)) for e in expected for p in e.placements):
+            suggestion = adjuster(list(expected), suggestion or op_schema)
+            needs = local_args = True
+        return OutputSharding(spec, suggestion, needs_redistribute=needs, use_val_from_redistribute_schema=local_args)
 
     def __call__(self, op_schema: OpSchema) -> OutputSharding:
         key = _key(op_schema)
@@ -237,14 +344,23 @@ class ShapeFreeCache:
         kind = self._kind(op_schema, result)
         if kind is None or spec is None or (not isinstance(spec, DTensorSpec) and not isinstance(spec, tuple)):
             return _NEVER
-        try:
-            replayed = self._replay(op_schema, spec, kind)
+        metas = _output_metas(spec)
+        if metas is None:
+            return _NEVER
+        dtypes = metas.dtype if isinstance(metas, TensorMeta) else tuple(m and m.dtype for m in metas)
+        targets = result.redistribute_schema.args_spec if kind == "moved" else None
+        try:  # built by DTensorSpec's constructor here, so that hits may copy them
+            replayed = self._replay(op_schema, spec, targets, dtypes, built=False)
         except Exception:
             return _NEVER
-        same = replayed is not None and replayed.output_spec == spec and (
-            replayed.redistribute_schema == result.redistribute_schema
-        )
-        return (spec, kind) if same else _NEVER
+        if replayed is None or not _same_decision(replayed, result):
+            return _NEVER
+        entry = (replayed.output_spec, None if targets is None else _built_targets(replayed, op_schema), dtypes)
+        try:
+            again = self._replay(op_schema, *entry)
+        except Exception:
+            return _NEVER
+        return entry if again is not None and _same_decision(again, result) else _NEVER
 
     def clear(self) -> None:
         self.entries.clear()

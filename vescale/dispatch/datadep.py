@@ -41,6 +41,7 @@ from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from .local import why_rule_not_local
+from .metas import miss_outputs
 
 __all__ = ["install_datadep_handlers", "uninstall_datadep_handlers", "DATADEP_OPS"]
 
@@ -296,7 +297,8 @@ def _grouped_mm_meta(op_schema) -> TensorMeta | None:
 
 class _MetaWithGroupedMM:
     """Replaces the propagator's ``_propagate_tensor_meta_non_cached`` (an instance attribute, as
-    ``vescale.dispatch.cache`` does for the miss path): ``_grouped_mm`` metadata from shapes."""
+    ``vescale.dispatch.cache`` does for the miss path): ``_grouped_mm`` metadata from shapes, and
+    ``metas.miss_outputs``' arithmetic for mm and embedding (a miss of a new sequence length)."""
 
     def __init__(self, propagator):
         self.fallback = type(propagator)._propagate_tensor_meta_non_cached.__get__(propagator)
@@ -306,7 +308,8 @@ class _MetaWithGroupedMM:
             meta = _grouped_mm_meta(op_schema)
             if meta is not None:
                 return meta
-        return self.fallback(op_schema)
+        meta = miss_outputs(op_schema)  # mm, embedding: arithmetic, no FakeTensor run (metas.py)
+        return meta if meta is not None else self.fallback(op_schema)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -38,9 +38,12 @@ aten = torch.ops.aten
 _SPLIT_OPS = (aten.split.Tensor, aten.split_with_sizes.default)
 _CAT_OPS = (aten.cat.default,)
 _MATMUL_OPS = (aten.mm.default, aten.bmm.default, aten._grouped_mm.default)
-# Ops whose interleaved decision depends on exact sizes, which a shape-free cache key leaves out
-# (split is never cached: its size argument is rewritten per call).
-SIZE_DEPENDENT_OPS = frozenset(_CAT_OPS)
+# Ops whose decision, where an operand or the result is interleaved, depends on exact sizes, which a
+# shape-free cache key leaves out: cat compares section sizes, _grouped_mm's 16-byte row rule reads
+# the local size of a plainly sharded operand too (_aligned_rows). (Split of an interleaved tensor
+# is never cached either: its size argument is rewritten per call; cache.py reuses only splits
+# without a _StridedShard placement.)
+SIZE_DEPENDENT_OPS = frozenset(_CAT_OPS + (aten._grouped_mm.default,))
 _LOCK = threading.Lock()
 _SAVED: dict = {}  # op -> PyTorch's strategy function, while installed
 

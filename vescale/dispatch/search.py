@@ -29,7 +29,7 @@ import threading
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, TupleStrategy
 from torch.distributed.tensor.placement_types import _is_shard_like
-from .cache import _meta_outputs
+from .metas import meta_outputs, miss_outputs
 from torch.distributed.tensor._ops.single_dim_strategy import (
     _dijkstra_expand_single_dim_strategy_to_mesh,
     _expand_single_dim_strategy_to_mesh,
@@ -131,7 +131,7 @@ def _searched(info):
         # The caller has the output metadata but does not pass it on; recomputing it with meta-device
         # kernels costs far less than a second FakeTensor run (PyTorch's way, the fallback).
         specs = _specs_schema(strategy_schema)
-        out_meta = _meta_outputs(specs)
+        out_meta = miss_outputs(specs) or meta_outputs(specs)
         if out_meta is None:
             out_meta = prop._propagate_tensor_meta(specs)
         if strategy_schema.is_inplace_op() or strategy_schema.is_out_variant_op():

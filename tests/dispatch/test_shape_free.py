@@ -1,0 +1,402 @@
+"""The shape-free sharding cache at a new sequence length: the decision learned at one size is reused
+at another (a cache hit) and equals PyTorch's own propagation there; where the decision depends on
+the sizes (uneven shards, split factors), it is not reused.
+
+Each comparison runs the op with vescale's extensions (after a run at another size taught the cache)
+and with PyTorch's own dispatch (``dispatch.uninstall()``, caches cleared), and requires equal
+placements, global shape and stride, and bit-identical local shards. ``vescale.dispatch.metas``'s
+arithmetic output metadata is compared with PyTorch's FakeTensor propagation directly.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import torch.testing._internal.distributed.fake_pg  # noqa: F401
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import OpSchema
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+import vescale
+from vescale import dispatch
+from vescale.dispatch.cache import _key
+from vescale.dispatch.metas import fast_outputs, miss_outputs
+from vescale.testing import forget_dtensor_caches
+
+aten = torch.ops.aten
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=0, world_size=4)
+    dispatch.install()  # every test here runs with the shape-free cache unless it says otherwise
+    try:
+        yield vescale.init_mesh((2, 2), ("DP", "TP"))
+    finally:
+        dispatch.install()
+        dist.destroy_process_group()
+
+
+def _dt(mesh, shape, placements, seed=0, dtype=torch.float32):
+    """Rank 0's shard of a seeded global tensor (uneven shards included: DTensor's own chunking)."""
+    g = torch.Generator().manual_seed(seed)
+    full = torch.randn(shape, generator=g).to(dtype) if dtype.is_floating_point else torch.randint(0, 8, shape, generator=g)
+    local_shape, offset = compute_local_shape_and_global_offset(full.shape, mesh, placements)
+    local = full
+    for d, (n, o) in enumerate(zip(local_shape, offset)):
+        local = local.narrow(d, o, n)
+    return DTensor.from_local(local.contiguous(), mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
+
+
+def _same(ours, theirs):
+    outs, refs = (ours, theirs) if isinstance(ours, tuple) else ((ours,), (theirs,))
+    for a, b in zip(outs, refs):
+        assert a.placements == b.placements, f"placements {a.placements} vs PyTorch's {b.placements}"
+        assert a.shape == b.shape and a.stride() == b.stride(), f"{a.shape}/{a.stride()} vs {b.shape}/{b.stride()}"
+        assert a._spec.tensor_meta == b._spec.tensor_meta, f"{a._spec.tensor_meta} vs PyTorch's {b._spec.tensor_meta}"
+        assert a._local_tensor.shape == b._local_tensor.shape and a._local_tensor.stride() == b._local_tensor.stride()
+        assert torch.equal(a._local_tensor, b._local_tensor)
+
+
+def _learn_then_reuse(mesh, fn, learn_size, new_size):
+    """fn(size) at learn_size (teaches the cache), then at new_size with PyTorch's own caches
+    cleared; returns (result, shape-free hits at new_size, misses at new_size, PyTorch's result)."""
+    forget_dtensor_caches()
+    dispatch.install()
+    cache = dispatch.shape_free_cache()
+    fn(learn_size)
+    _clear_sharding_prop_cache()  # PyTorch's shape-keyed cache forgotten; vescale's kept
+    hits, misses = cache.hits, cache.misses
+    ours = fn(new_size)
+    hits, misses = cache.hits - hits, cache.misses - misses
+    forget_dtensor_caches()
+    dispatch.uninstall()
+    try:
+        theirs = fn(new_size)
+    finally:
+        dispatch.install()
+    return ours, hits, misses, theirs
+
+
+# --- views whose flattened or split dims change size ------------------------------------------
+
+
+VIEWS = {
+    # LLaMA's (batch, seq, hidden) -> (batch*seq, hidden) before a linear, batch-sharded on DP
+    "flatten, batch sharded": (lambda s, m: _dt(m, (4, s, 16), (Shard(0), Replicate()), s).view(4 * s, 16)),
+    # ... with the hidden dim sharded on TP: the size argument is rewritten to local sizes
+    "flatten, batch and hidden sharded": (lambda s, m: _dt(m, (4, s, 16), (Shard(0), Shard(2)), s).view(4 * s, 16)),
+    # the linear's output back to (batch, seq, hidden): a split of the flattened dim
+    "split, batch and hidden sharded": (lambda s, m: _dt(m, (4 * s, 16), (Shard(0), Shard(1)), s).view(4, s, 16)),
+    # a head split: (batch, seq, hidden) -> (batch, seq, heads, head_dim), -1 inferred
+    "head split": (lambda s, m: _dt(m, (4, s, 16), (Shard(0), Shard(2)), s).view(4, s, -1, 4)),
+}
+
+
+@pytest.mark.parametrize("case", list(VIEWS))
+def test_a_view_learned_at_one_length_is_a_hit_at_another_with_pytorchs_answer(mesh, case):
+    fn = VIEWS[case]
+    ours, hits, misses, theirs = _learn_then_reuse(mesh, lambda s: fn(s, mesh), 6, 10)
+    assert hits == 1 and misses == 0, f"{case}: {hits} hits, {misses} misses at a new length"
+    _same(ours, theirs)
+
+
+def test_a_view_whose_split_factor_changes_is_not_reused(mesh):
+    """Flattening (batch, seq) with seq sharded gives _StridedShard(0, split_factor=batch): a new
+    batch size is a new decision, so a new key (a miss), never the old split factor."""
+    fn = lambda b: _dt(mesh, (b, 6, 8), (Replicate(), Shard(1)), b).view(b * 6, 8)  # noqa: E731
+    ours, hits, misses, theirs = _learn_then_reuse(mesh, fn, 4, 3)
+    assert hits == 0 and misses == 1
+    assert ours.placements[1].split_factor == 3
+    _same(ours, theirs)
+    ours, hits, _, theirs = _learn_then_reuse(mesh, lambda s: _dt(mesh, (4, s, 8), (Replicate(), Shard(1)), s).view(4 * s, 8), 6, 10)
+    assert hits == 1  # the sequence length does not enter the split factor: reused
+    _same(ours, theirs)
+
+
+def test_an_uneven_flatten_is_not_reused(mesh):
+    """A batch the DP mesh dim does not divide cannot stay Shard(0) through a flatten: PyTorch's
+    strict view refuses (redistribute first). Learned on an even batch, the uneven one must not be
+    served the even one's decision (a silently wrong Shard(0) of the flattened rows)."""
+    fn = lambda b: _dt(mesh, (b, 6, 8), (Shard(0), Replicate()), b).view(b * 6, 8)  # noqa: E731
+    forget_dtensor_caches()
+    cache = dispatch.shape_free_cache()
+    assert fn(4).placements == (Shard(0), Replicate())
+    hits = cache.hits
+    with pytest.raises(RuntimeError, match="unevenly sharded"):
+        fn(3)
+    assert cache.hits == hits, "an uneven flatten was served from the even one's decision"
+    dispatch.uninstall()
+    forget_dtensor_caches()
+    try:
+        with pytest.raises(RuntimeError, match="unevenly sharded"):
+            fn(3)
+    finally:
+        dispatch.install()
+
+
+# --- split (rotary embedding's halves; vescale's interleaved rule passes plain tensors through) ----
+
+
+def test_a_split_learned_at_one_length_is_a_hit_at_another_with_pytorchs_answer(mesh):
+    fn = lambda s: _dt(mesh, (4, s, 8), (Shard(0), Shard(1)), s).split(4, -1)  # noqa: E731
+    ours, hits, misses, theirs = _learn_then_reuse(mesh, fn, 6, 10)
+    assert hits == 1 and misses == 0
+    _same(ours, theirs)
+
+
+def test_a_split_of_the_sharded_dim_is_reused_only_with_as_many_pieces(mesh):
+    """Splitting the sequence-sharded dim gathers it first (PyTorch's rule); the replay carries
+    that redistribution. A length that gives another number of pieces is not served."""
+    fn = lambda s: _dt(mesh, (4, s, 8), (Shard(0), Shard(1)), s).split(4, 1)  # noqa: E731
+    ours, hits, misses, theirs = _learn_then_reuse(mesh, fn, 8, 6)  # 4+4, then 4+2
+    assert hits == 1 and misses == 0
+    assert all(o.placements == (Shard(0), Replicate()) for o in ours)
+    _same(ours, theirs)
+    ours, hits, misses, theirs = _learn_then_reuse(mesh, fn, 8, 12)  # 4+4, then 4+4+4
+    assert hits == 0 and misses == 1 and len(ours) == 3
+    _same(ours, theirs)
+
+
+# --- the loss ops: decisions that redistribute --------------------------------------------------
+
+
+def _loss(mesh, n, reduction="mean"):
+    logits = _dt(mesh, (n, 16), (Shard(0), Shard(1)), n).requires_grad_()
+    target = _dt(mesh, (n,), (Shard(0), Replicate()), n + 1, dtype=torch.int64)
+    loss = F.cross_entropy(logits, target, reduction=reduction)
+    loss.backward()
+    return loss, logits.grad
+
+
+def test_the_loss_ops_are_hits_at_a_new_length_with_pytorchs_answer(mesh):
+    """log_softmax gathers the vocabulary-sharded logits, nll_loss_backward replicates its Partial
+    gradient: redistributions whose placements depend on placements alone (one-strategy rules)."""
+    ours, hits, misses, theirs = _learn_then_reuse(mesh, lambda n: _loss(mesh, n), 8, 12)
+    assert misses == 0, f"{misses} misses in a cross-entropy forward and backward at a new length"
+    assert hits >= 4  # _log_softmax, nll_loss_forward, nll_loss_backward, _log_softmax_backward_data
+    _same(ours, theirs)
+
+
+def test_an_uneven_target_is_refused_like_pytorch_after_an_even_one(mesh):
+    """nll_loss's mean refuses a target the DP dim splits unevenly (a biased mean otherwise); the
+    decision learned on an even batch must not hide that."""
+    forget_dtensor_caches()
+    _loss(mesh, 8)
+    _clear_sharding_prop_cache()
+    with pytest.raises(RuntimeError, match="evenly sharded"):
+        _loss(mesh, 7)
+    a = _dt(mesh, (8, 16), (Shard(0), Shard(1)))
+    b = _dt(mesh, (7, 16), (Shard(0), Shard(1)))
+    t8, t7 = (_dt(mesh, (n,), (Shard(0), Replicate()), 0, dtype=torch.int64) for n in (8, 7))
+    s = lambda x, t: OpSchema(aten.nll_loss_forward.default, (x._spec, t._spec, None, 1, -100), {})  # noqa: E731
+    assert _key(s(a, t8)) != _key(s(b, t7))
+
+
+# --- keys and arithmetic metadata ---------------------------------------------------------------
+
+
+def test_the_key_keeps_whether_the_mesh_divides_and_covers_each_sharded_dim(mesh):
+    x = lambda n: _dt(mesh, (n, 8), (Shard(0), Replicate()))  # noqa: E731
+    s = lambda t: OpSchema(aten.add.Tensor, (t._spec, t._spec), {})  # noqa: E731
+    assert _key(s(x(6))) == _key(s(x(10))), "sizes the mesh divides must share a key"
+    assert _key(s(x(6))) != _key(s(x(7))), "an uneven shard must not share the even one's key"
+    y = lambda n: _dt(mesh, (8, n), (Replicate(), Shard(1)))  # noqa: E731
+    assert _key(s(y(3))) == _key(s(y(5)))
+    assert _key(s(y(3))) != _key(s(y(4)))
+
+
+def _spec(mesh, shape, stride=None, dtype=torch.float32):
+    stride = stride or torch.empty(shape, device="meta").stride()
+    return DTensorSpec(mesh, (Replicate(), Replicate()), tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), dtype))
+
+
+def _meta_cases(mesh):
+    """(op, args) pairs over shapes with size-1 dims, broadcasts and transposed strides."""
+    s = lambda *a, **k: _spec(mesh, *a, **k)  # noqa: E731
+    cases = []
+    for shape in [(4, 6, 8), (4, 1, 8), (1, 6, 1), (8,), ()]:
+        cases += [(aten.add.Tensor, (s(shape), s(shape))), (aten.mul.Tensor, (s(shape), 2.0)),
+                  (aten.neg.default, (s(shape),)), (aten.rsqrt.default, (s(shape),)),
+                  (aten.detach.default, (s(shape),)), (aten.clone.default, (s(shape),))]
+    for a, b in [((4, 6, 8), (8,)), ((4, 6, 8), (4, 6, 1)), ((4, 6, 8), (1, 6, 8)), ((1, 6, 8), (4, 1, 8)), ((4, 1, 8), (4, 1, 8))]:
+        cases += [(aten.mul.Tensor, (s(a), s(b))), (aten.sub.Tensor, (s(b), s(a)))]
+    t = s((4, 8, 6), (48, 1, 8))  # a transposed (4, 6, 8)
+    cases += [(aten.add.Tensor, (t, t)), (aten.mul.Tensor, (t, s((4, 8, 6)))), (aten.neg.default, (t,)),
+              (aten.silu.default, (t,)), (aten.mul.Tensor, (t, s((8, 1))))]
+    # rotary embedding: heads-first views of (batch, seq, heads, dim), their halves, broadcast cos/sin
+    q = s((2, 4, 6, 8), (192, 8, 32, 1))
+    half = s((2, 4, 6, 4), (192, 8, 32, 1))
+    back = s((2, 4, 6, 8), (192, 48, 1, 6))  # a transposed gradient
+    for x in (q, half, back):
+        n = x.tensor_meta.shape[-1]
+        cases += [(aten.mul.Tensor, (x, s((1, 1, 6, n)))), (aten.neg.default, (x,)), (aten.mul.Tensor, (s((1, 1, 6, n)), x)),
+                  (aten.add.Tensor, (x, s(tuple(x.tensor_meta.shape)))), (aten.div.Scalar, (x, 3)),
+                  (aten.mul.Tensor, (x, s((2, 4, 6, 1)))), (aten.mul.Tensor, (x, s((), dtype=torch.float32)))]
+    cases += [(aten.add.Tensor, (q, back)), (aten.div.Scalar, (s((4, 6, 8), (6, 1, 0)), 8)), (aten.neg.default, (s((4, 1, 8), (8, 64, 1)),))]
+    odd = s((4, 1, 8), (8, 64, 1))  # contiguous, with an unusual stride on its size-1 dim
+    cases += [(aten.add.Tensor, (odd, odd)), (aten.add.Tensor, (odd, s((4, 1, 8)))), (aten.mul.Tensor, (odd, s((4, 6, 8)))),
+              (aten.mul.Tensor, (s((4, 6, 8), (1, 4, 24)), s((4, 6, 8), (1, 4, 24)))), (aten.exp.default, (s((4, 6, 8), (1, 4, 24)),)),
+              (aten.mul.Tensor, (s((4, 6, 8), (1, 4, 24)), s((6, 8))))]
+    cases += [(aten.mm.default, (s((6, 8)), s((8, 5)))), (aten.mm.default, (s((6, 8)), s((8, 5), (1, 8)))),
+              (aten.bmm.default, (s((3, 6, 8)), s((3, 8, 5)))), (aten.t.default, (s((6, 8)),)), (aten.t.default, (s((6,)),)),
+              (aten.transpose.int, (s((4, 6, 8)), 1, 2)), (aten.transpose.int, (t, -1, 0))]
+    for dim in (0, 1, -1):
+        cases += [(aten._log_softmax.default, (s((6, 8)), dim, False)), (aten._softmax.default, (s((4, 6, 8)), dim, False)),
+                  (aten._softmax_backward_data.default, (s((6, 8)), s((6, 8)), dim, torch.float32)),
+                  (aten._log_softmax_backward_data.default, (s((6, 8)), s((6, 8)), dim, torch.float32))]
+    target = s((6,), dtype=torch.int64)
+    for reduction in (0, 1, 2):
+        cases += [(aten.nll_loss_forward.default, (s((6, 8)), target, None, reduction, -100))]
+    cases += [(aten.nll_loss_backward.default, (s(()), s((6, 8)), target, None, 1, -100, s(())))]
+    for shape in [(4, 6, 8), (4, 1, 8), (1, 48)]:
+        n = int(torch.Size(shape).numel())
+        for new in [(n,), (-1, 8), (2, -1, 1, 4), (1, n), (n, 1), (2, 2, -1)]:
+            cases += [(aten.view.default, (s(shape), list(new))), (aten._unsafe_view.default, (s(shape), list(new)))]
+    for args in [(1,), (1, 2), (1, 2, 5), (2, 0, 16, 2), (2, -3, None), (2, None, -1, 3), (0, 5, 9), (-1, -20, 3), (1, 4, 2)]:
+        cases += [(aten.slice.Tensor, (s((4, 6, 8)), *args)), (aten.slice.Tensor, (t, *args))]
+    for args in [(4,), (4, -1), (3, 2), (5, 0), (8, 1), (2, -3)]:
+        cases += [(aten.split.Tensor, (s((6, 8, 5)), *args)), (aten.split.Tensor, (t, *args))]
+    for shape, new in [((4, 1, 8), [4, 6, 8]), ((1, 8), [3, 5, 8]), ((4, 1, 8), [-1, 6, -1]), ((8,), [2, 8])]:
+        cases += [(aten.expand.default, (s(shape), new))]
+    return cases
+
+
+def test_arithmetic_output_metadata_equals_fake_tensor_propagation(mesh):
+    prop = DTensor._op_dispatcher.sharding_propagator
+    known = 0
+    for op, args in _meta_cases(mesh):
+        schema = OpSchema(op, args, {})
+        theirs = type(prop)._propagate_tensor_meta_non_cached(prop, schema)  # PyTorch's FakeTensor run
+        dtypes = theirs.dtype if isinstance(theirs, TensorMeta) else tuple(m.dtype for m in theirs)
+        ours = fast_outputs(schema, dtypes)
+        if ours is None:
+            continue
+        known += 1
+        outs, refs = ((ours,), (theirs,)) if isinstance(ours, TensorMeta) else (ours, theirs)
+        for a, b in zip(outs, refs):
+            assert (tuple(a.shape), tuple(a.stride), a.dtype) == (tuple(b.shape), tuple(b.stride), b.dtype), f"{op} {args}"
+    assert known >= 100, f"only {known} cases took the arithmetic path"
+    x = _spec(mesh, (4, 6, 8))
+    for op in (aten.add_.Tensor, aten.mul_.Tensor):  # the result is the argument, laid out as it is
+        assert fast_outputs(OpSchema(op, (x, x), {}), torch.float32) is None
+
+
+@pytest.mark.parametrize("shape,new", list(itertools.product([(4, 6, 8), (4, 1, 8), (1, 6, 1, 8)], [(-1,), (2, -1), (-1, 1, 4)])))
+def test_a_view_of_a_contiguous_tensor_is_contiguous(shape, new):
+    """What ``metas._view`` assumes, checked on PyTorch's own view kernel (size-1 dims included)."""
+    y = torch.empty(shape, device="meta").view(new)
+    assert y.is_contiguous() and y.stride() == torch.empty(y.shape).stride()
+
+
+def test_elementwise_metadata_equals_fake_tensor_on_random_layouts(mesh):
+    """Seeded random layouts (permuted, sliced, size-1 and broadcast dims) of unary, binary and
+    ternary elementwise ops: the arithmetic answer equals PyTorch's FakeTensor run every time it
+    answers at all (size-1 output dims, where PyTorch's own paths disagree, never are)."""
+    import random
+
+    prop = DTensor._op_dispatcher.sharding_propagator
+    rng = random.Random(0)
+
+    def layout(shape, dtype=torch.float32):
+        base = torch.empty([n * rng.choice((1, 1, 2)) for n in shape], device="meta")
+        x = base[tuple(slice(None, n) for n in shape)]
+        perm = list(range(len(shape)))
+        rng.shuffle(perm)
+        x = x.permute(perm).contiguous().permute([perm.index(i) for i in range(len(shape))]) if rng.random() < 0.5 else x
+        return _spec(mesh, tuple(x.shape), tuple(x.stride()), dtype)
+
+    answered = 0
+    for _ in range(600):
+        shape = tuple(rng.choice((1, 2, 3, 5)) for _ in range(rng.randint(1, 4)))
+        other = tuple(n if rng.random() < 0.7 else 1 for n in shape)[rng.randint(0, len(shape) - 1):]
+        op, args = rng.choice([(aten.neg.default, (layout(shape),)), (aten.add.Tensor, (layout(shape), layout(other))),
+                               (aten.mul.Tensor, (layout(other), layout(shape))), (aten.add.Tensor, (layout(shape), layout(shape))),
+                               (aten.mul.Tensor, (layout(shape), _spec(mesh, ()))), (aten.where.self, (layout(other, torch.bool), layout(shape), layout(shape)))])
+        schema = OpSchema(op, args, {})
+        theirs = type(prop)._propagate_tensor_meta_non_cached(prop, schema)
+        ours = fast_outputs(schema, theirs.dtype)
+        if ours is not None:
+            answered += 1
+            assert (tuple(ours.shape), tuple(ours.stride)) == (tuple(theirs.shape), tuple(theirs.stride)), f"{op} {args}"
+    assert answered >= 150, f"only {answered} of 600 answered"
+
+
+def test_a_replayed_spec_is_what_dtensorspecs_constructor_makes(mesh):
+    """Hits copy a constructor-made template's fields instead of constructing (the shard order is
+    derived from the placements alone); the copy must equal a constructed spec field for field."""
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from vescale.dispatch.cache import _with_metas
+
+    learned = TensorMeta(torch.Size([8, 6, 4]), (24, 4, 1), torch.float32)
+    now = TensorMeta(torch.Size([8, 10, 4]), (40, 4, 1), torch.float32)
+    for placements in [(Shard(0), Shard(1)), (Replicate(), Partial()), (Shard(0), _StridedShard(0, split_factor=2)), (Shard(1), Shard(1))]:
+        template = _with_metas(DTensorSpec(mesh, placements, tensor_meta=learned), learned, mesh)
+        copied = _with_metas(template, now, mesh, built=True)
+        built = DTensorSpec(mesh, placements, tensor_meta=now, use_strided_shard_as_shard_order=template.use_strided_shard_as_shard_order)
+        assert {k: v for k, v in vars(copied).items() if k != "_hash"} == {k: v for k, v in vars(built).items() if k != "_hash"}
+        assert copied == built and hash(copied) == hash(built) and copied.mesh is mesh
+
+
+def test_miss_path_metadata_for_mm_and_embedding_equals_fake_tensor_propagation(mesh):
+    """A miss of a new length skips the FakeTensor run for mm and embedding (metas.miss_outputs);
+    every answer must be PyTorch's, and mixed dtypes are left to PyTorch (which refuses them)."""
+    prop = DTensor._op_dispatcher.sharding_propagator
+    s = lambda *a, **k: _spec(mesh, *a, **k)  # noqa: E731
+    ids = lambda shape, dtype=torch.int64: s(shape, dtype=dtype)  # noqa: E731
+    cases = [(aten.mm.default, (s((6, 8)), s((8, 5)))), (aten.mm.default, (s((6, 8), (1, 6)), s((8, 5), (1, 8)))),
+             (aten.bmm.default, (s((3, 6, 8)), s((3, 8, 5)))), (aten.mm.default, (s((6, 8), dtype=torch.bfloat16), s((8, 5), dtype=torch.bfloat16))),
+             (aten.embedding.default, (s((16, 4)), ids((2, 6)))), (aten.embedding.default, (s((16, 4)), ids((7,), torch.int32))),
+             (aten.embedding.default, (s((16, 4), (1, 16)), ids((2, 3, 5)))), (aten.embedding.default, (s((16, 4), dtype=torch.bfloat16), ids((2, 6))))]
+    for op, args in cases:
+        schema = OpSchema(op, args, {})
+        ours, theirs = miss_outputs(schema), type(prop)._propagate_tensor_meta_non_cached(prop, schema)
+        assert ours is not None, f"{op} {args}"
+        assert (tuple(ours.shape), tuple(ours.stride), ours.dtype) == (tuple(theirs.shape), tuple(theirs.stride), theirs.dtype)
+    assert miss_outputs(OpSchema(aten.mm.default, (s((6, 8)), s((8, 5), dtype=torch.float64)), {})) is None
+
+
+def test_an_interleaved_grouped_mm_decision_is_never_reused(mesh):
+    """vescale's interleaved _grouped_mm rule checks the kernel's 16-byte row rule on the local
+    size of every sharded operand, plainly sharded ones included, which the key does not hold."""
+    from torch.distributed.tensor._op_schema import OutputSharding
+
+    from vescale.placement import InterleavedShard
+
+    cache = dispatch.shape_free_cache()
+    meta = lambda *shape, dtype=torch.float32: TensorMeta(torch.Size(shape), torch.empty(shape).stride(), dtype)  # noqa: E731
+    a = DTensorSpec(mesh, (Replicate(), Shard(1)), tensor_meta=meta(10, 8))
+    offs = DTensorSpec(mesh, (Replicate(), Replicate()), tensor_meta=meta(4, dtype=torch.int32))
+    out = OutputSharding(DTensorSpec(mesh, (Replicate(), Replicate()), tensor_meta=meta(10, 16)))
+    for weight, kind in [((Replicate(), InterleavedShard(2, 2)), None), ((Replicate(), Replicate()), "plain")]:
+        b = DTensorSpec(mesh, weight, tensor_meta=meta(4, 8, 16))
+        assert cache._kind(OpSchema(aten._grouped_mm.default, (a, b, offs), {}), out) == kind
+
+
+def test_a_scalar_of_another_type_is_another_key(mesh):
+    """Hits take the output dtype from the learned answer; ``x ** 2`` and ``x ** 2.0`` on an integer
+    tensor (``pow.Tensor_Scalar``; 2 == 2.0 as Python values) give different dtypes, so they must
+    not share a key."""
+    x = lambda n: _dt(mesh, (n, 8), (Shard(0), Replicate()), n, dtype=torch.int64)  # noqa: E731
+    forget_dtensor_caches()
+    assert (x(6) ** 2).dtype == torch.int64
+    _clear_sharding_prop_cache()
+    ours = x(10) ** 2.0
+    dispatch.uninstall()
+    forget_dtensor_caches()
+    try:
+        theirs = x(10) ** 2.0
+    finally:
+        dispatch.install()
+    assert ours._spec.tensor_meta.dtype == theirs._spec.tensor_meta.dtype == torch.float32
+    _same(ours, theirs)

@@ -1,0 +1,382 @@
+"""Output metadata (shape, stride, dtype) of an op on DTensor specs, without a FakeTensor run.
+
+DTensor learns what an op returns by running it under ``FakeTensorMode`` (~0.5-1.5 ms a call). The
+shape-free cache (``cache.py``) and the cheap search (``search.py``) need the same answer far more
+often, on every hit of a new sequence length, so they take it from here:
+
+* ``meta_outputs``: the op's own meta kernel on meta-device tensors (any op that has one);
+* ``fast_outputs``: arithmetic for the op kinds a transformer step is made of, only where the result
+  is certain from the input metadata: elementwise ops whose output has no size-1 dim, on contiguous
+  inputs or inputs with one dense layout (see ``_elementwise``), ``mm``/``bmm`` (always a fresh
+  contiguous tensor), views and reshapes of contiguous tensors, ``expand``, ``slice``, ``split``,
+  ``transpose``/``t`` (sizes and strides moved), ``detach``/``alias``, ``clone`` and the softmax /
+  NLL-loss kernels of contiguous inputs. Anything else returns None and the caller runs the meta
+  kernel. Output dtypes are not derived: callers pass the dtype(s) PyTorch gave for the same op,
+  input dtypes and scalar arguments (promotion depends only on those, which cache keys keep, a
+  Python scalar with its type);
+* ``miss_outputs``: the same for PyTorch's own miss path where the dtype needs no learned answer
+  (``mm``/``bmm`` of one dtype, ``embedding``), in place of its FakeTensor run.
+
+The meta kernels of elementwise and loss ops are Python references in PyTorch 2.13 (0.3-2 ms each on
+this project's CI machine), which made a cache hit cost nearly as much as the miss it replaced.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import OpSchema
+
+__all__ = ["meta_outputs", "fast_outputs", "miss_outputs", "contiguous_strides"]
+
+aten = torch.ops.aten
+
+
+def _is_elementwise(op) -> bool:
+    """PyTorch's own mark for TensorIterator elementwise ops (DTensor's pointwise rules use it too);
+    in-place and out= variants excluded (their output is an argument, laid out as it is)."""
+    schema = op._schema
+    return (torch.Tag.pointwise in op.tags and not schema.is_mutable
+            and not any(a.is_out for a in schema.arguments))
+
+
+def _meta_of(x):
+    if isinstance(x, torch.Tensor):
+        return TensorMeta(shape=x.shape, stride=x.stride(), dtype=x.dtype)
+    if isinstance(x, (tuple, list)):
+        return type(x)(_meta_of(i) for i in x)
+    return None
+
+
+def _on_meta(a):
+    """A meta-device tensor for every DTensorSpec in ``a`` (lists and tuples walked; a plain loop:
+    pytree's tree_map cost more than the meta kernels it fed)."""
+    if isinstance(a, DTensorSpec):
+        m = a.tensor_meta
+        return torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device="meta")
+    if isinstance(a, (list, tuple)) and not isinstance(a, torch.Size):
+        return type(a)(_on_meta(x) for x in a)
+    return a
+
+
+def meta_outputs(op_schema: OpSchema):
+    """Output TensorMeta(s) from the op's meta kernel, or None when it has none."""
+    try:
+        args = tuple(_on_meta(a) for a in op_schema.args_schema)
+        kwargs = {k: _on_meta(v) for k, v in op_schema.kwargs_schema.items()}
+        return _meta_of(op_schema.op(*args, **kwargs))
+    except Exception:  # no meta kernel, data-dependent output, ...: PyTorch's path decides
+        return None
+
+
+def contiguous_strides(shape) -> tuple:
+    """Row-major strides of ``shape``, as ``torch.empty(shape).stride()`` gives them (size-0 and
+    size-1 dims count as 1, like PyTorch's ``make_contiguous_strides_for``, which costs ~30 us)."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n if n > 1 else 1
+    return tuple(reversed(strides))
+
+
+def _contiguous(meta: TensorMeta) -> bool:
+    return tuple(meta.stride) == contiguous_strides(meta.shape)
+
+
+def _non_overlapping_and_dense(meta: TensorMeta) -> bool:
+    """c10's ``compute_non_overlapping_and_dense``: dims by increasing stride (size < 2 last)
+    tile memory exactly."""
+    shape, stride = meta.shape, meta.stride
+    if len(shape) == 1:
+        return shape[0] < 2 or stride[0] == 1
+    need = 1
+    for d in sorted(range(len(shape)), key=lambda d: (shape[d] < 2, stride[d])):
+        if shape[d] < 2:
+            return True
+        if stride[d] != need:
+            return False
+        need *= shape[d]
+    return True
+
+
+def _broadcast(shapes) -> tuple | None:
+    rank = max(len(s) for s in shapes)
+    out = [1] * rank
+    for s in shapes:
+        for i, n in enumerate(s, rank - len(s)):
+            if n != 1:
+                if out[i] != 1 and out[i] != n:
+                    return None
+                out[i] = n
+    return tuple(out)
+
+
+def _tensor_metas(op_schema: OpSchema) -> list | None:
+    """TensorMeta of every tensor argument, or None if one sits in a list (foreach ops) or a kwarg."""
+    if any(isinstance(v, (DTensorSpec, list, tuple)) for v in op_schema.kwargs_schema.values()):
+        return None
+    metas = []
+    for a in op_schema.args_schema:
+        if isinstance(a, DTensorSpec):
+            metas.append(a.tensor_meta)
+        elif isinstance(a, (list, tuple)) and any(isinstance(x, (DTensorSpec, torch.Tensor)) for x in a):
+            return None
+        elif isinstance(a, torch.Tensor):
+            return None
+    return metas
+
+
+def _elementwise(op_schema: OpSchema, dtype):
+    """An out-of-place elementwise op's output, where every path PyTorch may take to it (the C++
+    TensorIterator meta, the Python reference's ``compute_elementwise_output_strides``, FakeTensor's
+    fast elementwise impl) agrees, which needs an output without size-1 dims (their strides are
+    where those paths differ): canonical contiguous inputs give a contiguous output (contiguous
+    strides never reorder two dims of size > 1; broadcast dims have stride 0 and are skipped), and
+    inputs of the output's shape with the same dense strides keep them (all strides distinct, so
+    no tie to break). Anything else: None, and the caller runs the meta kernel."""
+    metas = _tensor_metas(op_schema)
+    if not metas:
+        return None
+    shape = _broadcast([m.shape for m in metas])
+    if shape is None or 0 in shape or 1 in shape:
+        return None
+    if all(_contiguous(m) for m in metas):
+        return TensorMeta(torch.Size(shape), contiguous_strides(shape), dtype)
+    first = metas[0]
+    if all(tuple(m.shape) == shape and tuple(m.stride) == tuple(first.stride) for m in metas) and (
+        _non_overlapping_and_dense(first)
+    ):
+        return TensorMeta(first.shape, tuple(first.stride), dtype)
+    return None
+
+
+def _fresh(shape, dtype) -> TensorMeta:
+    return TensorMeta(torch.Size(shape), contiguous_strides(shape), dtype)
+
+
+def _matmul(op_schema: OpSchema, dtype):
+    a, b = op_schema.args_schema[0].tensor_meta, op_schema.args_schema[1].tensor_meta
+    if op_schema.op is aten.mm.default and len(a.shape) == 2 and len(b.shape) == 2 and a.shape[1] == b.shape[0]:
+        return _fresh((a.shape[0], b.shape[1]), dtype)
+    if (op_schema.op is aten.bmm.default and len(a.shape) == 3 and len(b.shape) == 3
+            and a.shape[0] == b.shape[0] and a.shape[2] == b.shape[1]):
+        return _fresh((a.shape[0], a.shape[1], b.shape[2]), dtype)
+    return None
+
+
+def _transpose(op_schema: OpSchema, dtype):
+    m = op_schema.args_schema[0].tensor_meta
+    ndim = len(m.shape)
+    if op_schema.op is aten.t.default:
+        if ndim < 2:
+            return TensorMeta(m.shape, tuple(m.stride), dtype)
+        d0, d1 = 0, 1
+    else:
+        d0, d1 = op_schema.args_schema[1], op_schema.args_schema[2]
+        if not (-ndim <= d0 < ndim and -ndim <= d1 < ndim):
+            return None
+        d0, d1 = d0 % ndim, d1 % ndim
+    shape, stride = list(m.shape), list(m.stride)
+    shape[d0], shape[d1] = shape[d1], shape[d0]
+    stride[d0], stride[d1] = stride[d1], stride[d0]
+    return TensorMeta(torch.Size(shape), tuple(stride), dtype)
+
+
+def _view(op_schema: OpSchema, dtype):
+    """A view (or reshape) of a contiguous tensor is contiguous in its new shape (checked against
+    the meta kernel on every factorisation of small shapes, size-1 dims included, in the tests)."""
+    x, size = op_schema.args_schema[0].tensor_meta, op_schema.args_schema[1]
+    if not _contiguous(x) or not isinstance(size, (list, tuple)):
+        return None
+    numel = 1
+    for n in x.shape:
+        numel *= n
+    known, unknown = 1, [i for i, n in enumerate(size) if n == -1]
+    for n in size:
+        if n != -1:
+            if n < 0:
+                return None
+            known *= n
+    shape = list(size)
+    if unknown:
+        if len(unknown) > 1 or known == 0 or numel % known:
+            return None
+        shape[unknown[0]] = numel // known
+    elif known != numel:
+        return None
+    return _fresh(shape, dtype)
+
+
+def _expand(op_schema: OpSchema, dtype):
+    """expand: new leading dims and size-1 dims that grow get stride 0, every other dim keeps its
+    size and stride (``inferExpandGeometry``)."""
+    x, size = op_schema.args_schema[0].tensor_meta, op_schema.args_schema[1]
+    if len(op_schema.args_schema) > 2 or op_schema.kwargs_schema or len(size) < len(x.shape):
+        return None
+    lead = len(size) - len(x.shape)
+    shape, stride = [], []
+    for i, n in enumerate(size):
+        if i < lead:
+            if n < 0:
+                return None
+            shape.append(n), stride.append(0)
+            continue
+        have, have_stride = x.shape[i - lead], x.stride[i - lead]
+        if n == -1 or n == have:
+            shape.append(have), stride.append(have_stride)
+        elif have == 1 and n >= 0:
+            shape.append(n), stride.append(0)
+        else:
+            return None
+    return TensorMeta(torch.Size(shape), tuple(stride), dtype)
+
+
+def _slice(op_schema: OpSchema, dtype):
+    """slice(dim, start, end, step) is a view: the dim's size is its clamped range's length over
+    step and its stride times step (``at::native::slice``); other dims unchanged."""
+    x = op_schema.args_schema[0].tensor_meta
+    dim, start, end, step = (list(op_schema.args_schema[1:]) + [0, None, None, 1][len(op_schema.args_schema) - 1:])[:4]
+    ndim = len(x.shape)
+    if op_schema.kwargs_schema or ndim == 0 or not -ndim <= dim < ndim or step is None or step <= 0:
+        return None
+    dim %= ndim
+    size = x.shape[dim]
+    start = 0 if start is None else start
+    end = size if end is None else end
+    start = start + size if start < 0 else start
+    end = end + size if end < 0 else end
+    start = min(max(start, 0), size)
+    end = min(max(end, start), size)
+    shape, stride = list(x.shape), list(x.stride)
+    shape[dim] = (end - start + step - 1) // step
+    stride[dim] *= step
+    return TensorMeta(torch.Size(shape), tuple(stride), dtype)
+
+
+def _split(op_schema: OpSchema, dtypes):
+    """split(x, size, dim): pieces of ``size`` (the last one shorter) along dim, each a view with
+    x's strides (``at::native::split``)."""
+    x, size = op_schema.args_schema[0].tensor_meta, op_schema.args_schema[1]
+    dim = op_schema.args_schema[2] if len(op_schema.args_schema) > 2 else 0
+    ndim = len(x.shape)
+    if op_schema.kwargs_schema or not isinstance(size, int) or size <= 0 or not -ndim <= dim < ndim:
+        return None
+    dim %= ndim
+    n = x.shape[dim]
+    lengths = [size] * (n // size) + ([n % size] if n % size else [])
+    if not lengths or len(lengths) != len(dtypes):
+        return None
+    pieces = []
+    for length, dtype in zip(lengths, dtypes):
+        shape = list(x.shape)
+        shape[dim] = length
+        pieces.append(TensorMeta(torch.Size(shape), tuple(x.stride), dtype))
+    return pieces
+
+
+def _same_as_first(op_schema: OpSchema, dtype):
+    """detach / alias return a view with the input's sizes and strides; clone (preserve format) of a
+    contiguous tensor and the softmax kernels of a contiguous input return a contiguous tensor."""
+    m = op_schema.args_schema[0].tensor_meta
+    if op_schema.op in (aten.detach.default, aten.alias.default):
+        return TensorMeta(m.shape, tuple(m.stride), dtype)
+    if op_schema.op is aten.clone.default and op_schema.kwargs_schema:
+        return None  # an explicit memory_format
+    if not all(_contiguous(x) for x in (_tensor_metas(op_schema) or [None]) if x is not None):
+        return None
+    return _fresh(m.shape, dtype)
+
+
+def _softmax_backward(op_schema: OpSchema, dtype):
+    grad, out = op_schema.args_schema[0].tensor_meta, op_schema.args_schema[1].tensor_meta
+    if not (_contiguous(grad) and _contiguous(out)) or tuple(grad.shape) != tuple(out.shape):
+        return None
+    return _fresh(grad.shape, dtype)
+
+
+def _nll_loss_forward(op_schema: OpSchema, dtypes):
+    """nll_loss_forward(self (N, C) or (C,), target, weight, reduction, ignore_index) ->
+    (loss, total_weight): loss is (N,) without reduction, else a scalar; total_weight a scalar."""
+    x, target, weight, reduction = op_schema.args_schema[:4]
+    if not isinstance(target, DTensorSpec) or weight is not None or len(x.tensor_meta.shape) not in (1, 2):
+        return None
+    shape = (x.tensor_meta.shape[0],) if reduction == 0 and len(x.tensor_meta.shape) == 2 else ()
+    return (_fresh(shape, dtypes[0]), _fresh((), dtypes[1]))
+
+
+def _nll_loss_backward(op_schema: OpSchema, dtype):
+    """nll_loss_backward returns a zero-filled gradient of self's shape (a fresh contiguous tensor)."""
+    x = op_schema.args_schema[1].tensor_meta
+    if len(x.shape) not in (1, 2) or op_schema.args_schema[3] is not None:
+        return None
+    return _fresh(x.shape, dtype)
+
+
+_RULES = {
+    aten.view.default: _view,
+    aten._unsafe_view.default: _view,
+    aten.view_copy.default: _view,
+    aten.reshape.default: _view,
+    aten.expand.default: _expand,
+    aten.slice.Tensor: _slice,
+    aten.mm.default: _matmul,
+    aten.bmm.default: _matmul,
+    aten.transpose.int: _transpose,
+    aten.t.default: _transpose,
+    aten.detach.default: _same_as_first,
+    aten.alias.default: _same_as_first,
+    aten.clone.default: _same_as_first,
+    aten._softmax.default: _same_as_first,
+    aten._log_softmax.default: _same_as_first,
+    aten._softmax_backward_data.default: _softmax_backward,
+    aten._log_softmax_backward_data.default: _softmax_backward,
+    aten.nll_loss_backward.default: _nll_loss_backward,
+}
+
+
+_RULE_OF: dict = {}  # op -> its rule here, or None: decided once per op
+
+
+def _rule_of(op):
+    try:
+        return _RULE_OF[op]
+    except KeyError:
+        rule = _RULES.get(op) or (_elementwise if _is_elementwise(op) else None)
+        _RULE_OF[op] = rule
+        return rule
+
+
+def fast_outputs(op_schema: OpSchema, dtypes):
+    """Output TensorMeta(s) by arithmetic, or None where this module does not know them for certain.
+    ``dtypes``: the output dtype (a tuple of them for a tuple-returning op) PyTorch gave this op for
+    the same input dtypes and non-tensor arguments."""
+    op = op_schema.op
+    try:
+        if op is aten.nll_loss_forward.default:
+            return _nll_loss_forward(op_schema, dtypes) if isinstance(dtypes, tuple) and len(dtypes) == 2 else None
+        if op is aten.split.Tensor:
+            return _split(op_schema, dtypes) if isinstance(dtypes, tuple) else None
+        if isinstance(dtypes, tuple):
+            return None
+        rule = _rule_of(op)
+        return None if rule is None else rule(op_schema, dtypes)
+    except (AttributeError, IndexError, TypeError):  # an argument of an unexpected kind
+        return None
+
+
+def miss_outputs(op_schema: OpSchema):
+    """What PyTorch's miss path learns from its FakeTensor run, where that is arithmetic and the
+    dtype certain without a learned answer: ``mm``/``bmm`` of operands of one dtype (a fresh
+    contiguous result of that dtype) and ``embedding`` of a 2-D weight by integer indices (the rows
+    gathered into a fresh contiguous tensor, shaped ``indices.shape + (dim,)``, the weight's dtype).
+    None for anything else (the FakeTensor run decides)."""
+    op, args = op_schema.op, op_schema.args_schema
+    if op_schema.kwargs_schema or len(args) < 2 or not all(isinstance(a, DTensorSpec) for a in args[:2]):
+        return None
+    a, b = args[0].tensor_meta, args[1].tensor_meta
+    if op in (aten.mm.default, aten.bmm.default) and len(args) == 2 and a.dtype == b.dtype:
+        return _matmul(op_schema, a.dtype)
+    if (op is aten.embedding.default and len(a.shape) == 2 and len(b.shape) >= 1
+            and b.dtype in (torch.int64, torch.int32)):
+        return _fresh((*b.shape, a.shape[1]), a.dtype)
+    return None
