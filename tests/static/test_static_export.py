@@ -124,3 +124,26 @@ def test_static_moves_hand_the_gradient_back_as_grad_dst_says():
             assert cs == ce, f"grad_dst={g}: static step issued {cs} collectives, eager {ce}"
     # Left Partial, the input gradient skips one all-reduce in backward.
     assert runs[("static", "P")][-1][2] == runs[("static", "R")][-1][2] - 1
+
+
+def _counted_every_step():
+    mesh = vescale.init_mesh((2,), ("TP",))
+    torch.manual_seed(0)
+    model = tiny_llama()
+    vescale.parallelize(model, llama_plan(mesh, model.config), mesh, mode="static")
+    counts = []
+    for input_ids, labels in synthetic_batches(4, 4, 16, 128, seed=2):
+        with CollectiveCounter() as c:  # around recording steps too
+            model(input_ids=input_ids, labels=labels).loss.backward()
+        counts.append(c.total)
+    rt = vescale.static.static_runtime(model)
+    return sorted(rt.latest().unsafe), rt.static_steps, counts
+
+
+@pytest.mark.multiproc
+def test_a_collective_counter_around_recording_steps_hides_no_op_from_the_recording():
+    # A mode that hands DTensor ops straight to DTensor would skip the recording's watcher beneath
+    # it: the masked embedding was then taken for local and failed in the static step.
+    unsafe, static_steps, counts = run_on_ranks(_counted_every_step, 2)[0]
+    assert "model.embed_tokens" in unsafe, unsafe
+    assert static_steps >= 2 and all(n > 0 for n in counts), (static_steps, counts)

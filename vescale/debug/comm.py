@@ -6,7 +6,9 @@
 ``torch.distributed.tensor.debug.CommDebugMode`` it does not track modules, so it works with any
 module hooks. Waits and barriers are not counted. Ops on DTensors are left to DTensor with the mode
 still open (as PyTorch's ``CommDebugMode`` does), so the collectives of implicit redistributions inside
-DTensor's dispatch are counted too.
+DTensor's dispatch are counted too, unless another dispatch mode is open beneath this one (a Static
+Eager recording step's watcher): then those modes see the op first and its implicit collectives are
+not counted.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import collections
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_leaves
 
 __all__ = ["CollectiveCounter"]
@@ -51,10 +53,12 @@ class CollectiveCounter(TorchDispatchMode):
         return sum(self.counts.values())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(issubclass(t, DTensor) for t in types):
+        if any(issubclass(t, DTensor) for t in types) and not _get_current_dispatch_mode_stack():
             # Let DTensor run the op with this mode still open, so that the collectives of its
             # implicit redistributions (issued inside its dispatch, on plain tensors) are seen too;
-            # handling the op here would run DTensor's dispatch with this mode popped.
+            # handling the op here would run DTensor's dispatch with this mode popped. Only when
+            # no other mode is open beneath: NotImplemented skips those modes for this op, and
+            # one that must see every DTensor op (Static Eager's recording watcher) would miss it.
             return NotImplemented
         if func.namespace in ("c10d", "_c10d_functional", "c10d_functional"):
             kind = _KINDS.get(func._opname)
