@@ -19,6 +19,7 @@ what DTensor would.
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -28,7 +29,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
 
-__all__ = ["Move", "compile_move", "grad_layout", "grad_spec", "local_of", "dtensor_of"]
+__all__ = ["Move", "ParamShadow", "accumulate_grad", "compile_move", "grad_layout", "grad_spec", "local_of", "dtensor_of"]
 
 LocalFn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -191,3 +192,58 @@ def local_of(dt: DTensor, spec_of_grad: DTensorSpec) -> torch.Tensor:
 
 def dtensor_of(t: torch.Tensor, spec: DTensorSpec, spec_of_grad: DTensorSpec) -> DTensor:
     return _DTensorOf.apply(t, spec, spec_of_grad)
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters as plain leaves
+# ---------------------------------------------------------------------------------------------
+
+
+class ParamShadow:
+    """A plain leaf tensor standing for a DTensor parameter in a static module's body.
+
+    ``local_of`` costs an autograd node per parameter and module call, and in backward a DTensor
+    gradient per call that autograd's AccumulateGrad then detaches and stores through DTensor's
+    dispatch. The shadow is a leaf over the parameter's local tensor (same storage and version
+    counter, so in-place updates and autograd's saved-tensor checks see the parameter itself);
+    autograd accumulates the local gradient on it, summing every use in the step as it would on the
+    parameter, and its post-accumulate hook hands the sum over as a DTensor with the recorded
+    gradient spec, running the parameter's own hooks as AccumulateGrad does: its tensor hooks (which
+    may replace the gradient), the accumulation into ``param.grad``, then its post-accumulate hooks
+    (vescale.comm's gradient reduction lives there).
+    """
+
+    def __init__(self, param: DTensor, spec_of_grad: DTensorSpec):
+        self.param_ref = weakref.ref(param)
+        self.local = param._local_tensor
+        self.spec = spec_of_grad
+        self.leaf = self.local.detach().requires_grad_()
+        self.leaf.register_post_accumulate_grad_hook(self._hand_over)
+
+    def fits(self, param: DTensor) -> bool:
+        """Whether the parameter still has the local tensor (and storage) this shadow aliases."""
+        local = param._local_tensor
+        return local is self.local and local.data_ptr() == self.leaf.data_ptr()
+
+    def _hand_over(self, leaf: torch.Tensor) -> None:
+        local, leaf.grad = leaf.grad, None
+        param = self.param_ref()
+        if param is None or local is None:
+            return
+        accumulate_grad(param, DTensor(local.contiguous(), self.spec, requires_grad=False))
+
+
+def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """What autograd's AccumulateGrad does with ``grad`` on the leaf ``param`` (outside
+    ``create_graph``): tensor hooks, then ``param.grad`` set (or added to in place), then the
+    post-accumulate hooks."""
+    for hook in tuple((param._backward_hooks or {}).values()):
+        replaced = hook(grad)
+        if replaced is not None:
+            grad = replaced
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad.add_(grad)
+    for hook in tuple((param._post_accumulate_grad_hooks or {}).values()):
+        hook(param)

@@ -35,11 +35,12 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..parallel.faults import _first_line
 from ..parallel.hooks import IO_PLACED
 from ..plan.ir import PlanError
-from .boundary import Move, dtensor_of, grad_spec, local_of
+from .boundary import Move, ParamShadow, dtensor_of, grad_spec, local_of
 
 __all__ = ["StaticRuntime", "State"]
 
@@ -353,6 +354,8 @@ class StaticRuntime:
         self.watcher: _OpWatcher | None = None
         self.replay: _RandomReplay | None = None
         self.static_steps = self.recorded_steps = 0
+        # Parameter -> {id(gradient spec): ParamShadow}; weak, so a dropped parameter takes its shadows along.
+        self.shadows = WeakIdKeyDictionary()
 
     # -- which representation each module uses in the current step ---------------------------
 
@@ -521,7 +524,9 @@ class StaticRuntime:
                 spec = steps.grad_specs.get(name)
                 if spec is None:
                     spec = steps.grad_specs[name] = self._param_grad_spec(path, name, p)
-                local = local_of(p, spec)
+                local = self._shadow(p, spec) if p.requires_grad and isinstance(p, nn.Parameter) else None
+                if local is None:
+                    local = local_of(p, spec)
                 params[name] = local
                 swapped.append((name, p, local))
         for name, b in mod._buffers.items():
@@ -529,6 +534,21 @@ class StaticRuntime:
                 mod._buffers[name] = b._local_tensor
                 swapped.append((name, b, b._local_tensor))
         return swapped
+
+    def _shadow(self, p: DTensor, spec) -> torch.Tensor | None:
+        """The plain leaf standing for the parameter ``p`` (see ``ParamShadow``), one per gradient
+        spec: uses with different gradient layouts hand their gradients over separately, as
+        ``local_of`` would. None where autograd is off (the local tensor, no gradient, is what the
+        module gets then)."""
+        if not torch.is_grad_enabled():
+            return None
+        shadows = self.shadows.get(p)
+        if shadows is None:
+            shadows = self.shadows[p] = {}
+        shadow = shadows.get(id(spec))
+        if shadow is None or shadow.spec is not spec or not shadow.fits(p):
+            shadow = shadows[id(spec)] = ParamShadow(p, spec)
+        return shadow.leaf
 
     def _param_grad_spec(self, path: str, name: str, p: DTensor):
         rec = self.record

@@ -24,6 +24,12 @@ __all__ = ["llama_plan"]
 _LAYER = r"model\.layers\.\d+"
 
 
+def _is_zoo_config(config) -> bool:
+    from .llama import LlamaConfig
+
+    return isinstance(config, LlamaConfig)
+
+
 def _mesh_has(mesh: DeviceMesh | None, name: str | None) -> bool:
     return name is not None and (mesh is None or name in (mesh.mesh_dim_names or ()))
 
@@ -56,7 +62,7 @@ def llama_plan(
     if use_tp:
         kv_heads = getattr(config, "num_key_value_heads", None)
         split_kv = kv_heads is None or mesh is None or kv_heads % mesh[tp].size() == 0
-        _tensor_parallel(plan, tp, sequence_parallel, split_kv, mlp)
+        _tensor_parallel(plan, tp, sequence_parallel, split_kv, mlp, zoo_model=_is_zoo_config(config))
     if use_dp:
         plan.shard(r"<in>\[input_ids\]", Shard(0), mesh=dp)
         plan.shard(r"<in>\[labels\]", Shard(0), mesh=dp)
@@ -66,7 +72,8 @@ def llama_plan(
     return plan
 
 
-def _tensor_parallel(plan: VescalePlan, tp: str, sequence_parallel: bool, split_kv: bool, mlp: bool = True) -> None:
+def _tensor_parallel(plan: VescalePlan, tp: str, sequence_parallel: bool, split_kv: bool, mlp: bool = True,
+                     zoo_model: bool = False) -> None:
     # Between blocks: sequence-sharded with SP, replicated without.
     between = Shard(1) if sequence_parallel else Replicate()
     # Vocabulary-parallel embedding with SP (its Partial output is reduce-scattered along the sequence).
@@ -83,10 +90,13 @@ def _tensor_parallel(plan: VescalePlan, tp: str, sequence_parallel: bool, split_
         plan.shard(rf"{_LAYER}\.{block}\.{col}\.weight", Shard(0), mesh=tp)
         plan.shard(rf"{_LAYER}\.{block}\.{row}\.weight", Shard(1), mesh=tp)
         plan.shard(rf"{_LAYER}\.{block}\.<out>", between, mesh=tp)
-    if sequence_parallel:
+    if sequence_parallel and not zoo_model:
         # Static Eager: HF's LlamaModel reads the sequence length for position ids and the causal
         # mask from the (sequence-sharded) embeddings, so its own few ops stay on DTensors; the
-        # decoder layers inside it still run static.
+        # decoder layers inside it still run static. The zoo's LlamaModel reads it from input_ids
+        # (whole along the sequence), so its own ops run static too and its layers meet a static
+        # caller (no DTensor wrapping around each layer). Without a config, keep it eager: the
+        # static step's shape check would otherwise reject HF's model.
         plan.eager(r"model")
     plan.shard(r"lm_head\.<in>", Replicate(), mesh=tp)
     plan.shard(r"lm_head\.weight", Shard(0), mesh=tp)  # vocabulary-parallel logits
