@@ -356,6 +356,9 @@ class StaticRuntime:
         self.static_steps = self.recorded_steps = 0
         # Parameter -> {id(gradient spec): ParamShadow}; weak, so a dropped parameter takes its shadows along.
         self.shadows = WeakIdKeyDictionary()
+        # False: every parameter goes through ``local_of`` (an autograd node per use, a DTensor
+        # gradient per use), the path ParamShadow replaces; tests compare the two bit for bit.
+        self.param_leaves = True
 
     # -- which representation each module uses in the current step ---------------------------
 
@@ -524,7 +527,7 @@ class StaticRuntime:
                 spec = steps.grad_specs.get(name)
                 if spec is None:
                     spec = steps.grad_specs[name] = self._param_grad_spec(path, name, p)
-                local = self._shadow(p, spec) if p.requires_grad and isinstance(p, nn.Parameter) else None
+                local = self._shadow(p, spec) if self.param_leaves and p.requires_grad and isinstance(p, nn.Parameter) else None
                 if local is None:
                     local = local_of(p, spec)
                 params[name] = local
