@@ -527,7 +527,7 @@ class StaticRuntime:
                 spec = steps.grad_specs.get(name)
                 if spec is None:
                     spec = steps.grad_specs[name] = self._param_grad_spec(path, name, p)
-                local = self._shadow(p, spec) if self.param_leaves and p.requires_grad and isinstance(p, nn.Parameter) else None
+                local = self._shadow(p, spec) if self.param_leaves and p.requires_grad and p.grad_fn is None else None
                 if local is None:
                     local = local_of(p, spec)
                 params[name] = local
