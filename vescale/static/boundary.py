@@ -12,7 +12,8 @@ what ``from_local``'s default gradient layout is). One autograd node runs both.
 
 The common one-mesh-dim moves run as a single collective (the process group's own, called
 directly: no functional-collective wrapper, whose Python autograd registration costs more than the
-call on small tensors) plus the chunk/cat that puts the collective's dim 0 where the shard dim is. Everything else (several mesh dims at once, nested or uneven shards, other Partial ops)
+call on small tensors, nor torch.distributed's checking wrappers) plus the chunk/cat that puts the
+collective's dim 0 where the shard dim is. Everything else (several mesh dims at once, nested or uneven shards, other Partial ops)
 goes through DTensor's ``redistribute_local_tensor`` with the same specs, so every move computes
 what DTensor would.
 """
@@ -24,6 +25,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, ReduceScatterOptions
 from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -70,10 +72,36 @@ def _single_dim_move(src: DTensorSpec, dst: DTensorSpec, i: int) -> Optional[Loc
     return None
 
 
+# The process group's own calls, synchronous, with options made once: torch.distributed's wrappers
+# around them (torch-function dispatch, argument checks, coalescing and logging decorators) cost
+# more than the call itself on small tensors, and none applies here: contiguous real tensors of a
+# mesh group this rank belongs to, outside any coalescing block. Complex tensors take the wrappers
+# (they view them as real).
+def _options(kind, **fields):
+    opts = kind()
+    opts.asyncOp = False
+    for name, value in fields.items():
+        setattr(opts, name, value)
+    return opts
+
+
+_GATHER = _options(AllgatherOptions)
+_REDUCE_SCATTER = _options(ReduceScatterOptions, reduceOp=dist.ReduceOp.SUM)
+_ALL_REDUCE = _options(AllreduceOptions, reduceOp=dist.ReduceOp.SUM)
+
+
+def _wait(work) -> None:
+    if work is not None:  # backends that synchronise in C++ return None
+        work.wait()
+
+
 def _gather(t: torch.Tensor, d: int, n: int, group) -> torch.Tensor:
     t = t.contiguous()
     out = t.new_empty((n * t.shape[0], *t.shape[1:]))
-    dist.all_gather_single(out, t, group=group)
+    if t.is_complex():
+        dist.all_gather_single(out, t, group=group)
+    else:
+        _wait(group.all_gather_single(out, t, _GATHER))
     return out if d == 0 else torch.cat(out.chunk(n, 0), dim=d)
 
 
@@ -81,13 +109,19 @@ def _reduce_scatter(t: torch.Tensor, d: int, n: int, group) -> torch.Tensor:
     # The collective scatters dim 0: stack the n pieces of dim d along it.
     t = torch.cat(t.chunk(n, d), dim=0) if d != 0 else t.contiguous()
     out = t.new_empty((t.shape[0] // n, *t.shape[1:]))
-    dist.reduce_scatter_single(out, t, group=group)
+    if t.is_complex():
+        dist.reduce_scatter_single(out, t, group=group)
+    else:
+        _wait(group.reduce_scatter_single(out, t, _REDUCE_SCATTER))
     return out
 
 
 def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
     out = t.clone(memory_format=torch.contiguous_format)  # the input may be saved for backward
-    dist.all_reduce(out, group=group)
+    if t.is_complex():
+        dist.all_reduce(out, group=group)
+    else:
+        _wait(group.allreduce([out], _ALL_REDUCE))
     return out
 
 

@@ -90,6 +90,7 @@ class _Steps:
     moves_in: object | None  # enter: ``fn(index, tensor)`` running the precompiled moves, if any
     moves_out: object | None  # leave: the same for outputs
     grad_specs: dict = field(default_factory=dict)  # parameter name -> spec of its gradient
+    shadows: dict = field(default_factory=dict)  # parameter name -> its last ParamShadow
 
 
 def _mover(moves: list | None):
@@ -527,7 +528,9 @@ class StaticRuntime:
                 spec = steps.grad_specs.get(name)
                 if spec is None:
                     spec = steps.grad_specs[name] = self._param_grad_spec(path, name, p)
-                local = self._shadow(p, spec) if self.param_leaves and p.requires_grad and p.grad_fn is None else None
+                local = None
+                if self.param_leaves and p.requires_grad and p.grad_fn is None and torch.is_grad_enabled():
+                    local = self._shadow(steps, name, p, spec)
                 if local is None:
                     local = local_of(p, spec)
                 params[name] = local
@@ -538,19 +541,21 @@ class StaticRuntime:
                 swapped.append((name, b, b._local_tensor))
         return swapped
 
-    def _shadow(self, p: DTensor, spec) -> torch.Tensor | None:
-        """The plain leaf standing for the parameter ``p`` (see ``ParamShadow``), one per gradient
-        spec: uses with different gradient layouts hand their gradients over separately, as
-        ``local_of`` would. None where autograd is off (the local tensor, no gradient, is what the
-        module gets then)."""
-        if not torch.is_grad_enabled():
-            return None
-        shadows = self.shadows.get(p)
-        if shadows is None:
-            shadows = self.shadows[p] = {}
-        shadow = shadows.get(id(spec))
-        if shadow is None or shadow.spec is not spec or not shadow.fits(p):
-            shadow = shadows[id(spec)] = ParamShadow(p, spec)
+    def _shadow(self, steps: "_Steps", name: str, p: DTensor, spec) -> torch.Tensor:
+        """The plain leaf standing for the leaf parameter ``p`` (see ``ParamShadow``). One per
+        parameter and gradient spec, shared by every module that uses it (autograd sums their
+        gradients before the parameter's hooks run, as it does for the parameter); uses with
+        different gradient layouts hand their gradients over separately, as ``local_of`` would."""
+        shadow = steps.shadows.get(name)  # the last call's: the same parameter, outside ZeRO-3
+        if shadow is None or shadow.param_ref() is not p or shadow.spec is not spec or not shadow.fits(p):
+            per_spec = self.shadows.get(p)
+            if per_spec is None:
+                per_spec = self.shadows[p] = {}
+            shadow = per_spec.get(id(spec))
+            if shadow is None or shadow.spec is not spec or not shadow.fits(p):
+                shadow = per_spec[id(spec)] = ParamShadow(p, spec)
+            if isinstance(p, nn.Parameter):  # not ZeRO-3's gathered copies: new each call, freed after
+                steps.shadows[name] = shadow
         return shadow.leaf
 
     def _param_grad_spec(self, path: str, name: str, p: DTensor):
