@@ -21,7 +21,7 @@ sequence length against a repeated one (static mode records again for new shapes
 runs the same on real gloo ranks (one process each; ``local`` left out: its stand-in collectives
 do not communicate; 4 ranks oversubscribe 2 cores, so read ratios, not absolutes). Run:
 
-    .venv/bin/python benchmarks/bench_dispatch.py [--rounds 7] [--configs tp8,dp2tp4] [--gloo tp2,dp2tp2] [--model llama|moe]
+    .venv/bin/python benchmarks/bench_dispatch.py [--rounds 7] [--configs tp8,dp2tp4] [--gloo tp2,dp2tp2] [--model llama|moe] [--clock wall|thread]
 
 ``--model moe``: HF's unchanged ``MixtralForCausalLM`` with many small experts (16 experts of
 intermediate 64, 2 per token) under ``vescale.zoo.moe_plan`` (tensor-parallel experts, SP, ZeRO-3),
@@ -60,6 +60,10 @@ CONFIGS = {  # name: (mesh shape, mesh names, sequence parallel, zero3)
 MODEL = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                     num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512)
 BATCH, SEQ = 8, 64
+# What times a step on the fake group: wall time, or with --clock thread this thread's CPU time
+# (the fake group never waits, so on an idle machine the two agree; on a shared one CPU time does
+# not count the time other processes held the core). Runs on gloo ranks always use wall time.
+STEP_CLOCK = [time.perf_counter]
 # Many small experts: a step is hundreds of small ops, so per-op overhead dominates.
 MOE_SIZES = dict(vocab_size=512, hidden_size=128, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
                  num_key_value_heads=8, head_dim=16, num_local_experts=16, num_experts_per_tok=2,
@@ -195,7 +199,7 @@ class Runner:
         else:
             dispatch.install()
         (x, y), = synthetic_batches(1, self.batch, seq, self.vocab, seed=seq)
-        t0 = time.perf_counter()
+        t0 = STEP_CLOCK[0]()
         # TorchTitan's LLaMA keeps the logits vocabulary-sharded (loss_parallel); its MoE here replicates them.
         if self.variant == "torch" and self.kind == "llama":
             context = loss_parallel()
@@ -208,7 +212,7 @@ class Runner:
             loss.backward()
         self.opt.step()
         self.opt.zero_grad()
-        return time.perf_counter() - t0
+        return STEP_CLOCK[0]() - t0
 
 
 def _build(kind: str):
@@ -376,6 +380,7 @@ def bench(config: str, rounds: int, variants: list[str], kind: str) -> None:
 
 
 def _on_gloo_rank(config: str, rounds: int, variants: list[str], kind: str):
+    STEP_CLOCK[0] = time.perf_counter  # ranks wait for each other: CPU time would not count it
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     shape, names, sp, zero3 = CONFIGS[config]
     mesh = vescale.init_mesh(shape, names)
@@ -402,10 +407,13 @@ def main() -> None:
     ap.add_argument("--gloo", default="", help="configs to run on real gloo ranks too, e.g. tp2,dp2tp2")
     ap.add_argument("--model", choices=("llama", "moe"), default="llama", help="the zoo LLaMA or HF Mixtral (many small experts)")
     ap.add_argument("--ops", action="store_true", help="per-op overhead on a DP=2 x TP=2 mesh first")
+    ap.add_argument("--clock", choices=("wall", "thread"), default="wall",
+                    help="fake-group step times: wall time, or this thread's CPU time (steadier on a shared machine)")
     args = ap.parse_args()
+    STEP_CLOCK[0] = time.thread_time if args.clock == "thread" else time.perf_counter
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     torch.set_num_threads(1)
-    print(f"torch {torch.__version__}; 1 intra-op thread; {args.rounds} interleaved rounds")
+    print(f"torch {torch.__version__}; 1 intra-op thread; {args.rounds} interleaved rounds; {args.clock} clock")
     if args.ops:
         dist.init_process_group("fake", rank=0, world_size=4)
         print("\n## per-op time on a DP=2 x TP=2 mesh (fake group), microseconds")
