@@ -3,7 +3,8 @@
 Both models use the same module names, so one plan serves both. The plan is Megatron-style:
 
 * tensor parallel (TP): q/k/v and gate/up projections column-wise (``Shard(0)`` of the weight),
-  o/down projections row-wise (``Shard(1)``), vocabulary-parallel embedding and LM head;
+  o/down projections row-wise (``Shard(1)``), vocabulary-parallel embedding and LM head (its
+  logits gathered as they leave it: the loss needs them whole);
 * sequence parallel (SP, on TP): between blocks the residual stream is split along the sequence
   (``Shard(1)``), gathered before attention/MLP and reduce-scattered after them, so norms and
   residual adds run on 1/TP of the tokens;
@@ -99,4 +100,9 @@ def _tensor_parallel(plan: VescalePlan, tp: str, sequence_parallel: bool, split_
         # static step's shape check would otherwise reject HF's model.
         plan.eager(r"model")
     plan.shard(r"lm_head\.<in>", Replicate(), mesh=tp)
-    plan.shard(r"lm_head\.weight", Shard(0), mesh=tp)  # vocabulary-parallel logits
+    plan.shard(r"lm_head\.weight", Shard(0), mesh=tp)  # vocabulary-parallel matmul
+    # The logits are gathered as they leave the head. The loss's log_softmax needs them whole
+    # anyway (DTensor would gather them for it, on the same ranks, with the same collective);
+    # gathered here, the gather is the plan's, which Static Eager runs as a precompiled move, and the
+    # causal-LM wrapper's own ops (the loss) run on local tensors instead of staying on DTensors.
+    plan.shard(r"lm_head\.<out>", Replicate(), mesh=tp)
