@@ -704,6 +704,17 @@ def _note(rec: Record, parent: dict, key: tuple, t) -> Crossing:
     placed tensors at the same spot cannot be replayed from one record: it and its caller stay
     eager (then its inputs arrive as DTensors and need no recorded spec)."""
     spec = _spec_of(t)
+    averaged = _averaged_partial(spec)
+    if averaged:
+        # The boundary's gradient specs follow from_local (a Partial value's local gradient is the
+        # whole gradient), which is right for a sum but not for an average (each rank's share of
+        # the gradient is 1/n of it): keep the module and its caller on DTensors, whose own rules
+        # handle it.
+        path = key[0]
+        why = f"a tensor crossing its boundary is {averaged} (averaged over ranks)"
+        rec.unsafe.setdefault(path, why)
+        if parent.get(path) is not None:
+            rec.unsafe.setdefault(parent[path], f"calls {path!r}: {why}")
     c = rec.crossings.get(key)
     if c is None:
         c = rec.crossings[key] = Crossing(spec)
@@ -714,6 +725,16 @@ def _note(rec: Record, parent: dict, key: tuple, t) -> Crossing:
         if parent.get(path) is not None:
             rec.unsafe.setdefault(parent[path], f"calls {path!r}, which is {why}")
     return c
+
+
+def _averaged_partial(spec) -> str | None:
+    """A non-sum Partial placement of ``spec`` on a mesh dim of more than one rank, as text."""
+    if spec is None:
+        return None
+    for i, p in enumerate(spec.placements):
+        if p.is_partial() and getattr(p, "reduce_op", "sum") != "sum" and spec.mesh.size(i) > 1:
+            return f"{p} on mesh dim {i}"
+    return None
 
 
 def _compile_moves(crossings: dict, path: str, src: str, dst: str) -> list | None:
