@@ -122,50 +122,37 @@ def torchtitan_moe(model: nn.Module, mesh, zero3: bool = True) -> nn.Module:
 
 
 def vescale_llama() -> "VescalePlan":
-    """``llama_plan(mesh, zero3=True)`` on a (DP, TP) mesh, written out as a user would write it."""
+    """``llama_plan(mesh, zero3=True)`` on a (DP, TP) mesh, written out as a user would: one statement per rule."""
     from vescale import INIT, RUN, VescalePlan
 
     plan, layer = VescalePlan(), r"model\.layers\.\d+"
-    plan.shard(r"model\.embed_tokens\.weight", Shard(0), mesh="TP")
-    plan.shard(r"model\.embed_tokens\.<out>", Shard(1), mesh="TP")
-    plan.shard(rf"{layer}\.self_attn\.<in>[hidden_states]", Replicate(), mesh="TP")
-    plan.shard(rf"{layer}\.self_attn\.(q|k|v)_proj\.weight", Shard(0), mesh="TP")
-    plan.shard(rf"{layer}\.self_attn\.o_proj\.weight", Shard(1), mesh="TP")
-    plan.shard(rf"{layer}\.self_attn\.<out>", Shard(1), mesh="TP")
-    plan.shard(rf"{layer}\.mlp\.<in>", Replicate(), mesh="TP")
-    plan.shard(rf"{layer}\.mlp\.(gate|up)_proj\.weight", Shard(0), mesh="TP")
-    plan.shard(rf"{layer}\.mlp\.down_proj\.weight", Shard(1), mesh="TP")
-    plan.shard(rf"{layer}\.mlp\.<out>", Shard(1), mesh="TP")
-    plan.shard(r"lm_head\.<in>", Replicate(), mesh="TP")
-    plan.shard(r"lm_head\.weight", Shard(0), mesh="TP")
-    plan.shard(r"lm_head\.<out>", Replicate(), mesh="TP")
-    plan.shard(r"<in>\[input_ids\]", Shard(0), mesh="DP")
-    plan.shard(r"<in>\[labels\]", Shard(0), mesh="DP")
-    plan.shard(r".*weight", Shard(0), mesh="DP", phase=INIT)
+    # Column-parallel projections, vocabulary-parallel embedding and head; row-parallel projections.
+    plan.shard(rf"(model\.embed_tokens|lm_head|{layer}\.(self_attn\.[qkv]|mlp\.(gate|up))_proj)\.weight", Shard(0), mesh="TP")
+    plan.shard(rf"{layer}\.(self_attn\.o|mlp\.down)_proj\.weight", Shard(1), mesh="TP")
+    # Sequence parallel: gather the sequence into attention, the MLP and the head, scatter it after.
+    plan.shard(rf"({layer}\.(self_attn|mlp)|lm_head)\.<in>", Replicate(), mesh="TP")
+    plan.shard(rf"(model\.embed_tokens|{layer}\.(self_attn|mlp))\.<out>", Shard(1), mesh="TP")
+    plan.shard(r"lm_head\.<out>", Replicate(), mesh="TP")  # the logits leave whole: the loss needs them so
+    plan.shard(r"<in>\[(input_ids|labels)\]", Shard(0), mesh="DP")  # data parallel: split the batch
+    plan.shard(r".*weight", Shard(0), mesh="DP", phase=INIT)  # ZeRO-3: stored sharded, gathered to run
     plan.shard(r".*weight", Replicate(), mesh="DP", phase=RUN)
     return plan
 
 
 def vescale_moe() -> "VescalePlan":
-    """``moe_plan(mesh, sequence_parallel=True, zero3=True)`` on a (DP, TP) mesh, written out."""
+    """``moe_plan(mesh, sequence_parallel=True, zero3=True)`` on a (DP, TP) mesh, written out: one statement per rule."""
     from vescale import INIT, RUN, InterleavedShard, VescalePlan
 
     plan, layer = VescalePlan(), r"model\.layers\.\d+"
-    plan.shard(r"model\.embed_tokens\.weight", Shard(0), mesh="TP")
-    plan.shard(r"model\.embed_tokens\.<out>", Shard(1), mesh="TP")
-    plan.shard(rf"{layer}\.self_attn\.<in>[hidden_states]", Replicate(), mesh="TP")
-    plan.shard(rf"{layer}\.self_attn\.(q|k|v)_proj\.weight", Shard(0), mesh="TP")
+    plan.shard(rf"(model\.embed_tokens|lm_head|{layer}\.self_attn\.[qkv]_proj)\.weight", Shard(0), mesh="TP")
     plan.shard(rf"{layer}\.self_attn\.o_proj\.weight", Shard(1), mesh="TP")
-    plan.shard(rf"{layer}\.self_attn\.<out>", Shard(1), mesh="TP")
-    plan.shard(rf"{layer}\.mlp\.<in>", Replicate(), mesh="TP")
+    # Every expert tensor-parallel: gate|up column-parallel section by section, down row-parallel.
     plan.shard(rf"{layer}\.mlp\.experts\.gate_up_proj", InterleavedShard(1, 2), mesh="TP")
     plan.shard(rf"{layer}\.mlp\.experts\.down_proj", Shard(2), mesh="TP")
-    plan.shard(rf"{layer}\.mlp\.<out>", Shard(1), mesh="TP")
-    plan.shard(r"lm_head\.<in>", Replicate(), mesh="TP")
-    plan.shard(r"lm_head\.weight", Shard(0), mesh="TP")
-    plan.shard(r"lm_head\.<out>", Replicate(), mesh="TP")
-    plan.shard(r"<in>\[input_ids\]", Shard(0), mesh="DP")
-    plan.shard(r"<in>\[labels\]", Shard(0), mesh="DP")
+    plan.shard(rf"({layer}\.(self_attn|mlp)|lm_head)\.<in>", Replicate(), mesh="TP")
+    plan.shard(rf"(model\.embed_tokens|{layer}\.(self_attn|mlp))\.<out>", Shard(1), mesh="TP")
+    plan.shard(r"lm_head\.<out>", Replicate(), mesh="TP")  # the logits leave whole: the loss needs them so
+    plan.shard(r"<in>\[(input_ids|labels)\]", Shard(0), mesh="DP")
     plan.shard(r".*(weight|gate_up_proj|down_proj)", Shard(0), mesh="DP", phase=INIT)
     plan.shard(r".*(weight|gate_up_proj|down_proj)", Replicate(), mesh="DP", phase=RUN)
     return plan

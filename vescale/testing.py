@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["run_on_ranks", "forget_dtensor_caches"]
+__all__ = ["run_on_ranks", "forget_dtensor_caches", "train_losses", "error_of"]
 
 
 def _free_port() -> int:
@@ -108,3 +108,26 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
     if errors:
         raise RuntimeError("failure on {} rank(s):\n{}".format(len(errors), "\n".join(errors)))
     return results
+
+
+def train_losses(model, batches, opt) -> list[float]:
+    """Train ``model`` on ``(input_ids, labels)`` batches (a causal LM returning ``.loss``) with the
+    optimiser ``opt``, one step per batch; the losses, as global values (``loss.item()``)."""
+    losses = []
+    for input_ids, labels in batches:
+        loss = model(input_ids=input_ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def error_of(fn: Callable[..., Any], *args: Any, kind: type = Exception) -> str | None:
+    """The message of the ``kind`` exception ``fn(*args)`` raises, or None if it raises none (a test
+    that expects the error then fails with the None, not with a traceback from a rank)."""
+    try:
+        fn(*args)
+    except kind as e:
+        return str(e)
+    return None

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 import vescale
 from vescale import PlanError, Replicate, Shard, VescalePlan
-from vescale.testing import run_on_ranks
+from vescale.testing import error_of, run_on_ranks
 
 
 class GlobalHeads(nn.Module):
@@ -69,11 +69,7 @@ def _train(mode: str, eager: bool, steps: int = 4):
 
 
 def _global_size_error():
-    try:
-        _train("static", eager=False)
-    except PlanError as e:
-        return str(e)
-    return None
+    return error_of(_train, "static", False, kind=PlanError)
 
 
 def _with_eager_line():
@@ -163,13 +159,13 @@ def _failing_reshape_error():
     plan.shard(r"mix\.<in>\[y\]", Shard(0), mesh="DP")
     vescale.parallelize(model, plan, mesh, mode="static")
     data = torch.Generator().manual_seed(0)
-    try:
+
+    def steps():
         for _ in range(4):
             x, y = torch.randn(4, 6, generator=data), torch.randn(4, 6, generator=data)
             model(x, y).backward()
-    except PlanError as e:
-        return str(e)
-    return None
+
+    return error_of(steps, kind=PlanError)
 
 
 @pytest.mark.multiproc

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import vescale
 from vescale.random import consistent
-from vescale.testing import run_on_ranks
+from vescale.testing import run_on_ranks, train_losses
 from vescale.zoo import llama_plan, synthetic_batches, tiny_llama
 
 STEPS, LR, TOL, SEED = 20, 1e-3, 1e-5, 1234
@@ -36,14 +36,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def _train(model) -> list[float]:
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for input_ids, labels in synthetic_batches(STEPS, 4, 16, 128, seed=1):
-        loss = model(input_ids=input_ids, labels=labels).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(_full(loss).item())
-    return losses
+    return train_losses(model, synthetic_batches(STEPS, 4, 16, 128, seed=1), opt)
 
 
 @functools.cache

@@ -4,13 +4,16 @@
 (``_c10d_functional.*``) and direct ``torch.distributed`` calls (``c10d.*``, the ops behind
 ``dist.all_reduce`` and friends, which ``vescale.comm`` uses), by kind. Unlike
 ``torch.distributed.tensor.debug.CommDebugMode`` it does not track modules, so it works with any
-module hooks. Waits and barriers are not counted.
+module hooks. Waits and barriers are not counted. Ops on DTensors are left to DTensor with the mode
+still open (as PyTorch's ``CommDebugMode`` does), so the collectives of implicit redistributions inside
+DTensor's dispatch are counted too.
 """
 
 from __future__ import annotations
 
 import collections
 
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["CollectiveCounter"]
@@ -38,6 +41,11 @@ class CollectiveCounter(TorchDispatchMode):
         return sum(self.counts.values())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            # Let DTensor run the op with this mode still open, so that the collectives of its
+            # implicit redistributions (issued inside its dispatch, on plain tensors) are seen too;
+            # handling the op here would run DTensor's dispatch with this mode popped.
+            return NotImplemented
         if func.namespace in ("c10d", "_c10d_functional", "c10d_functional"):
             kind = _KINDS.get(func._opname)
             if kind is not None:

@@ -40,6 +40,8 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from .local import why_rule_not_local
+
 __all__ = ["install_datadep_handlers", "uninstall_datadep_handlers", "DATADEP_OPS"]
 
 aten = torch.ops.aten
@@ -320,6 +322,29 @@ _HANDLERS = {
     **_ACCUMULATE_OPS,
 }
 DATADEP_OPS = tuple(_HANDLERS) + (aten._grouped_mm.default,)
+
+
+def _runs_locally(op, args, kwargs) -> bool:
+    """For Static Eager mode: every DTensor argument is Replicate on each mesh dim with more than
+    one rank, so the op on the local tensors is the op on the global ones (and its output is
+    Replicate, as the handler makes it). MoE routing under tensor parallelism is such a case."""
+    found: list = []
+    _map(lambda x: found.append(x) if isinstance(x, DTensor) else None, (args, kwargs))
+    return all(
+        p.is_replicate() or t.device_mesh.size(i) == 1 for t in found for i, p in enumerate(t.placements)
+    )
+
+
+def _index_runs_locally(op, args, kwargs) -> bool:
+    """Indexing without boolean masks is DTensor's own rule (the handler only rewrites masks): local
+    when that rule moves nothing (e.g. rows of a Partial sum picked by replicated indices)."""
+    if any(_is_mask(i) for i in args[1]):
+        return _runs_locally(op, args, kwargs)
+    return why_rule_not_local(op, args, kwargs) is None
+
+
+for _handler in set(_HANDLERS.values()):
+    _handler.runs_locally = _index_runs_locally if _handler is _masked_index else _runs_locally
 _INSTALLED: list = []
 
 

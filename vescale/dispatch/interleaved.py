@@ -10,9 +10,14 @@ split, or a model fusing q|k|v itself) — is an ``InterleavedShard(d, k)``.
 The ``cat`` rule also skips 1-D empty inputs, as ``torch.cat`` does (an empty KV cache meets the
 keys: HF models' default ``use_cache=True``).
 
-Both rules are added in front of PyTorch's strategy functions for ``split`` / ``split_with_sizes``
-and ``cat`` through the propagator's own strategy table (``install()``, never at import); every
-other case goes to PyTorch's function unchanged. (``chunk`` reaches DTensor as ``split``.)
+Matmuls (``mm``, ``bmm``, ``_grouped_mm``: HF's experts kernels) with an interleaved operand run on
+the local shards too: a column-split weight gives interleaved output columns, a split contraction a
+Partial sum (``_local_matmul``); PyTorch's rules would gather the weight on every call.
+
+The rules are added in front of PyTorch's strategy functions for ``split`` / ``split_with_sizes``,
+``cat`` and the matmuls through the propagator's own strategy table (``install()``, never at
+import); every other case goes to PyTorch's function unchanged. (``chunk`` reaches DTensor as
+``split``.)
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from __future__ import annotations
 import threading
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
 from torch.distributed.tensor.placement_types import _is_shard_like
@@ -32,6 +37,7 @@ __all__ = ["install_interleaved_rules", "uninstall_interleaved_rules", "SIZE_DEP
 aten = torch.ops.aten
 _SPLIT_OPS = (aten.split.Tensor, aten.split_with_sizes.default)
 _CAT_OPS = (aten.cat.default,)
+_MATMUL_OPS = (aten.mm.default, aten.bmm.default, aten._grouped_mm.default)
 # Ops whose interleaved decision depends on exact sizes, which a shape-free cache key leaves out
 # (split is never cached: its size argument is rewritten per call).
 SIZE_DEPENDENT_OPS = frozenset(_CAT_OPS)
@@ -113,6 +119,86 @@ def _local_cat(schema: OpSchema) -> OpStrategy | None:
     )
 
 
+def _like(p, dim: int):
+    """A placement of the same kind as the shard ``p`` on tensor dim ``dim``."""
+    return InterleavedShard(dim, interleave_of(p)) if is_interleaved(p) else Shard(dim)
+
+
+def _same_split(p, q) -> bool:
+    return (is_interleaved(p) and is_interleaved(q) and interleave_of(p) == interleave_of(q)) or (
+        type(p) is Shard and type(q) is Shard
+    )
+
+
+def _aligned_rows(spec: DTensorSpec) -> bool:
+    """Whether the local shard keeps ``_grouped_mm``'s rule that an operand's row stride is a multiple
+    of 16 bytes. Only a split of one of the last two dims changes the local strides (a transposed
+    operand has its row stride there too), so its local size must be a multiple of 16 bytes."""
+    ndim = len(spec.shape)
+    for m, p in enumerate(spec.placements):
+        if _is_shard_like(p) and p.dim % ndim >= ndim - 2:
+            local = spec.shape[p.dim] // spec.mesh.size(m)
+            if spec.tensor_meta is None or local * spec.tensor_meta.dtype.itemsize % 16:
+                return False
+    return True
+
+
+def _local_matmul(schema: OpSchema) -> OpStrategy | None:
+    """``mm`` / ``bmm`` / ``_grouped_mm`` with an ``InterleavedShard`` operand, computed on the local
+    shards as they are: the sections of a column-split weight (HF's fused gate|up experts) give
+    output columns in the same interleaved layout, a row-split contraction gives a Partial sum, a
+    row-split left operand gives output rows laid out alike. DTensor's own rules do not know
+    ``_StridedShard`` and gather the weight on every call. Other layouts: PyTorch's rule."""
+    a, b = schema.args_schema[:2]
+    offs = schema.args_schema[2] if len(schema.args_schema) > 2 else None
+    if not all(isinstance(x, OpStrategy) and len(x.strategies) == 1 for x in (a, b)):
+        return None
+    sa, sb = a.strategies[0].output_spec, b.strategies[0].output_spec
+    if not any(is_interleaved(p) for p in (*sa.placements, *sb.placements)):
+        return None
+    inputs = [sa, sb]
+    if isinstance(offs, OpStrategy):
+        so = offs.strategies[0].output_spec
+        if not all(p.is_replicate() for p in so.placements):
+            return None
+        inputs.append(so)
+    na, nb = len(sa.shape), len(sb.shape)
+    grouped = schema.op is aten._grouped_mm.default
+    if (na, nb) not in ((2, 2), (3, 3), (2, 3)) or (not grouped and na != nb):
+        return None
+    if grouped and not all(_aligned_rows(spec) for spec in (sa, sb)):
+        return None  # the kernel needs 16-byte row strides; the local shard would not have them
+    nout = {(2, 2): 3, (2, 3): 2}.get((na, nb), na) if grouped else na  # (2, 3): one row per token
+    rows_ok = not (grouped and (na, nb) == (2, 3))  # offs groups a's rows there
+    contraction_ok = not (grouped and (na, nb) == (2, 2))  # ... and the contraction here
+    out, want_a, want_b = [], list(sa.placements), list(sb.placements)
+    for m, (pa, pb) in enumerate(zip(sa.placements, sb.placements)):
+        if pa.is_replicate() and pb.is_replicate():
+            out.append(Replicate())
+        elif pa.is_replicate() and _is_shard_like(pb) and pb.dim == nb - 1:
+            out.append(_like(pb, nout - 1))
+        elif pb.is_replicate() and _is_shard_like(pa) and pa.dim == na - 2 and rows_ok:
+            out.append(_like(pa, nout - 2))
+        elif _is_shard_like(pa) and _is_shard_like(pb) and pa.dim == na - 1 and pb.dim == nb - 2 and _same_split(pa, pb) and contraction_ok:
+            out.append(Partial())
+        elif pa.is_replicate() and _is_shard_like(pb) and pb.dim == nb - 2 and contraction_ok:
+            want_a[m] = _like(pb, na - 1)  # a replicated operand is sliced locally to match
+            out.append(Partial())
+        elif pb.is_replicate() and _is_shard_like(pa) and pa.dim == na - 1 and contraction_ok:
+            want_b[m] = _like(pa, nb - 2)
+            out.append(Partial())
+        else:
+            return None
+    moved = [DTensorSpec(sa.mesh, tuple(want_a), tensor_meta=sa.tensor_meta), DTensorSpec(sb.mesh, tuple(want_b), tensor_meta=sb.tensor_meta)]
+    costs = [[0.0 if want.placements == have.placements else 1.0] for want, have in zip(moved, (sa, sb))]
+    spec = OpSpec(
+        output_specs=DTensorSpec(sa.mesh, tuple(out)),
+        input_specs=tuple(moved + inputs[2:]),
+        redistribute_cost=costs + [[0.0]] * (len(inputs) - 2),
+    )
+    return OpStrategy([spec])
+
+
 def _legacy_empty(strategy) -> bool:
     return isinstance(strategy, OpStrategy) and tuple(strategy.strategies[0].output_spec.shape) == (0,)
 
@@ -159,7 +245,7 @@ def install_interleaved_rules() -> None:
     with _LOCK:
         for op in _SPLIT_OPS:  # DTensor runs split on local tensors: its size argument must be local
             prop.op_to_scalar_shape_adjuster.setdefault(op, _local_split_args)
-        for ops, rule in ((_SPLIT_OPS, _local_split), (_CAT_OPS, _local_cat)):
+        for ops, rule in ((_SPLIT_OPS, _local_split), (_CAT_OPS, _local_cat), (_MATMUL_OPS, _local_matmul)):
             for op in ops:
                 if op not in _SAVED and op in table:
                     _SAVED[op] = table[op]

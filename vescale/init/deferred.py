@@ -7,7 +7,10 @@ generator's single-device stream, so each shard holds exactly the single-device 
 non-random ops (``fill_``, ``zero_``, ``copy_`` of a computed table) act locally. Which init code:
 
 1. ``model.init_weights()`` when the model defines it (the zoo's LLaMA; every HF ``PreTrainedModel``,
-   whose ``init_weights`` applies ``_init_weights`` to every module and ties weights);
+   whose ``init_weights`` applies ``_init_weights`` to every module and ties weights). A model that
+   can be rebuilt from its config gets the values of a *normal build*, the constructor's own draws
+   included: ``build.py`` replays each parameter's draw at the generator offset a normal build
+   draws it at;
 2. otherwise ``reset_parameters()`` of every module that has one, in ``named_modules()`` order (the
    order their constructors ran it).
 
@@ -19,6 +22,8 @@ garbage. A model built on the meta device used to be accepted and fail in forwar
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -27,6 +32,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from .. import random as vescale_random
+from .build import DrawAtRecordedOffsets, rebuildable, record_build
 
 __all__ = ["DeferredInitError", "has_meta", "init_entry_point", "materialize", "empty_shard"]
 
@@ -103,15 +109,22 @@ def materialize(model: nn.Module, mesh: DeviceMesh, placements: dict) -> str:
             f"deferred init: {type(model).__name__} was built on the meta device but has no init code to replay "
             "(no init_weights() and no module with reset_parameters()); build it on a real device"
         )
+    # A model that can be rebuilt from its config gets the values of a normal build, constructor
+    # draws included (vescale/init/build.py); others the values of their init code replayed.
+    build = record_build(model) if entry == "init_weights" and rebuildable(model) else None
+    draws, build_end = build if build is not None else (None, None)
     _materialize_tensors(model, mesh, placements)
     vescale_random.install()
-    with torch.no_grad(), vescale_random.consistent():
+    at_offsets = DrawAtRecordedOffsets(model, draws) if draws is not None else contextlib.nullcontext()
+    with torch.no_grad(), vescale_random.consistent(), at_offsets:
         if entry == "init_weights":
             model.init_weights()
         else:
             for m in model.modules():
                 if callable(getattr(m, "reset_parameters", None)):
                     m.reset_parameters()
+    if draws is not None:
+        at_offsets.finish(build_end)
     bad = _uninitialised(model)
     # Agree across ranks: a rank whose shard of a tensor is empty cannot see it is uninitialised.
     flag = torch.tensor([len(bad)], device=mesh.device_type)

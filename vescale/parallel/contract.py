@@ -68,10 +68,15 @@ class InputContract:
             raise ValueError(f"parallelize: check_inputs must be one of {MODES}, got {mode!r}")
         self.mesh, self.names, self.mode = mesh, arg_names, mode
         self.splits = [e for e in entries if e.action == "redist"]
+        # Inputs a plan.annotate takes as this rank's local shard: they differ across ranks by design.
+        self.local_shards = [e for e in entries if e.action == "annotate" and any(p is not None and not p.is_replicate() for p in e.targets)]
         self.calls, self.signature = 0, None
 
     def __call__(self, args, kwargs) -> None:
         inputs = _plain_inputs(args, kwargs, self.names)
+        if self.local_shards:
+            local = {n for _, n in self._named(self.local_shards, dict(inputs))}
+            inputs = [(n, t) for n, t in inputs if n not in local]
         self._check_splittable(dict(inputs))
         if self.mode == "off" or not dist.is_initialized() or dist.get_world_size() == 1:
             return
@@ -83,9 +88,13 @@ class InputContract:
             self.signature = signature
 
     def _split_inputs(self, inputs: dict[str, torch.Tensor]):
-        """(entry, input name) for every root input a shard statement names in this call (a key of a
-        ``**kwargs`` forward is a regex over the keywords passed)."""
-        for e in self.splits:
+        """(entry, input name) for every root input a shard statement names in this call."""
+        return self._named(self.splits, inputs)
+
+    def _named(self, entries: list[Entry], inputs: dict[str, torch.Tensor]):
+        """(entry, input name) for every root input one of ``entries`` names in this call (a key of
+        a ``**kwargs`` forward is a regex over the keywords passed)."""
+        for e in entries:
             if isinstance(e.key, KeyPattern):
                 names = [n for n in inputs if re.fullmatch(e.key, n)]
             else:

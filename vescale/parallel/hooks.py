@@ -31,7 +31,7 @@ from ..plan.lower import KeyPattern, forward_arg_names
 # Set on a module (in its __dict__) by Static Eager mode while its planned inputs or outputs have
 # already been moved to their planned placements as local tensors: the plan's hooks leave them be.
 IO_PLACED = "_vescale_io_placed"
-from .placing import place
+from .placing import place, place_entry
 from .faults import FaultReporter
 from .zero import GatheredParam
 
@@ -81,10 +81,10 @@ def _place_inputs(args, kwargs, entries: list[Entry], names: list[str], mesh, pa
             what = f"{path or '<root>'}.<in>[{key}]"
             pos = names.index(key) if key in names else key  # a **kwargs name has no position
             if isinstance(key, str) and key in kwargs:
-                kwargs[key] = place(kwargs[key], mesh, e.targets, what)
+                kwargs[key] = place_entry(kwargs[key], mesh, e, what)
                 placed = True
             elif isinstance(pos, int) and pos < len(args):
-                args[pos] = place(args[pos], mesh, e.targets, what)
+                args[pos] = place_entry(args[pos], mesh, e, what)
                 placed = True
         if first and not placed:
             passed = [names[i] if i < len(names) else str(i) for i in range(len(args))] + list(kwargs)
@@ -102,13 +102,13 @@ def _place_outputs(output, entries: list[Entry], mesh, path: str):
         if isinstance(output, torch.Tensor):
             if e.key != 0:
                 raise PlanError(f"{what}: the module returns a single tensor; use <out>")
-            output = place(output, mesh, e.targets, what)
+            output = place_entry(output, mesh, e, what)
         elif isinstance(output, (tuple, list)):
             i = e.key
             if not isinstance(i, int) or not -len(output) <= i < len(output):
                 raise PlanError(f"{what}: the module returns a {type(output).__name__} of {len(output)}; no element {i!r}")
             items = list(output)
-            items[i] = place(items[i], mesh, e.targets, what)
+            items[i] = place_entry(items[i], mesh, e, what)
             output = type(output)(items) if type(output) in (tuple, list) else type(output)(*items)
         elif isinstance(output, dict):
             keys = [k for k, v in output.items() if v is not None]
@@ -119,7 +119,7 @@ def _place_outputs(output, entries: list[Entry], mesh, path: str):
             if not fields:
                 raise PlanError(f"{what}: the module's output has no field matching {e.key!r}; fields: {keys}")
             for k in fields:
-                output[k] = place(output[k], mesh, e.targets, f"{path or '<root>'}.<out>[{k}]")
+                output[k] = place_entry(output[k], mesh, e, f"{path or '<root>'}.<out>[{k}]")
         else:
             raise PlanError(f"{what}: cannot place an output of type {type(output).__name__}")
     return output
@@ -205,9 +205,10 @@ def install_module_hooks(
     ``GatherScheduler`` (bucketed mode: unit gathers with prefetch, gradients to the reducer), or
     None for the per-tensor path."""
     gathers = [e for e in hook_entries.get("forward_pre", []) if e.action == "gather"]
-    inputs = [e for e in hook_entries.get("forward_pre", []) if e.action == "redist"]
+    inputs = [e for e in hook_entries.get("forward_pre", []) if e.action in ("redist", "annotate")]
     outputs = hook_entries.get("forward", [])
     factory = hook_entries.get("factory", [])
+    grad_notes = hook_entries.get("grad", [])  # plan.annotate("<param>.grad", ...): checked once
     arg_names = forward_arg_names(module)[0]
     live: list[GatheredParam] = []  # gathered for the forward call in flight
     calls = [0]  # forward calls so far: the first must find every planned input
@@ -228,6 +229,8 @@ def install_module_hooks(
             mode = _FactoryMode(mesh, factory[0].targets, path)
             mode.__enter__()
             modes.append(mode)
+        if grad_notes and calls[0] == 0 and torch.is_grad_enabled():
+            _check_grads_once(mod, path, grad_notes)
         if inputs and not mod.__dict__.get(IO_PLACED):
             args, kwargs = _place_inputs(args, kwargs, inputs, arg_names, mesh, path, calls[0] == 0)
         calls[0] += 1
@@ -237,6 +240,8 @@ def install_module_hooks(
         """Runs even when forward raised: the module must get its own parameters back."""
         if modes:
             modes.pop().__exit__(None, None, None)
+        for name, param in mod.__dict__.pop(_GRAD_CHECKED, ()):
+            mod._parameters[name] = param
         for e, g in zip(gathers, live):
             store = mod._parameters if e.tensor in mod._parameters else mod._buffers
             store[e.tensor] = g.param
@@ -263,13 +268,44 @@ def install_module_hooks(
     handles = []
     if scheduler is not None and gathers:
         scheduler.register(module, path, gathers)
-    if gathers or inputs or factory:
+    if gathers or inputs or factory or grad_notes:
         handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
-    if gathers or factory:
+    if gathers or factory or grad_notes:
         handles.append(module.register_forward_hook(cleanup_hook, with_kwargs=True, always_call=True))
     if gathers or outputs:
         handles.append(module.register_forward_hook(post_hook, with_kwargs=True))
     return handles
+
+
+_GRAD_CHECKED = "_vescale_grad_checked"  # parameters swapped for a checked view during one forward
+
+
+def _check_grads_once(mod: nn.Module, path: str, notes: list[Entry]) -> None:
+    """For this forward call, the module uses a view of each annotated parameter, whose gradient
+    (as the module computes it, before vescale reduces it) must have the annotated placements."""
+    from .placing import _fmt, agrees
+
+    swapped = []
+    for e in notes:
+        param = mod._parameters.get(e.tensor)
+        if not isinstance(param, DTensor) or not param.requires_grad:
+            continue
+        view = param.view_as(param)
+        name = f"{path}.{e.tensor}" if path else e.tensor
+
+        def check(grad, e=e, name=name):
+            have = tuple(grad.placements) if isinstance(grad, DTensor) else None
+            if have is None or not all(agrees(w, h) for w, h in zip(e.targets, have)):
+                raise PlanError(
+                    f"the gradient of {name!r} is {_fmt(have) if have else 'a plain tensor'} but plan statement(s) "
+                    f"#{', #'.join(map(str, e.statements))} annotate it as {_fmt(e.targets)}; fix or drop the annotation"
+                )
+            return grad
+
+        view.register_hook(check)
+        mod._parameters[e.tensor] = view
+        swapped.append((e.tensor, param))
+    mod.__dict__[_GRAD_CHECKED] = swapped
 
 
 def enable_implicit_replication() -> None:

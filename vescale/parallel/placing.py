@@ -19,7 +19,7 @@ from torch.distributed.tensor.placement_types import _is_shard_like
 from ..placement import InterleavedShard, interleave_of, is_interleaved
 from ..plan.ir import PlanError
 
-__all__ = ["as_dtensor", "place"]
+__all__ = ["as_dtensor", "place", "place_entry", "grad_layout"]
 
 
 def as_dtensor(t: torch.Tensor, mesh: DeviceMesh) -> DTensor:
@@ -52,3 +52,104 @@ def place(t, mesh: DeviceMesh, targets: Sequence[Optional[Placement]], what: str
     if want == tuple(d.placements):
         return d
     return d.redistribute(mesh, want)
+
+
+# ---------------------------------------------------------------------------------------------
+# plan.redistribute / plan.annotate on activations
+# ---------------------------------------------------------------------------------------------
+
+
+def grad_layout(placements: tuple) -> tuple:
+    """The gradient placements DTensor hands back through ``redistribute`` and ``from_local`` by
+    default: the forward placements with Partial as Replicate."""
+    return tuple(Replicate() if p.is_partial() else p for p in placements)
+
+
+def _fmt(placements) -> str:
+    from ..plan.api import placement_str
+
+    return "[" + ", ".join("-" if p is None else placement_str(p) for p in placements) + "]"
+
+
+def _arrives_as(t: torch.Tensor, mesh: DeviceMesh) -> tuple:
+    """How a tensor at a hook is laid out: a plain tensor is the global tensor, i.e. Replicate."""
+    if not isinstance(t, DTensor):
+        return (Replicate(),) * mesh.ndim
+    return tuple(Shard(p.dim % t.ndim) if type(p) is Shard else p for p in t.placements)
+
+
+def agrees(stated, have) -> bool:
+    """Whether placement ``have`` is what a statement's ``stated`` placement says (None: anything).
+    A stated Partial matches any Partial with its reduce op, e.g. the masked Partial of a
+    vocabulary-parallel embedding's output, which DTensor keeps as a Partial subclass."""
+    if stated is None:
+        return True
+    if stated.is_partial():
+        return have.is_partial() and have.reduce_op == stated.reduce_op
+    return stated == have
+
+
+def _statements(e) -> str:
+    return "plan statement(s) #" + ", #".join(map(str, e.statements))
+
+
+def place_entry(t, mesh: DeviceMesh, e, what: str):
+    """Apply one activation entry of the Plan IR (``plan.shard``, ``plan.redistribute`` or
+    ``plan.annotate``) to ``t``."""
+    if not isinstance(t, torch.Tensor):
+        raise PlanError(f"{what}: the plan places a tensor here, but the value is a {type(t).__name__}")
+    if e.action == "annotate":
+        return _annotated(t, mesh, e, what)
+    if e.sources is not None:
+        have = _arrives_as(t, mesh)
+        if not all(agrees(s, h) for s, h in zip(e.sources, have)):
+            hint = "; a plain tensor arrives as Replicate: plan.annotate it first if it is a local shard" if not isinstance(t, DTensor) else ""
+            raise PlanError(
+                f"{what}: {_statements(e)} redistribute(s) it from {_fmt(e.sources)} but it arrives as "
+                f"{_fmt(have)}; fix the source placements (vescale.static.export_plan prints the recorded ones){hint}"
+            )
+    if e.grad_sources is None and e.grad_targets is None:
+        return place(t, mesh, e.targets, what)
+    d = as_dtensor(t, mesh)
+    dst = tuple(cur if tgt is None else tgt for cur, tgt in zip(d.placements, e.targets))
+    default = grad_layout(d.placements)
+    grad_dst = tuple(g if g is not None else p for g, p in zip(e.grad_targets or (None,) * mesh.ndim, default))
+    return _RedistributeWithGrad.apply(d, dst, e.grad_sources, grad_dst)
+
+
+def _annotated(t: torch.Tensor, mesh: DeviceMesh, e, what: str) -> DTensor:
+    if isinstance(t, DTensor):
+        have = _arrives_as(t, mesh)
+        if not all(agrees(a, h) for a, h in zip(e.targets, have)):
+            raise PlanError(
+                f"{what}: {_statements(e)} annotate(s) it as {_fmt(e.targets)} but it is a DTensor laid out as "
+                f"{_fmt(have)}; fix the annotation (vescale.static.export_plan prints the recorded placements)"
+            )
+        return t
+    # A plain tensor here is this rank's local shard, laid out as annotated (even shards).
+    placements = tuple(Replicate() if p is None else p for p in e.targets)
+    for p in placements:
+        if _is_shard_like(p) and not -t.ndim <= p.dim < t.ndim:
+            raise PlanError(f"{what}: {_statements(e)} annotate(s) {_fmt(e.targets)}, which does not fit a tensor of shape {tuple(t.shape)}")
+    return DTensor.from_local(t, mesh, placements, run_check=False)
+
+
+class _RedistributeWithGrad(torch.autograd.Function):
+    """``redistribute`` whose gradient is first moved to ``grad_src`` (where stated) and then to
+    ``grad_dst``, not to DTensor's default."""
+
+    @staticmethod
+    def forward(ctx, x: DTensor, dst: tuple, grad_src, grad_dst: tuple):
+        ctx.mesh, ctx.grad_src, ctx.grad_dst = x.device_mesh, grad_src, grad_dst
+        return x.redistribute(x.device_mesh, dst)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):
+        if ctx.grad_src is not None:
+            arrived = tuple(grad.placements)
+            want = tuple(a if s is None else s for a, s in zip(arrived, ctx.grad_src))
+            if not all(agrees(w, a) for w, a in zip(want, arrived)):
+                grad = grad.redistribute(ctx.mesh, want)
+        if tuple(grad.placements) != ctx.grad_dst:
+            grad = grad.redistribute(ctx.mesh, ctx.grad_dst)
+        return grad, None, None, None

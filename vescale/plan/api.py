@@ -10,6 +10,8 @@ on a device mesh:
     plan.shard(r".*weight", Shard(0), mesh="DP", phase=INIT)                    # ZeRO-3 at rest ...
     plan.shard(r".*weight", Replicate(), mesh="DP", phase=RUN)                  # ... gathered to run
     plan.factory(r"model\\.rotary_emb", Replicate())                            # tensors made in forward
+    plan.redistribute(r"layers\\.\\d+\\.mlp\\.<in>", Shard(1), Replicate(), mesh="TP")  # a checked move
+    plan.annotate(r"norm\\.weight\\.grad", Partial(), mesh="TP")                    # what a gradient is
 
 Tensor names: a parameter or buffer name, ``<in>`` (first forward input), ``<in>[i]`` (positional
 input i), ``<in>[name]`` (input by argument name, positional or keyword), ``<out>`` (the output, or
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import enum
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence, Union
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
@@ -50,18 +52,25 @@ PlacementArg = Union[Placement, Sequence[Placement]]
 
 # `<in>`, `<in>[3]`, `<out>[logits]` (brackets escaped or not) ending a path: its activation token.
 _ACTIVATION = re.compile(r"<(in|out)>(?:\\?\[(.+?)\\?\])?$")
+_ACTIVATION_KINDS = ("shard", "redistribute", "annotate")
+_GRAD_SUFFIXES = (r"\.grad", ".grad")  # a parameter's gradient: `<parameter path>.grad`
 
 
 @dataclass(frozen=True)
 class Statement:
     """One call on a plan, kept verbatim so errors can quote it."""
 
-    kind: str  # "shard", "factory", "eager" or "experts"
+    kind: str  # "shard", "factory", "eager", "experts", "redistribute" or "annotate"
     path: str
     placements: tuple[Placement, ...]
     mesh_dim: str | None
     phase: Phase | None
     index: int  # position in the plan, for messages and stable ordering
+    # plan.redistribute only: the placements the tensor must arrive in, and those of its gradient
+    # on arrival (grad_src) and on leaving backwards (grad_dst); () = not given.
+    source: tuple[Placement, ...] = ()
+    grad_src: tuple[Placement, ...] = ()
+    grad_dst: tuple[Placement, ...] = ()
 
     @property
     def activation(self) -> tuple[str, str | None] | None:
@@ -70,18 +79,32 @@ class Statement:
         return (m.group(1), m.group(2)) if m else None
 
     @property
+    def grad_of(self) -> str | None:
+        """plan.annotate on ``<parameter path>.grad``: the parameter path regex, else None."""
+        if self.kind == "annotate" and self.path.endswith(_GRAD_SUFFIXES):
+            return self.path[: -len(next(x for x in _GRAD_SUFFIXES if self.path.endswith(x)))]
+        return None
+
+    @property
     def module_pattern(self) -> str:
         """For factory statements: the regex over module paths. For activation statements: the
         regex over activation paths ``<module>.<in>`` / ``<in>`` (root), the key left out — the
         path is still one full-match regex, so ``.*\\.<in>`` does not match the root's ``<in>``."""
-        m = _ACTIVATION.search(self.path) if self.kind == "shard" else None
+        m = _ACTIVATION.search(self.path) if self.kind in _ACTIVATION_KINDS else None
         return self.path[: m.start()] + re.escape(f"<{m.group(1)}>") if m else self.path
 
     def __str__(self) -> str:
         where = f", mesh={self.mesh_dim!r}" if self.mesh_dim else ""
         when = f", phase={self.phase.value}" if self.phase else ""
-        what = "".join(", " + placement_str(p) for p in self.placements)
-        return f"#{self.index} plan.{self.kind}({self.path!r}{what}{where}{when})"
+        def fmt(ps):
+            return ps and (placement_str(ps[0]) if len(ps) == 1 else "[" + ", ".join(map(placement_str, ps)) + "]")
+
+        if self.source:  # src, dst: one placement or a list each
+            what = f", {fmt(self.source)}, {fmt(self.placements)}"
+        else:
+            what = "".join(", " + placement_str(p) for p in self.placements)
+        grads = "".join(f", {k}={fmt(v)}" for k, v in (("grad_src", self.grad_src), ("grad_dst", self.grad_dst)) if v)
+        return f"#{self.index} plan.{self.kind}({self.path!r}{what}{grads}{where}{when})"
 
 
 def placement_str(p: Placement) -> str:
@@ -133,13 +156,74 @@ class VescalePlan:
         """
         if phase is not None and not isinstance(phase, Phase):
             raise TypeError(f"plan path {path!r}: phase must be vescale.INIT or vescale.RUN, got {phase!r}")
-        return self._add("shard", path, placement, mesh, phase)
+        self._add("shard", path, placement, mesh, phase)
+        return self
 
     def factory(self, path: str, placement: PlacementArg, mesh: str | None = None) -> "VescalePlan":
         """Tensors created by factory functions (torch.zeros, arange, ...) inside the forward of the
         modules matching ``path`` (a module path; ``""`` is the root) become DTensors with this
         placement. Unplanned factory tensors stay plain and meet DTensors as Replicate."""
-        return self._add("factory", path, placement, mesh, None)
+        self._add("factory", path, placement, mesh, None)
+        return self
+
+    def redistribute(
+        self,
+        path: str,
+        src: PlacementArg,
+        dst: PlacementArg,
+        grad_src: PlacementArg | None = None,
+        grad_dst: PlacementArg | None = None,
+        mesh: str | None = None,
+    ) -> "VescalePlan":
+        """Move the activation ``path`` (``<module>.<in>[key]`` / ``<module>.<out>[key]``) from
+        ``src`` to ``dst`` placements: ``plan.shard`` of an activation with its source stated, so a
+        tensor that arrives laid out otherwise is an error naming this statement, not a different
+        collective. (A plain tensor arrives as Replicate: it is the global tensor.)
+
+        Backward by default moves the gradient the way DTensor does (to ``src`` with Partial as
+        Replicate). ``grad_src`` says how the gradient must arrive (it is moved there first if it
+        arrives otherwise) and ``grad_dst`` how it leaves, e.g. ``grad_dst=Partial()`` to leave a
+        gradient unreduced for a later fused reduction.
+
+        In ``mode="static"`` the move runs on local tensors as one precompiled collective; this is
+        the statement ``vescale.static.export_plan`` prints for each move it recorded.
+        """
+        st = self._add("redistribute", path, dst, mesh, None)
+        extra = {"source": _as_placements(src, path)}
+        for name, value in (("grad_src", grad_src), ("grad_dst", grad_dst)):
+            if value is not None:
+                extra[name] = _as_placements(value, path)
+        for name, value in extra.items():
+            if len(value) != len(st.placements):
+                self.statements.pop()
+                raise ValueError(f"{st}: {name} gives {len(value)} placement(s) but dst gives {len(st.placements)}")
+        return self._replace_last(**extra)
+
+    def annotate(self, path: str, placement: PlacementArg, mesh: str | None = None) -> "VescalePlan":
+        """State how a tensor is laid out, without moving it.
+
+        * ``<module>.<in>[key]`` / ``<out>[key]``: the activation there is a DTensor with these
+          placements (an error naming this statement if not). A plain tensor there is taken as this
+          rank's *local shard* with these placements (``DTensor.from_local``, even shards): that is
+          how code that makes local tensors tells vescale, and random ops such as dropout inside the
+          module, which global elements it holds.
+        * ``<parameter path>.grad``: the gradient the model computes for the parameter (before
+          vescale reduces it) has these placements, e.g. ``Partial()`` on TP for a norm weight
+          under sequence parallelism. Checked at the first backward (and against what Static Eager
+          recorded), so a plan that assumes a reduction the model does not need is an error.
+        """
+        st = self._add("annotate", path, placement, mesh, None)
+        if st.activation is None and st.grad_of is None:
+            self.statements.pop()
+            raise ValueError(
+                f"{st}: annotate names an activation (<module>.<in>[key] / <out>[key]) or a parameter's "
+                f"gradient (<parameter path>.grad), not {path!r}"
+            )
+        return self
+
+    def _replace_last(self, **fields) -> "VescalePlan":
+        self.statements[-1] = replace(self.statements[-1], **fields)
+        return self
 
     def eager(self, path: str) -> "VescalePlan":
         """Keep the modules matching ``path`` (a module path regex; ``""`` is the root) on DTensors in
@@ -162,9 +246,10 @@ class VescalePlan:
         routed to the rank holding their expert and back with all-to-all around the module's
         unchanged forward (``vescale.parallel.experts``, which says what an experts module is)."""
         self.shard(rf"(?:{path})\.[^.]+", Shard(0), mesh=mesh)
-        return self._add("experts", path, Shard(0), mesh, None)
+        self._add("experts", path, Shard(0), mesh, None)
+        return self
 
-    def _add(self, kind, path, placement, mesh, phase) -> "VescalePlan":
+    def _add(self, kind, path, placement, mesh, phase) -> Statement:
         if not isinstance(path, str) or not (path or kind == "factory"):
             raise TypeError(f"plan.{kind}: path must be a non-empty regular expression string, got {path!r}")
         try:
@@ -182,8 +267,10 @@ class VescalePlan:
         st = Statement(kind, path, placements, mesh, phase, len(self.statements))
         if kind == "shard" and st.activation and phase is not None:
             raise ValueError(f"{st}: phase applies to parameters and buffers, not to activations")
+        if kind == "redistribute" and st.activation is None:
+            raise ValueError(f"{st}: redistribute names an activation, <module>.<in>[key] or <module>.<out>[key]")
         self.statements.append(st)
-        return self
+        return st
 
     def __repr__(self) -> str:
         lines = "\n".join(f"  {s}" for s in self.statements)

@@ -29,8 +29,8 @@ class PlanError(ValueError):
     """A plan that does not fit the model or the mesh."""
 
 
-# Hooks in the order they act on a module.
-HOOK_ORDER = {"param": 0, "factory": 1, "forward_pre": 2, "forward": 3}
+# Hooks in the order they act on a module ("grad": a parameter gradient's annotated placements).
+HOOK_ORDER = {"param": 0, "factory": 1, "forward_pre": 2, "forward": 3, "grad": 4}
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,11 @@ class RawEntry:
     placement: Placement
     phase: Optional[Phase]  # parameters only: INIT / RUN
     statement: Statement
+    # plan.redistribute: the placement on this mesh dim it arrives in, and its gradient's
+    # placements on arrival (grad_src) and on leaving backwards (grad_dst); None = not stated.
+    source: Optional[Placement] = None
+    grad_src: Optional[Placement] = None
+    grad_dst: Optional[Placement] = None
 
     @property
     def name(self) -> str:
@@ -63,11 +68,16 @@ class Entry:
     hook: str
     tensor: str
     key: object
-    action: str  # "distribute" | "gather" | "redist" | "factory"
+    action: str  # "distribute" | "gather" | "redist" | "factory" | "annotate"
     targets: Targets
-    sources: Targets | None = None  # gather: the INIT placements it gathers from
+    # gather: the INIT placements it gathers from; redist: the placements plan.redistribute says
+    # the tensor arrives in (None: not stated)
+    sources: Targets | None = None
     statements: tuple[int, ...] = ()
     mesh_dim_names: tuple[str, ...] = field(default=(), repr=False)
+    # redist: the gradient's placements on arrival (moved there first) and on leaving; None: DTensor's
+    grad_sources: Targets | None = None
+    grad_targets: Targets | None = None
 
     def _fmt(self, targets: Targets) -> str:
         parts = [
@@ -83,8 +93,11 @@ class Entry:
         if self.action == "gather":
             body = f"gather({self._fmt(self.sources)}->{self._fmt(self.targets)})"
         else:
-            arrow = "" if self.action == "distribute" else "->"
-            body = f"{self.action}({arrow}{self._fmt(self.targets)})"
+            arrow = "" if self.action in ("distribute", "annotate") else "->"
+            src = self._fmt(self.sources) if self.sources and self.action == "redist" else ""
+            body = f"{self.action}({src}{arrow}{self._fmt(self.targets)})"
+        if self.grad_sources or self.grad_targets:
+            body += f":grad({self._fmt(self.grad_sources) if self.grad_sources else ''}->{self._fmt(self.grad_targets) if self.grad_targets else ''})"
         return f"{where}:{self.tensor}:{key}:{body}"
 
 
@@ -114,6 +127,8 @@ class PlanIR:
         placed: dict[str, set] = {}
         for e in self.entries:
             name = f"{e.module}.{e.tensor}" if e.module else e.tensor
+            if e.action == "annotate":  # says how a tensor is laid out; places nothing
+                continue
             if e.hook == "param" or e.action == "gather":
                 for d, p in zip(self.mesh_dim_names, e.targets):
                     if not isinstance(p, Replicate):
@@ -141,7 +156,7 @@ class PlanIR:
 
     def _shards_activation_on(self, i: int) -> bool:
         return any(
-            e.hook != "param" and e.action != "gather" and e.targets[i] is not None and not isinstance(e.targets[i], Replicate)
+            e.hook != "param" and e.action not in ("gather", "annotate") and e.targets[i] is not None and not isinstance(e.targets[i], Replicate)
             for e in self.entries
         )
 
@@ -168,23 +183,35 @@ class PlanIR:
     __repr__ = __str__
 
 
-def _fuse(group: list[RawEntry], ndim: int, what: str) -> tuple[Targets, tuple[int, ...]]:
-    """Merge per-dim raw entries into one target per mesh dim, rejecting conflicts."""
+def _fuse(group: list[RawEntry], ndim: int, what: str, attr: str = "placement") -> tuple[Targets, tuple[int, ...]]:
+    """Merge per-dim raw entries into one target per mesh dim (their ``attr``: the placement, or a
+    redistribute's source / gradient placements; entries that do not state it are skipped),
+    rejecting conflicts."""
     chosen: list[Optional[RawEntry]] = [None] * ndim
     for e in group:
+        if getattr(e, attr) is None:
+            continue
         prev = chosen[e.mesh_dim]
         if prev is None:
             chosen[e.mesh_dim] = e
-        elif prev.placement != e.placement:
+        elif getattr(prev, attr) != getattr(e, attr):
+            label = "placements" if attr == "placement" else attr.replace("_", " ") + " placements"
             raise PlanError(
-                f"conflicting placements for {what}: {prev.statement} asks for "
-                f"{placement_str(prev.placement)} but {e.statement} asks for "
-                f"{placement_str(e.placement)}; keep one of them (or narrow one path)"
+                f"conflicting {label} for {what}: {prev.statement} asks for "
+                f"{placement_str(getattr(prev, attr))} but {e.statement} asks for "
+                f"{placement_str(getattr(e, attr))}; keep one of them (or narrow one path)"
             )
         # else: a duplicate of an earlier statement, dropped
-    targets = tuple(c.placement if c else None for c in chosen)
+    targets = tuple(getattr(c, attr) if c else None for c in chosen)
     stmts = tuple(sorted({e.statement.index for e in group}))
     return targets, stmts
+
+
+def _stated(group: list[RawEntry], ndim: int, what: str, attr: str) -> Targets | None:
+    """A redistribute's fused source / gradient placements, or None if no statement gives them."""
+    if all(getattr(e, attr) is None for e in group):
+        return None
+    return _fuse(group, ndim, what, attr)[0]
 
 
 def _param_entries(
@@ -221,18 +248,22 @@ def optimize(
     for e in raw:
         if e.hook == "param":
             params[e.name].append(e)
-        else:
-            acts.setdefault((e.module, e.hook, e.tensor, e.key), []).append(e)
+        else:  # an annotation says how a tensor arrives; a shard / redistribute moves it
+            acts.setdefault((e.module, e.hook, e.tensor, e.key, e.statement.kind == "annotate"), []).append(e)
 
     entries: list[Entry] = []
     for name, group in params.items():
         entries += _param_entries(name, group, ndim, mesh_dim_names)
-    for (module, hook, tensor, key), group in acts.items():
+    for (module, hook, tensor, key, annotation), group in acts.items():
         what = f"{tensor}[{key}] of module {module or '<root>'!r}" if key is not None else f"{tensor} of module {module or '<root>'!r}"
+        if hook == "grad":
+            what = f"the gradient of {module + '.' if module else ''}{tensor}"
         targets, stmts = _fuse(group, ndim, what)
-        action = "factory" if hook == "factory" else "redist"
-        entries.append(Entry(module, hook, tensor, key, action, targets, None, stmts, mesh_dim_names))
+        action = "annotate" if annotation else "factory" if hook == "factory" else "redist"
+        extras = [_stated(group, ndim, what, a) for a in ("source", "grad_src", "grad_dst")]
+        entries.append(Entry(module, hook, tensor, key, action, targets, extras[0], stmts, mesh_dim_names, *extras[1:]))
 
-    # Stable: within a hook, parameters keep named_parameters() order and activations plan order.
-    entries.sort(key=lambda e: (module_order.get(e.module, -1), HOOK_ORDER[e.hook]))
+    # Stable: within a hook, parameters keep named_parameters() order and activations plan order;
+    # annotations first (they describe a tensor as it arrives, before the plan moves it).
+    entries.sort(key=lambda e: (module_order.get(e.module, -1), HOOK_ORDER[e.hook], e.action != "annotate"))
     return PlanIR(raw=list(raw), entries=entries, mesh_dim_names=mesh_dim_names)

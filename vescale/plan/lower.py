@@ -19,7 +19,7 @@ from torch.distributed.tensor import Partial, Placement, Shard
 from torch.distributed.tensor.placement_types import _is_shard_like
 
 from ..placement import InterleavedShard, interleave_of, is_interleaved
-from .api import Phase, Statement, VescalePlan
+from .api import Phase, Statement, VescalePlan, placement_str
 from .ir import PlanError, PlanIR, RawEntry, optimize
 
 __all__ = ["lower", "forward_arg_names", "KeyPattern"]
@@ -161,6 +161,9 @@ def lower(plan: VescalePlan, model: nn.Module, mesh: DeviceMesh) -> PlanIR:
         if st.kind == "factory" or st.activation:
             raw += _lower_module_statement(st, modules, dims, all_paths)
             continue
+        if st.grad_of is not None:
+            raw += _lower_grad_annotation(st, tensors, is_param, dims)
+            continue
         pattern = re.compile(st.path)
         matched = [n for n in tensors if pattern.fullmatch(n)]
         if not matched:
@@ -200,6 +203,28 @@ def _check_interleaved_alone(raw: list[RawEntry]) -> None:
             )
 
 
+def _lower_grad_annotation(st: Statement, tensors: dict, is_param: set, dims) -> list[RawEntry]:
+    """``plan.annotate("<parameter>.grad", ...)``: one raw "grad" entry per matched parameter and mesh dim."""
+    pattern = re.compile(st.grad_of)
+    matched = [n for n in tensors if n in is_param and pattern.fullmatch(n)]
+    if not matched:
+        raise PlanError(f"{st}: {st.grad_of!r} matches no parameter{_closest(st.grad_of, sorted(is_param))}")
+    out = []
+    for name in matched:
+        module, _, tensor = name.rpartition(".")
+        for d, p in dims:
+            if _is_shard_like(p) and not -tensors[name].ndim <= p.dim < tensors[name].ndim:
+                raise PlanError(f"{st}: {placement_str(p)} does not fit the gradient of {name!r}, which has {tensors[name].ndim} dimension(s)")
+            out.append(RawEntry(module, "grad", tensor, None, d, p, None, st))
+    return out
+
+
+def _with_statement_extras(st: Statement, j: int, entry: RawEntry) -> RawEntry:
+    """A redistribute statement's source and gradient placements for its ``j``-th mesh dim."""
+    extras = {f: getattr(st, f)[j] for f in ("source", "grad_src", "grad_dst") if getattr(st, f)}
+    return dataclasses.replace(entry, **extras) if extras else entry
+
+
 def _lower_module_statement(st, modules, dims, all_paths) -> list[RawEntry]:
     """Activation and factory statements: one raw entry per matched (running) module and mesh dim."""
     pattern = re.compile(st.module_pattern)
@@ -229,7 +254,7 @@ def _lower_module_statement(st, modules, dims, all_paths) -> list[RawEntry]:
             hook = "forward_pre" if direction == "in" else "forward"
             tensor = f"<{direction}>"
             for k in _activation_keys(st, m, modules[m], key):
-                out += [RawEntry(m, hook, tensor, k, d, p, None, st) for d, p in dims]
+                out += [_with_statement_extras(st, j, RawEntry(m, hook, tensor, k, d, p, None, st)) for j, (d, p) in enumerate(dims)]
             continue
         out += [RawEntry(m, hook, tensor, key, d, p, None, st) for d, p in dims]
     return out

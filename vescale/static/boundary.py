@@ -31,14 +31,11 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
 
+from ..parallel.placing import grad_layout
+
 __all__ = ["Move", "ParamShadow", "accumulate_grad", "compile_move", "grad_layout", "grad_spec", "local_of", "dtensor_of"]
 
 LocalFn = Callable[[torch.Tensor], torch.Tensor]
-
-
-def grad_layout(placements: tuple) -> tuple:
-    """The gradient placements ``from_local`` hands back by default: Partial becomes Replicate."""
-    return tuple(Replicate() if p.is_partial() else p for p in placements)
 
 
 def _is_sum(p) -> bool:
@@ -152,13 +149,14 @@ class _MoveFn(torch.autograd.Function):
 
 
 class Move:
-    """One boundary spot: the recorded layout before the plan's hook (``src``), after it (``dst``)
-    and the placements the gradient arrives in at ``dst`` (None: DTensor's default)."""
+    """One boundary spot: the recorded layout before the plan's hook (``src``), after it (``dst``),
+    the placements the gradient arrives in at ``dst`` and those it leaves in at ``src`` (None:
+    DTensor's default; a plan.redistribute's grad_dst otherwise)."""
 
-    def __init__(self, src: DTensorSpec, dst: DTensorSpec, grad_placements: tuple | None):
+    def __init__(self, src: DTensorSpec, dst: DTensorSpec, grad_placements: tuple | None, grad_out_placements: tuple | None = None):
         self.forward_fn = compile_move(src, dst)
         grad_in = DTensorSpec(dst.mesh, tuple(grad_placements or grad_layout(dst.placements)), tensor_meta=dst.tensor_meta)
-        grad_out = DTensorSpec(src.mesh, grad_layout(src.placements), tensor_meta=src.tensor_meta)
+        grad_out = DTensorSpec(src.mesh, tuple(grad_out_placements or grad_layout(src.placements)), tensor_meta=src.tensor_meta)
         self.backward_fn = compile_move(grad_in, grad_out)
         self.layouts = (src.placements, dst.placements, grad_in.placements, grad_out.placements)  # for reports
 

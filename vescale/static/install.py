@@ -32,11 +32,15 @@ def install_static(model: nn.Module, plan: VescalePlan, ir: PlanIR) -> list:
     # parameters moves no activation: wrapping there would only add a gradient reduction per
     # module (each Linear's Partial input gradient reduced on its own, not summed first).
     planned_pre = {m for (m, h), entries in hooks.items() if h == "forward_pre" and any(e.action == "redist" for e in entries)}
-    planned_post = {m for (m, h) in hooks if h == "forward"}
+    planned_post = {m for (m, h), entries in hooks.items() if h == "forward" and any(e.action == "redist" for e in entries)}
+    annotated = tuple({m for (m, h), entries in hooks.items() if h == hook and any(e.action == "annotate" for e in entries)}
+                      for hook in ("forward_pre", "forward"))
     # Tensors made by planned factories are DTensors: the module that makes them stays eager.
     eager = resolve_eager_paths([s for s in plan.statements if s.kind == "eager"], model)
     eager |= {m for (m, h) in hooks if h == "factory"}
-    rt = StaticRuntime(model, eager, planned_pre, planned_post)
+    where = {"forward_pre": "in", "forward": "out"}
+    grad_dst_spots = {(m, where[h], e.key): e.grad_targets for (m, h), entries in hooks.items() if h in where for e in entries if e.grad_targets}
+    rt = StaticRuntime(model, eager, planned_pre, planned_post, annotated, grad_dst_spots)
     model._vescale_static = rt
     handles = []
     for path, mod in model.named_modules():

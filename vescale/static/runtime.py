@@ -34,12 +34,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..dispatch.local import why_rule_not_local
 from ..parallel.faults import _first_line
 from ..parallel.hooks import IO_PLACED
 from ..plan.ir import PlanError
+from ..parallel.placing import grad_layout
 from .boundary import Move, ParamShadow, dtensor_of, grad_spec, local_of
 
 __all__ = ["StaticRuntime", "State"]
@@ -56,6 +58,9 @@ class Crossing:
 
     spec: object | None = None  # DTensorSpec, or None for a plain (global) tensor
     grad_placements: tuple | None = None  # placements its gradient arrived in
+    # Where a plan.redistribute states grad_dst: the placements the gradient leaves here in (full
+    # mesh); None: DTensor's default (the forward placements with Partial as Replicate).
+    leave_grad: tuple | None = None
     # Gradient specs, made once in the first static step: for a local tensor wrapped here (the
     # default layout, as the recording step's _mirror had it) and for a DTensor unwrapped here.
     wrap_grad: object | None = None
@@ -76,6 +81,9 @@ class Record:
     checked: bool = False  # a static step has run (and checked its shapes) with it
     moves: dict = field(default_factory=dict)  # (module, "in" | "out") -> [Move | None] or None
     param_grad_specs: dict = field(default_factory=dict)  # (module, name) -> spec of its gradient
+    # (module, "in" | "out") -> the plan key of each tensor crossing there, in crossing order
+    # (argument name or position, output index or field; None inside a nested container)
+    keys: dict = field(default_factory=dict)
     steps: dict = field(default_factory=dict)  # module path -> its _Steps in static steps
 
 
@@ -89,6 +97,8 @@ class _Steps:
     wrap_out: bool  # leave: local outputs do
     moves_in: object | None  # enter: ``fn(index, tensor)`` running the precompiled moves, if any
     moves_out: object | None  # leave: the same for outputs
+    placed_in: bool = False  # enter: local inputs are as a plan.annotate states: the plan's hook leaves them be
+    placed_out: bool = False  # leave: the same for outputs
     grad_specs: dict = field(default_factory=dict)  # parameter name -> spec of its gradient
     shadows: dict = field(default_factory=dict)  # parameter name -> its last ParamShadow
 
@@ -158,21 +168,7 @@ def _why_not_local(func, args, kwargs) -> str | None:
         if runs_locally is not None and runs_locally(func, args, kwargs):
             return None
         return f"{func} has a custom DTensor handler"
-    try:
-        info = dispatcher.unwrap_to_op_info(func, args, kwargs)
-        sharding = dispatcher.sharding_propagator.propagate_op_sharding(info.schema)
-    except Exception as e:  # DTensor itself will report it when the op runs
-        return f"{func} has no sharding decision ({type(e).__name__})"
-    if not sharding.needs_redistribute:
-        return None
-    moved = [
-        a.placements != b.placements
-        for a, b in zip(info.schema.args_schema, sharding.redistribute_schema.args_schema)
-        if hasattr(a, "placements")
-    ]
-    if sharding.use_val_from_redistribute_schema and not any(moved):
-        return None  # only size arguments are rewritten: checked in the first static step
-    return f"{func} needs its inputs redistributed"
+    return why_rule_not_local(func, args, kwargs)
 
 
 def _sized_ops() -> set:
@@ -300,6 +296,37 @@ class _RandomReplay(TorchDispatchMode):
         return out._local_tensor if isinstance(out, DTensor) else out
 
 
+def _enter_beneath(mode: TorchDispatchMode) -> None:
+    """Enter ``mode`` beneath the dispatch modes already open (it sees ops after them)."""
+    above = _pop_modes_above(None)
+    mode.__enter__()
+    for m in reversed(above):
+        _push_mode(m)
+
+
+def _exit_from_anywhere(mode: TorchDispatchMode) -> None:
+    """Exit ``mode`` wherever it is on the dispatch mode stack, leaving the modes above it in place."""
+    if not any(m is mode for m in _get_current_dispatch_mode_stack()):
+        return
+    above = _pop_modes_above(mode)
+    _push_mode(mode)
+    mode.__exit__(None, None, None)  # pops it (now the top) and restores its flags
+    for m in reversed(above):
+        _push_mode(m)
+
+
+def _pop_modes_above(mode) -> list:
+    """Pop the user-level dispatch modes down to ``mode`` (popped too) or all of them (``None``);
+    returns those above it, top first."""
+    above = []
+    while _get_current_dispatch_mode_stack():
+        top = _pop_mode()
+        if top is mode:
+            break
+        above.append(top)
+    return above
+
+
 # ---------------------------------------------------------------------------------------------
 # The runtime
 # ---------------------------------------------------------------------------------------------
@@ -314,15 +341,18 @@ def _wrap(t: torch.Tensor, c: Crossing | None):
     if c is None or c.spec is None or isinstance(t, DTensor):
         return t
     if c.wrap_grad is None:
-        c.wrap_grad = grad_spec(c.spec, None)
+        c.wrap_grad = grad_spec(c.spec, c.leave_grad)
     return dtensor_of(t, c.spec, c.wrap_grad)
 
 
-def _mirror(t):
-    """While recording: what static mode's wrap does to the gradient at this spot (DTensor's
-    default for from_local: laid out like the forward value), applied to an eager DTensor."""
+def _mirror(t, leave_grad: tuple | None = None):
+    """While recording: what static mode's wrap does to the gradient at this spot, applied to an
+    eager DTensor: the gradient leaves in ``leave_grad`` (a plan.redistribute's grad_dst), or by
+    DTensor's default for from_local (laid out like the forward value)."""
     if not isinstance(t, DTensor):
         return t
+    if leave_grad is not None:
+        return dtensor_of(t.to_local(grad_placements=leave_grad), t._spec, grad_spec(t._spec, leave_grad))
     return DTensor.from_local(t.to_local(), t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
 
 
@@ -340,7 +370,15 @@ def _unwrap(t: torch.Tensor, c: Crossing | None):
 class StaticRuntime:
     """Static Eager state of one parallelised model (``model._vescale_static``)."""
 
-    def __init__(self, model: nn.Module, eager_paths: set[str], planned_pre: set[str], planned_post: set[str]):
+    def __init__(
+        self,
+        model: nn.Module,
+        eager_paths: set[str],
+        planned_pre: set[str],
+        planned_post: set[str],
+        annotated: tuple[set[str], set[str]] = (set(), set()),
+        grad_dst_spots: dict | None = None,
+    ):
         self.model = model
         # Module path -> its caller's path ("" is the root, whose caller is the user: None): the
         # nearest ancestor that runs forward. A container (ModuleList) is never called, so the
@@ -348,6 +386,11 @@ class StaticRuntime:
         self.parent = _callers(model)
         self.forced_eager = set(eager_paths)
         self.planned_pre, self.planned_post = planned_pre, planned_post
+        # Modules whose inputs / outputs a plan.annotate describes: between two static modules the
+        # local tensors there are laid out as annotated already (checked while recording).
+        self.annotated_pre, self.annotated_post = annotated
+        # (module, "in" | "out", key) -> a plan.redistribute's grad_dst there (None per unstated dim)
+        self.grad_dst_spots = dict(grad_dst_spots or {})
         self.records: dict[tuple, Record] = {}
         self.state: State | None = None
         self.record: Record | None = None
@@ -419,7 +462,10 @@ class StaticRuntime:
 
     def _open_watcher(self, checking: bool) -> None:
         self.watcher = _OpWatcher(self.record, self.stack, checking)
-        self.watcher.__enter__()
+        # A recording's watcher outlives this forward (it watches backward too, and is closed at the
+        # next root forward), so it goes beneath the modes the user has open: a user's mode entered
+        # around the step (vescale.debug.CollectiveCounter, say) exits first and must pop itself.
+        _enter_beneath(self.watcher)
 
     def end_forward(self) -> None:
         """Root cleanup hook: the forward is over. A recording keeps watching through backward
@@ -438,7 +484,7 @@ class StaticRuntime:
 
     def _close_watcher(self) -> None:
         watcher, self.watcher = self.watcher, None
-        watcher.__exit__(None, None, None)
+        _exit_from_anywhere(watcher)
         self.stack.clear()
 
     def _when_backward_done(self, record: Record) -> None:
@@ -467,8 +513,12 @@ class StaticRuntime:
                 return _map_io(steps.moves_in, args, kwargs)
             if steps.wrap_in:
                 return _map_io(self._wrapper(path, "in"), args, kwargs)
+            if steps.placed_in:
+                mod.__dict__[IO_PLACED] = True
             return None
         wraps = self.parent_static(path) and (path in self.planned_pre or not self.is_static(path))
+        if self.state is State.RECORD:
+            self.record.keys.setdefault((path, "in"), _input_keys(mod, args, kwargs))
         return self._to_dtensors(path, "in", wraps, lambda fn: _map_io(fn, args, kwargs))
 
     def inside(self, mod, path: str, args, kwargs):
@@ -597,8 +647,12 @@ class StaticRuntime:
                 return _map_out(steps.moves_out, output)
             if steps.wrap_out:
                 return _map_out(self._wrapper(path, "out"), output)
+            if steps.placed_out:
+                mod.__dict__[IO_PLACED] = True
             return None
         wraps = self.is_static(path) and (path in self.planned_post or not self.parent_static(path))
+        if self.state is State.RECORD:
+            self.record.keys.setdefault((path, "out"), _output_keys(output))
         return self._to_dtensors(path, "out", wraps, lambda fn: _map_out(fn, output))
 
     def _steps(self, path: str) -> "_Steps":
@@ -617,7 +671,9 @@ class StaticRuntime:
         # every tensor there has one; otherwise the local tensors are wrapped and DTensor moves them.
         moves_in = self._moves(path, "in", "body") if wrap_in and static else None
         moves_out = self._moves(path, "out", "result") if wrap_out and parent_static else None
-        return _Steps(static, parent_static, wrap_in, wrap_out, _mover(moves_in), _mover(moves_out))
+        placed_in = static and parent_static and not wrap_in and path in self.annotated_pre
+        placed_out = static and parent_static and not wrap_out and path in self.annotated_post
+        return _Steps(static, parent_static, wrap_in, wrap_out, _mover(moves_in), _mover(moves_out), placed_in, placed_out)
 
     def _wrapper(self, path: str, where: str):
         crossings = self.record.crossings
@@ -641,9 +697,14 @@ class StaticRuntime:
         if self.state is State.RECORD:
             rec = self.record
 
+            keys = rec.keys.get((path, where), [])
+
             def note(i, t):
-                _note(rec, self.parent, (path, where, i), t)
-                return _mirror(t) if wraps else t
+                c = _note(rec, self.parent, (path, where, i), t)
+                stated = self.grad_dst_spots.get((path, where, keys[i])) if i < len(keys) else None
+                if stated is not None and isinstance(t, DTensor):
+                    c.leave_grad = tuple(g or d for g, d in zip(stated, grad_layout(t.placements)))
+                return _mirror(t, c.leave_grad) if wraps else t
 
             return walk(note)
         return None
@@ -691,6 +752,34 @@ def _callers(model: nn.Module) -> dict[str, str | None]:
             caller = caller.rpartition(".")[0] if "." in caller else ""
         callers[path] = caller
     return callers
+
+
+def _input_keys(mod: nn.Module, args, kwargs) -> list:
+    """The plan key (``<in>[key]``) of each tensor ``_map_io`` visits: the argument's name (its
+    position if the signature has no name for it), None for a tensor inside a container."""
+    from ..parallel.hooks import _tensors_in
+    from ..plan.lower import forward_arg_names
+
+    names = forward_arg_names(mod)[0]
+    keys: list = []
+    for key, value in [(names[i] if i < len(names) else i, a) for i, a in enumerate(args)] + list(kwargs.items()):
+        keys += [key] if isinstance(value, torch.Tensor) else [None] * len(_tensors_in(value))
+    return keys
+
+
+def _output_keys(output) -> list:
+    """The plan key (``<out>[key]``) of each tensor ``_map_out`` visits (None inside a nested container)."""
+    from ..parallel.hooks import _tensors_in
+
+    if isinstance(output, torch.Tensor):
+        return [0]
+    items = list(enumerate(output)) if isinstance(output, (tuple, list)) else list(output.items()) if isinstance(output, dict) else []
+    if not items:
+        return [None] * len(_tensors_in(output))
+    keys: list = []
+    for key, value in items:
+        keys += [key] if isinstance(value, torch.Tensor) else [None] * len(_tensors_in(value))
+    return keys
 
 
 def _tensors(args, kwargs) -> list[torch.Tensor]:
@@ -751,7 +840,7 @@ def _compile_moves(crossings: dict, path: str, src: str, dst: str) -> list | Non
         elif a.spec is None or b.spec is None or a.spec.mesh != b.spec.mesh or a.spec.shape != b.spec.shape:
             return None
         else:
-            moves.append(Move(a.spec, b.spec, b.grad_placements))
+            moves.append(Move(a.spec, b.spec, b.grad_placements, a.leave_grad))
     return moves
 
 

@@ -103,7 +103,7 @@ def moe_plan(
         plan.shard(r"<in>\[input_ids\]", Shard(0), mesh=ep)  # EP ranks split the batch ...
         plan.shard(r"<in>\[labels\]", Shard(0), mesh=ep)
         plan.experts(_EXPERTS, mesh=ep)  # ... and own experts/EP experts each
-    if use_dp and not use_ep:
+    if use_dp and not use_ep and (mesh is None or mesh[dp].size() > 1):
         # DTensor's rules for the routing's data-dependent ops replicate the tokens over DP, so the
         # MoE block mixes them with its DP-sharded input: sizes it reads from one do not fit the
         # other's local shards. In Static Eager mode the block stays on DTensors (no effect in eager).

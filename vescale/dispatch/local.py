@@ -1,0 +1,37 @@
+"""Whether DTensor's own sharding rule would run an op on the local shards as they are.
+
+Static Eager mode (``vescale.static``) runs a module on plain local tensors only where every DTensor
+op of the module would have run on the local shards unchanged; custom handlers (``datadep``) that
+defer to DTensor's rule ask the same question. The answer comes from DTensor's propagation: the op
+is local when the chosen strategy moves no input. Two kinds of "moves" change nothing on the local
+tensors and do not count: size arguments rewritten from global to local sizes (checked separately
+by the caller), and placement changes on mesh dims of size 1 (DP=1 in a (DP, TP) mesh, say).
+"""
+
+from __future__ import annotations
+
+from torch.distributed.tensor import DTensor
+
+__all__ = ["why_rule_not_local", "moves_data"]
+
+
+def moves_data(src, dst) -> bool:
+    """Whether redistributing spec ``src`` to ``dst`` changes local tensors."""
+    mesh = src.mesh
+    return any(p != q and mesh.size(i) > 1 for i, (p, q) in enumerate(zip(src.placements, dst.placements)))
+
+
+def why_rule_not_local(func, args, kwargs) -> str | None:
+    """None if DTensor's own rule for ``func`` runs it on the local shards as they are, else why not."""
+    dispatcher = DTensor._op_dispatcher
+    try:
+        info = dispatcher.unwrap_to_op_info(func, args, kwargs)
+        sharding = dispatcher.sharding_propagator.propagate_op_sharding(info.schema)
+    except Exception as e:  # DTensor itself will report it when the op runs
+        return f"{func} has no sharding decision ({type(e).__name__})"
+    if not sharding.needs_redistribute:
+        return None
+    pairs = zip(info.schema.args_schema, sharding.redistribute_schema.args_schema)
+    if not any(moves_data(a, b) for a, b in pairs if hasattr(a, "placements")):
+        return None
+    return f"{func} needs its inputs redistributed"
