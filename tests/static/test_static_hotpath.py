@@ -22,6 +22,7 @@ tests check that
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 
@@ -72,7 +73,9 @@ def _train(mode: str, shape: tuple, param_leaves: bool = True) -> dict:
     for step, (x, y) in enumerate(batches):
         seen.clear()
         fired["post"] = 0
-        counter = CollectiveCounter()
+        # Counted in the last step only (a static one): a dispatch mode open around a recording step
+        # hides DTensor ops from the recording's watcher on main as of 84eb614 (a known gap).
+        counter = CollectiveCounter() if step == len(batches) - 1 else contextlib.nullcontext()
         with counter:
             loss = model(input_ids=x, labels=y).loss
             if step == 3:
