@@ -9,7 +9,8 @@ model built normally on one device under ``vescale.random.consistent()``.
 What this module does, for a model that can be rebuilt from its config (``type(model)(model.config)``,
 every HF ``PreTrainedModel`` and the zoo's LLaMA):
 
-1. **Build a twin of fake tensors** (``FakeTensorMode``: shapes, no memory) under a dispatch mode that lets every random op advance
+1. **Build a twin on the meta device** (factory functions redirected there; see ``_MetaFactories``)
+   under a dispatch mode that lets every random op advance
    vescale's generator exactly as the real op would (``generator.reserve``; meta tensors hold no
    values) and notes, for each tensor the op writes into, the generator offset of its draw. A later
    non-random write (``fill_``, ``zero_``, ``copy_``) to a tensor forgets its draw. So after the
@@ -26,12 +27,14 @@ but the replay does not, is an error naming it.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
+from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..random import generator
@@ -86,19 +89,30 @@ class BuildDraws(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+class _MetaFactories(TorchFunctionMode):
+    """Tensors made by factory functions go to the meta device (no memory), except ``torch.tensor``:
+    not ``with torch.device("meta")``, because HF skips its weight init when ``torch.tensor([])``
+    lands on the meta device, and the twin must draw as a real build does."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _FACTORIES and kwargs.get("device") is None:
+            kwargs["device"] = "meta"
+        return func(*args, **kwargs)
+
+
+_FACTORIES = _device_constructors() - {torch.tensor}
+
+
 def rebuildable(model: nn.Module) -> bool:
     """Whether ``type(model)(model.config)`` builds the same model (HF models, the zoo's LLaMA)."""
-    config = getattr(model, "config", None)
-    try:
-        import transformers
-
-        if isinstance(model, transformers.PreTrainedModel):
-            return True
-    except ImportError:
-        pass
+    # An HF model means transformers is imported already: do not import it (tens of MiB) to ask.
+    transformers = sys.modules.get("transformers")
+    if transformers is not None and isinstance(model, transformers.PreTrainedModel):
+        return True
     from ..zoo.llama import LlamaConfig
 
-    return isinstance(config, LlamaConfig)
+    return isinstance(getattr(model, "config", None), LlamaConfig)
 
 
 def record_build(model: nn.Module) -> tuple[dict[str, Draw], int] | None:
@@ -108,9 +122,7 @@ def record_build(model: nn.Module) -> tuple[dict[str, Draw], int] | None:
     model's (it was changed after it was built)."""
     start = generator.get_state()
     recorder = BuildDraws()
-    # Fake tensors, not meta ones: they hold no memory either, but HF skips its weight init on
-    # meta parameters, and the build must draw as a real one does.
-    with FakeTensorMode(), recorder:
+    with _MetaFactories(), recorder:
         twin = type(model)(model.config)
     end = int(generator.get_state()[1])
     generator.set_state(start)
