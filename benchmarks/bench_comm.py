@@ -17,7 +17,7 @@ not communicate, so the time is vescale's CPU cost of issuing them; the cost mod
 
 Part 3 (4 gloo ranks): the zoo LLaMA (4 layers), DP=2 x TP=2 + SP + ZeRO-3: vescale per-tensor vs
 vescale bucketed (eager and Static Eager) vs a TorchTitan-style stack on plain PyTorch (``parallelize_module`` TP + SP,
-``fully_shard`` per block + root on DP): collectives per step and median step time.
+``fully_shard`` per block + root on DP): collectives and bytes per step, median step time.
 """
 
 from __future__ import annotations
@@ -305,14 +305,15 @@ def _llama_steps(kind: str, steps: int):
         opt.step()
         opt.zero_grad()
         times.append(time.perf_counter() - start)
-        counts.append(dict(c.counts))
+        counts.append((dict(c.counts), dict(c.nbytes)))
         losses.append((loss.full_tensor().item() if hasattr(loss, "full_tensor") else loss.item()) / scale)
-    return dict(times=times[2:], counts=counts[-1], loss=losses[0])  # after 2 warm-up steps
+    return dict(times=times[2:], counts=counts[-1][0], nbytes=counts[-1][1], loss=losses[0])  # after 2 warm-up steps
 
 
 def part3(steps: int, rounds: int = 2):
     print("\nPart 3: zoo LLaMA (4 layers), DP=2 x TP=2 + SP + ZeRO-3 (FSDP2), 4 gloo ranks, AdamW steps")
-    print(f"{'stack':>22} {'coll/step':>10} {'(all-gather, reduce-scatter, all-reduce)':>42} {'step ms':>9} {'x titan':>8}")
+    print(f"{'stack':>22} {'coll/step':>10} {'(all-gather, reduce-scatter, all-reduce)':>42} {'KiB/step (ag, rs, ar)':>24} "
+          f"{'step ms':>9} {'x titan':>8}")
     rows: dict[str, dict] = {}
     for _ in range(rounds):  # the stacks take turns, so that load changes touch each alike
         for kind in STACKS:
@@ -323,8 +324,12 @@ def part3(steps: int, rounds: int = 2):
     for name, r in rows.items():
         c = r["counts"]
         kinds = (c.get("all_gather", 0), c.get("reduce_scatter", 0), c.get("all_reduce", 0))
-        print(f"{name:>22} {sum(c.values()):>10} {str(kinds):>42} {r['time'] * 1e3:>9.1f} {r['time'] / rows['titan']['time']:>8.3f}")
+        kib = tuple(round(r["nbytes"].get(k, 0) / 1024) for k in ("all_gather", "reduce_scatter", "all_reduce"))
+        print(f"{name:>22} {sum(c.values()):>10} {str(kinds):>42} {str(kib):>24} {r['time'] * 1e3:>9.1f} "
+              f"{r['time'] / rows['titan']['time']:>8.3f}")
     losses = ", ".join(f"{k} {r['loss']:.6f}" for k, r in rows.items())
+    print("  (KiB/step: per collective its largest buffer, i.e. the gathered output of an all-gather and the "
+          "input of a reduce-scatter, summed over the collectives one rank issues in a step)")
     print(f"  (median of {rounds} x {steps} steps per stack; first-step losses: {losses}; "
           "the TorchTitan-style loss is rank 0's half of the batch)")
 

@@ -162,8 +162,9 @@ def test_dp_x_tp_x_sp_fused_and_zero3_on_four_ranks():
         ref = r[(None, True, 1, 0)]
         _check_same(r[(BIG, True, 1, 0)], ref, "DPxTP+SP+ZeRO-3")
         _check_single_device(ref)
-        # One gather per block and pass over DP x TP (column-parallel weights are sharded on both),
-        # two reduce-scatter buckets (over DP x TP; over DP for the row-parallel weights), one
-        # all-reduce (the tied weight, Partial on DP and TP, fused).
-        assert r[(BIG, True, 1, 0)]["ours"] == {"all_gather": 6, "reduce_scatter": 2, "all_reduce": 1}
+        # One gather per block and pass, over DP (column-parallel weights are stored nested in their
+        # TP shards, vescale.placement.nested); two reduce-scatter buckets over DP: the MLP weights,
+        # and the norms (Partial on TP too, so their scattered shards are then all-reduced over TP);
+        # and one fused all-reduce for the tied weight (Partial on DP and TP).
+        assert r[(BIG, True, 1, 0)]["ours"] == {"all_gather": 6, "reduce_scatter": 2, "all_reduce": 2}
         assert r[(BIG, True, 1, 0)]["comms"] < ref["comms"]

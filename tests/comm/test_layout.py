@@ -12,6 +12,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
+from vescale import InterleavedShard
 from vescale.comm.layout import (
     NOTHING, _gather_plan, _reduce_plan, pack_gather, pack_rows, unpack_gather, unpack_row,
 )
@@ -47,6 +48,8 @@ REDUCE_CASES = [
     ((P, R), (Shard(0), R)),
     ((R, Shard(0)), (Shard(0), Shard(0))),  # a Replicate gradient: no sum, only a slice
     ((P, Shard(0)), (Shard(1), Shard(0))),
+    ((P, R), (Shard(0), Shard(1))),  # a Replicate-on-TP gradient (vocabulary-parallel under SP): sliced first
+    ((P, R), (Shard(0), Shard(0))),
 ]
 
 
@@ -62,15 +65,49 @@ def test_reduce_plans_give_each_rank_its_block_of_the_sum(shape, mesh_shape, src
     as_local = [R if p.is_partial() else p for p in src]
     locals_ = {c: _local(parts[tuple(c[d] for d in partial_dims)], mesh_shape, c, as_local) for c in _coords(mesh_shape)}
     plans = {c: _reduce_plan(shape, mesh_shape, c, src, dst) for c in _coords(mesh_shape)}
+    _check_reduce(plans, locals_, mesh_shape, total, dst)
+
+
+def _check_reduce(plans, locals_, mesh_shape, total, dst):
+    """Simulate each rank's collectives (a reduce-scatter, then its all-reduce over
+    ``then_all_reduce``) and compare with the rank's block of ``total``."""
     rows = {c: pack_rows(locals_[c], t) for c, t in plans.items() if t.kind == "reduce_scatter"}
+    scattered = {}
     for c, t in plans.items():
         assert t is not None and t is not NOTHING
         members, me = _group(c, t.dims, mesh_shape)
         if t.kind == "all_reduce":
-            got = sum(locals_[m] for m in members)
+            scattered[c] = sum(locals_[m] for m in members)
         else:
-            got = unpack_row(sum(rows[m][me] for m in members), t)
+            scattered[c] = unpack_row(sum(rows[m][me] for m in members), t)
+    for c, t in plans.items():
+        got = sum(scattered[m] for m in _group(c, t.then_all_reduce, mesh_shape)[0])
         torch.testing.assert_close(got, _local(total, mesh_shape, c, dst), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 2), (2, 3), (3, 2)])
+def test_nested_zero_shards_reduce_and_gather_over_dp_alone(mesh_shape):
+    """ZeRO shards nested in TP shards (vescale.placement.nested): a column-parallel weight's
+    gradient is reduce-scattered, and the weight gathered, over DP (mesh dim 0) alone, with no
+    copies (even rows); an SP norm's gradient is reduce-scattered over DP, then all-reduced over TP."""
+    dp, tp = mesh_shape
+    shape = (dp * tp * 2, 5)
+    nested = (InterleavedShard(0, tp), Shard(0))
+    gen = torch.Generator().manual_seed(0)
+    parts = [torch.randn(shape, generator=gen) for _ in range(dp)]
+    locals_ = {c: _local(parts[c[0]], mesh_shape, c, (R, Shard(0))) for c in _coords(mesh_shape)}
+    plans = {c: _reduce_plan(shape, mesh_shape, c, (P, Shard(0)), nested) for c in _coords(mesh_shape)}
+    assert {(t.kind, t.dims, t.even, t.then_all_reduce) for t in plans.values()} == {("reduce_scatter", (0,), True, ())}
+    _check_reduce(plans, locals_, mesh_shape, sum(parts), nested)
+    glob = parts[0]
+    gathers = {c: _gather_plan(shape, mesh_shape, c, nested, (R, Shard(0)), None) for c in _coords(mesh_shape)}
+    for c, t in gathers.items():
+        assert (t.dims, t.even, t.out) == ((0,), True, t.base)  # the gathered rows are the RUN shard
+        members, _ = _group(c, t.dims, mesh_shape)
+        rows = torch.cat([pack_gather(_local(glob, mesh_shape, m, nested), gathers[m]) for m in members])
+        torch.testing.assert_close(unpack_gather(rows, t), _local(glob, mesh_shape, c, (R, Shard(0))), rtol=0, atol=0)
+    norm = {c: _reduce_plan((dp * 4,), mesh_shape, c, (P, P), (Shard(0), R)) for c in _coords(mesh_shape)}
+    assert {(t.dims, t.then_all_reduce) for t in norm.values()} == {((0,), (1,))}
 
 
 GATHER_CASES = [

@@ -106,9 +106,10 @@ def _distributed(configs):
 
 def _expected_local(full: torch.Tensor, tensor: str, coord: dict, sizes: dict) -> torch.Tensor:
     """The piece of a single-device expert tensor a rank should hold under moe_plan (at rest).
-    Mesh dims apply in mesh order, as DTensor nests shards of one tensor dim."""
+    The ZeRO-3 (DP) shard is a piece of the rank's EP / TP shard (vescale.placement.nested: a tensor
+    dim EP and DP both shard is split by EP first, then by DP within), so DP applies last."""
     t = full
-    for dim_name in coord:
+    for dim_name in sorted(coord, key=lambda d: d == "DP"):
         n, r = sizes[dim_name], coord[dim_name]
         if dim_name == "TP" and tensor == "gate_up_proj":  # its slice of the gate half and of the up half
             gate, up = t.chunk(2, 1)

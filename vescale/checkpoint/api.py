@@ -33,8 +33,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map_only
 
-from ..parallel.hooks import _map_tensors
 from ..parallel.state import checkpointable
 from . import layout
 
@@ -63,7 +63,9 @@ def _state(model: nn.Module, optimizer) -> dict:
     if optimizer is not None:
         # Optimiser state of an InterleavedShard parameter is laid out like it, which DCP cannot
         # describe: save (and load into) the same global tensor laid out as Shard.
-        state["optim"] = _map_tensors(checkpointable, get_optimizer_state_dict(model, optimizer))  # in place
+        # A copy of the containers: the per-parameter state dicts are the optimiser's own, and an
+        # in-place relayout would leave the optimiser stepping on Shard-laid-out state.
+        state["optim"] = tree_map_only(DTensor, checkpointable, get_optimizer_state_dict(model, optimizer))
     return state
 
 

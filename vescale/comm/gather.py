@@ -1,10 +1,12 @@
 """ZeRO-3 gathers: a parameter from its at-rest (INIT) layout to its RUN layout in one collective.
 
-DTensor's ``redistribute`` gathers one mesh dimension at a time, and a weight sharded on the same
-tensor dimension by DP and TP (``(Shard(0), Shard(0))`` -> ``(Replicate(), Shard(0))``) takes it
-two collectives plus a re-slice. Here the plan from ``vescale.comm.layout`` makes it one all-gather
-over the flattened group of the dimensions involved, then a local slice. The result is a fresh
-DTensor leaf (no autograd link to the parameter): its gradient is reduce-scattered by the reducer.
+With ZeRO shards nested in their TP shards (``vescale.placement.nested``, the layout ``parallelize``
+gives them), every gather of a unit is one all-gather over DP alone, and the gathered rows are the
+rank's RUN shard as they are. For layouts that still shard one tensor dimension by DP outside TP
+(``(Shard(0), Shard(0))``, a dim that does not split evenly) the plan from ``vescale.comm.layout``
+makes it one all-gather over the flattened group of the dimensions involved, then a local slice,
+rather than DTensor's two collectives plus a re-slice. The result is a fresh DTensor leaf (no
+autograd link to the parameter): its gradient is reduce-scattered by the reducer.
 """
 
 from __future__ import annotations
@@ -39,44 +41,60 @@ def gather(param: DTensor, mesh: DeviceMesh, placements, stats: collections.Coun
 
 
 class GroupGather:
-    """Several parameters gathered by one (async) all-gather over the union of their groups.
+    """The parameters of one unit gathered by one (async) all-gather per group of mesh dims.
 
-    Parameters whose gather has no such form (or a size-1 group) are gathered one by one, when
-    waited for. ``wait()`` returns one local tensor per item, each with its own storage (so each can
-    be freed on its own).
+    Each parameter joins the collective of the group its own gather needs (a norm weight and a
+    row-wise weight need DP only; a column-wise weight too, once its ZeRO shard is nested in its TP
+    shard, see ``vescale.placement.nested``), never a wider one: a wider group would move data the
+    rank then slices away. Parameters whose gather has no such form (or a size-1 group) are gathered
+    one by one, when waited for. ``wait()`` returns one local tensor per item, each with its own
+    storage (so each can be freed on its own).
     """
 
     def __init__(self, items: list[tuple[DTensor, tuple]], mesh: DeviceMesh, stats: collections.Counter | None = None):
         self.items, self.mesh, self.stats = items, mesh, stats
-        plans = [gather_plan(p.shape, mesh, p.placements, run) for p, run in items]
-        grouped = [i for i, t in enumerate(plans) if t is not None and t is not NOTHING and group_size(mesh, t.dims) > 1]
-        dims = tuple(sorted({d for i in grouped for d in plans[i].dims}))
         self.plans: dict[int, object] = {}
-        for i in grouped:  # every member of one collective uses the same (widest) group
-            t = gather_plan(items[i][0].shape, mesh, items[i][0].placements, items[i][1], dims)
-            if t is not None:
+        by_dims: dict[tuple[int, ...], list[int]] = {}
+        for i, (p, run) in enumerate(items):
+            t = gather_plan(p.shape, mesh, p.placements, run)
+            if t is not None and t is not NOTHING and group_size(mesh, t.dims) > 1:
                 self.plans[i] = t
-        self.work = self.out = None
-        if self.plans:
-            rows = torch.cat([pack_gather(items[i][0]._local_tensor.detach(), t) for i, t in self.plans.items()])
-            self.width = rows.numel()
-            self.out = rows.new_empty(len(next(iter(self.plans.values())).members) * self.width)
-            self.work = dist.all_gather_single(self.out, rows, group=group_of(mesh, dims), async_op=True)
-            if stats is not None:
-                stats["all_gather"] += 1
+                by_dims.setdefault(t.dims, []).append(i)
+        self.collectives = [_Collective(items, self.plans, idx, mesh, dims, stats) for dims, idx in by_dims.items()]
+
+    @property
+    def out_bytes(self) -> int:
+        """Bytes of the gathered buffers (in flight or waiting to be unpacked)."""
+        return sum(c.out.untyped_storage().nbytes() for c in self.collectives)
 
     def wait(self) -> list[torch.Tensor]:
-        if self.work is not None:
-            self.work.wait()
-        locals_: list[torch.Tensor] = []
-        at = 0
-        table = self.out.view(-1, self.width) if self.out is not None else None
-        for i, (p, run) in enumerate(self.items):
-            t = self.plans.get(i)
-            if t is None:
-                locals_.append(gather(p, self.mesh, run, self.stats)._local_tensor)
-                continue
-            rows = table[:, at : at + t.row].contiguous()  # a copy: this parameter's own storage
-            at += t.row
-            locals_.append(unpack_gather(rows, t))
-        return locals_
+        gathered: dict[int, torch.Tensor] = {}
+        for c in self.collectives:
+            gathered.update(c.wait())
+        return [
+            gathered[i] if i in gathered else gather(p, self.mesh, run, self.stats)._local_tensor
+            for i, (p, run) in enumerate(self.items)
+        ]
+
+
+class _Collective:
+    """One all-gather over mesh dims ``dims`` of the rows of parameters ``idx``, launched now."""
+
+    def __init__(self, items, plans, idx: list[int], mesh: DeviceMesh, dims, stats):
+        self.idx, self.plans = idx, [plans[i] for i in idx]
+        packed = [pack_gather(items[i][0]._local_tensor.detach(), t) for i, t in zip(idx, self.plans)]
+        rows = packed[0] if len(packed) == 1 else torch.cat(packed)  # one parameter: sent as it is
+        self.width = rows.numel()
+        self.out = rows.new_empty(len(self.plans[0].members) * self.width)
+        self.work = dist.all_gather_single(self.out, rows, group=group_of(mesh, dims), async_op=True)
+        if stats is not None:
+            stats["all_gather"] += 1
+
+    def wait(self) -> dict[int, torch.Tensor]:
+        self.work.wait()
+        table = self.out.view(-1, self.width)
+        if len(self.idx) == 1:  # the buffer is this parameter's own storage: no copy
+            return {self.idx[0]: unpack_gather(table, self.plans[0])}
+        # One copy per parameter out of the shared buffer (its columns), into its own storage.
+        columns = torch.split_with_sizes_copy(table, [t.row for t in self.plans], dim=1)
+        return {i: unpack_gather(rows, t) for i, rows, t in zip(self.idx, columns, self.plans)}

@@ -59,6 +59,7 @@ class _Bucket:
     kind: str
     dims: tuple[int, ...]
     fuse: bool
+    then_all_reduce: tuple[int, ...] = ()  # reduce_scatter: all-reduce the output over these dims next
     entries: list[_Entry] = field(default_factory=list)
     nbytes: int = 0
     work: object = None
@@ -88,6 +89,9 @@ class _Bucket:
             for d in self.dims[1:]:
                 dist.all_reduce(self.out, group=group_of(mesh, (d,)))
                 stats[self.kind] += 1
+        if self.then_all_reduce:  # the scattered shards, Partial on these dims until now
+            dist.all_reduce(self.out, group=group_of(mesh, self.then_all_reduce))
+            stats["all_reduce"] += 1
         at = 0
         for e in self.entries:
             n = e.local.numel() if self.kind == "all_reduce" else e.plan.row
@@ -137,8 +141,8 @@ class GradReducer:
         if e.plan is NOTHING:
             self._ready.append((e.param, e.local))
             return
-        key = (e.plan.kind, e.plan.dims, e.local.dtype, e.local.device)
-        bucket = self._open.setdefault(key, _Bucket(e.plan.kind, e.plan.dims, self.fuse))
+        key = (e.plan.kind, e.plan.dims, e.plan.then_all_reduce, e.local.dtype, e.local.device)
+        bucket = self._open.setdefault(key, _Bucket(e.plan.kind, e.plan.dims, self.fuse, e.plan.then_all_reduce))
         bucket.add(e)
         if bucket.nbytes >= self.bucket_bytes:
             self._launch(self._open.pop(key))

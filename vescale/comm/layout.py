@@ -9,13 +9,19 @@ a single collective over the (flattened) group of every mesh dimension involved:
   target blocks of the group's members, one padded row each, and a reduce-scatter gives every member
   the sum of its own row. Blocks a rank does not hold are zeros, so a dimension that is Shard in
   the gradient and must stay Shard under another split (a weight sharded on TP and DP) is handled in
-  the same collective.
+  the same collective. A dimension that is Replicate in the gradient and Shard in the parameter is
+  sliced locally first and stays out of the group; one that goes Partial -> Replicate is all-reduced
+  over after the reduce-scatter (``then_all_reduce``), on the scattered shard.
 * ``all_gather``: Shard -> Replicate on some dimensions (ZeRO-3 gathers), the reverse: every member
   sends its block, the base block is assembled and the target block sliced from it.
 
-Where a weight is sharded on the same tensor dimension by an outer dimension that changes (DP) and
-an inner one that does not (TP), the inner one joins the group: one collective over DP x TP instead
-of DTensor's two steps. Anything else (other placement types, Partial targets) is ``None``: the
+With ZeRO shards nested in their TP shards (``vescale.placement.nested``: ``InterleavedShard(0, TP)``
+on DP, ``Shard(0)`` on TP, every shard still one block) a ZeRO-3 collective of a TP-sharded weight
+is over DP alone. Where a weight is sharded on the same tensor dimension by an outer dimension that
+changes (DP) and an inner one that does not (TP) (``(Shard(0), Shard(0))``, kept where the dim does
+not divide evenly), the inner one joins the group: one collective over DP x TP instead of DTensor's
+two steps. Anything else (other placement types, layouts whose shards are not blocks, Partial
+targets) is ``None``: the
 caller falls back to DTensor's per-tensor ``redistribute``.
 """
 
@@ -30,6 +36,9 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _is_shard_like, _StridedShard
+
+from ..placement import blockwise
 
 __all__ = [
     "Transfer", "NOTHING", "reduce_plan", "gather_plan", "pack_rows", "unpack_row", "pack_gather", "unpack_gather",
@@ -51,6 +60,8 @@ class Transfer:
     row: int = 0  # padded numel of one member's row
     contributes: bool = True  # False where the input is Replicate on a group dim and coord != 0
     even: bool = False  # members' rows are the base block's dim-0 chunks, in order: no copies needed
+    held: Block = ((), ())  # the input's block where it is wider than src (sliced locally first)
+    then_all_reduce: tuple[int, ...] = ()  # reduce_scatter: mesh dims the output is all-reduced over next
 
     @property
     def out_shape(self) -> tuple[int, ...]:
@@ -61,7 +72,18 @@ NOTHING = Transfer("none", ())  # layouts already equal
 
 
 def _supported(p) -> bool:
-    return type(p) in (Shard, Replicate) or (type(p) is Partial and p.reduce_op == "sum")
+    # _StridedShard (InterleavedShard): only in layouts whose shards are blocks, see _blocks_only.
+    return type(p) in (Shard, Replicate) or _is_strided(p) or (type(p) is Partial and p.reduce_op == "sum")
+
+
+def _is_strided(p) -> bool:
+    return isinstance(p, _StridedShard)
+
+
+def _blocks_only(shape, mesh_shape, *layouts) -> bool:
+    """Every rank's piece of every layout is one block (``vescale.placement.blockwise``): the block
+    arithmetic here holds. A ZeRO shard nested in its TP shard is; fused q|k|v sections are not."""
+    return all(blockwise(shape, mesh_shape, tuple(pl)) for pl in layouts)
 
 
 def _block(shape, mesh_shape, coord, placements) -> Block:
@@ -88,8 +110,8 @@ def _inside(inner: Block, outer: Block) -> bool:
 
 def _grow(dims: set[int], src, dst) -> set[int]:
     """Add the unchanged dims that shard a tensor dim which a changing dim also shards (nesting)."""
-    tensor_dims = {p.dim for i in dims for p in (src[i], dst[i]) if isinstance(p, Shard)}
-    return dims | {j for j, p in enumerate(src) if isinstance(p, Shard) and p.dim in tensor_dims}
+    tensor_dims = {p.dim for i in dims for p in (src[i], dst[i]) if _is_shard_like(p)}
+    return dims | {j for j, p in enumerate(src) if _is_shard_like(p) and p.dim in tensor_dims}
 
 
 def _fits(kind, shape, mesh_shape, coord, src, dst, dims) -> Transfer | None:
@@ -143,13 +165,36 @@ def _even(base: Block, members) -> bool:
 def _reduce_plan(shape, mesh_shape, coord, src, dst) -> Transfer | None:
     if src == dst:
         return NOTHING
-    if not all(_supported(p) for p in (*src, *dst)):
+    if not all(_supported(p) for p in (*src, *dst)) or not _blocks_only(shape, mesh_shape, src, dst):
         return None
     changed = [i for i in range(len(src)) if src[i] != dst[i]]
     if any(dst[i].is_partial() for i in changed):
         return None
     if all(src[i].is_partial() and dst[i].is_replicate() for i in changed):
         return Transfer("all_reduce", tuple(changed))
+    tail = tuple(i for i in changed if src[i].is_partial() and dst[i].is_replicate())
+    if tail:
+        # Partial -> Replicate dims next to a scatter (SP's norm gradients: Partial on DP and TP,
+        # Shard(0) on DP only): a reduce-scatter over the scatter dims, the others kept Partial, then
+        # an all-reduce of the shard over them. Folding them into the reduce-scatter would move TP
+        # times the bytes, and the members receiving the same block would each sum in their own
+        # order: replicas differing in the last bit, which a checkpoint (one replica saved) exposes.
+        mid = tuple(src[i] if i in tail else dst[i] for i in range(len(src)))
+        t = _scatter_plan(shape, mesh_shape, coord, src, mid)
+        return None if t is None else dataclasses.replace(t, then_all_reduce=tail)
+    return _scatter_plan(shape, mesh_shape, coord, src, dst)
+
+
+def _scatter_plan(shape, mesh_shape, coord, src, dst) -> Transfer | None:
+    # A gradient Replicate on a mesh dim where its parameter is sharded (a vocabulary-parallel
+    # weight's gradient under SP) is sliced to this rank's shard locally, for free, so that dim
+    # stays out of the collective: a reduce-scatter over DP of the TP shard, not over DP x TP of
+    # the whole gradient with zeros from every other TP rank.
+    sliced = tuple(dst[i] if src[i].is_replicate() and _is_shard_like(dst[i]) else src[i] for i in range(len(src)))
+    if sliced != src and sliced != dst and blockwise(shape, mesh_shape, sliced):
+        t = _plan("reduce_scatter", shape, mesh_shape, coord, sliced, dst)
+        if t is not None:
+            return dataclasses.replace(t, held=_block(shape, mesh_shape, coord, src))
     return _plan("reduce_scatter", shape, mesh_shape, coord, src, dst)
 
 
@@ -157,10 +202,12 @@ def _reduce_plan(shape, mesh_shape, coord, src, dst) -> Transfer | None:
 def _gather_plan(shape, mesh_shape, coord, src, dst, dims) -> Transfer | None:
     if src == dst:
         return NOTHING
-    if not all(type(p) in (Shard, Replicate) for p in (*src, *dst)):
+    if not all(type(p) in (Shard, Replicate) or _is_strided(p) for p in (*src, *dst)):
+        return None
+    if not _blocks_only(shape, mesh_shape, src, dst):
         return None
     changed = [i for i in range(len(src)) if src[i] != dst[i]]
-    if not all(isinstance(src[i], Shard) for i in changed):
+    if not all(_is_shard_like(src[i]) for i in changed):
         return None  # Replicate -> Shard is a local slice: DTensor does it without communication
     return _plan("all_gather", shape, mesh_shape, coord, src, dst, dims)
 
@@ -183,6 +230,8 @@ def _slices(block: Block, base: Block):
 
 def pack_rows(local: torch.Tensor, t: Transfer) -> torch.Tensor:
     """(members, row) input of a reduce-scatter: this rank's contribution to each member's block."""
+    if t.held[0] and t.held != t.src:
+        local = local[_slices(t.src, t.held)]
     if t.even and t.contributes and t.src[0] == t.base[0]:
         return local.reshape(len(t.members), t.row)
     base = torch.zeros(t.base[0], dtype=local.dtype, device=local.device)
@@ -213,14 +262,25 @@ def pack_gather(local: torch.Tensor, t: Transfer) -> torch.Tensor:
 
 
 def unpack_gather(rows: torch.Tensor, t: Transfer) -> torch.Tensor:
-    """This rank's output block from the gathered (members, row) tensor (contiguous)."""
+    """This rank's output block from the gathered (members, row) tensor (contiguous). Even rows that
+    are the output itself (nested ZeRO shards) are returned as a view: no copy."""
     rows = rows.view(len(t.members), t.row)
     if t.even:
         base = rows.view(t.base[0])
-    else:
-        base = torch.empty(t.base[0], dtype=rows.dtype, device=rows.device)
-        for i, m in enumerate(t.members):
-            base[_slices(m, t.base)] = rows[i, : math.prod(m[0])].view(m[0])
-    if t.out == t.base:
-        return base
-    return base[_slices(t.out, t.base)].contiguous()
+        return base if t.out == t.base else base[_slices(t.out, t.base)].contiguous()
+    # Only the output block is assembled, from the part of each member's block inside it.
+    out = torch.empty(t.out[0], dtype=rows.dtype, device=rows.device)
+    for i, m in enumerate(t.members):
+        common = _intersection(m, t.out)
+        if common is not None:
+            out[_slices(common, t.out)] = rows[i, : math.prod(m[0])].view(m[0])[_slices(common, m)]
+    return out
+
+
+def _intersection(a: Block, b: Block) -> Block | None:
+    (sa, oa), (sb, ob) = a, b
+    lo = [max(x, y) for x, y in zip(oa, ob)]
+    hi = [min(x + n, y + k) for x, n, y, k in zip(oa, sa, ob, sb)]
+    if any(h <= l for l, h in zip(lo, hi)):
+        return None
+    return tuple(h - l for l, h in zip(lo, hi)), tuple(lo)

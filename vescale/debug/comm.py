@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import collections
 
+import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 __all__ = ["CollectiveCounter"]
 
@@ -29,12 +31,20 @@ _KINDS = {
 }
 
 
+def _nbytes(tree) -> int:
+    """Bytes of the largest tensor in ``tree`` (args or results of one collective): the gathered
+    output of an all-gather, the input of a reduce-scatter, the buffer of an all-reduce."""
+    return max((t.numel() * t.element_size() for t in tree_leaves(tree) if isinstance(t, torch.Tensor)), default=0)
+
+
 class CollectiveCounter(TorchDispatchMode):
-    """``with CollectiveCounter() as c: ...`` then ``c.counts`` ({kind: n}) and ``c.total``."""
+    """``with CollectiveCounter() as c: ...`` then ``c.counts`` ({kind: n}), ``c.total`` and
+    ``c.nbytes`` ({kind: bytes}; per collective, its largest buffer: see ``_nbytes``)."""
 
     def __init__(self):
         super().__init__()
         self.counts: collections.Counter = collections.Counter()
+        self.nbytes: collections.Counter = collections.Counter()
 
     @property
     def total(self) -> int:
@@ -49,5 +59,8 @@ class CollectiveCounter(TorchDispatchMode):
         if func.namespace in ("c10d", "_c10d_functional", "c10d_functional"):
             kind = _KINDS.get(func._opname)
             if kind is not None:
+                out = func(*args, **(kwargs or {}))
                 self.counts[kind] += 1
+                self.nbytes[kind] += max(_nbytes((args, kwargs)), _nbytes(out))
+                return out
         return func(*args, **(kwargs or {}))

@@ -17,14 +17,24 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
-from ..placement import is_interleaved
+from ..placement import blockwise, is_interleaved
 
 __all__ = ["checkpointable", "attach_state_dict_hooks"]
 
 
-def checkpointable(value):
-    """``value`` with every interleaved mesh dim laid out as ``Shard`` on the same tensor dim."""
+def _needs_relayout(value) -> bool:
+    """An interleaved DTensor whose shards are not single blocks. A ZeRO-3 shard nested in its TP
+    shard (``InterleavedShard(d, TP)`` on DP, ``vescale.placement.nested``) is one block per rank,
+    which DCP describes as it is: no relayout, no communication."""
     if not isinstance(value, DTensor) or not any(is_interleaved(p) for p in value.placements):
+        return False
+    return not blockwise(tuple(value.shape), tuple(value.device_mesh.shape), tuple(value.placements))
+
+
+def checkpointable(value):
+    """``value`` with every interleaved mesh dim laid out as ``Shard`` on the same tensor dim, where
+    its shards are not blocks DCP can describe."""
+    if not _needs_relayout(value):
         return value
     placements = [Shard(p.dim) if is_interleaved(p) else p for p in value.placements]
     return value.detach().redistribute(value.device_mesh, placements)
@@ -40,6 +50,6 @@ def _state_dict_hook(module, state_dict, prefix, local_metadata):
 def attach_state_dict_hooks(model: nn.Module) -> list:
     """Register the hook on ``model`` if any of its parameters or buffers is interleaved."""
     tensors = [*model.parameters(), *model.buffers()]
-    if not any(isinstance(t, DTensor) and any(is_interleaved(p) for p in t.placements) for t in tensors):
+    if not any(_needs_relayout(t) for t in tensors):
         return []
     return [model._register_state_dict_hook(_state_dict_hook)]

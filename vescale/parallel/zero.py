@@ -186,7 +186,7 @@ class GatherScheduler:
         ones waiting for their module, and gathers in flight (for tests of ZeRO-3's memory)."""
         live = sum(g.nbytes for gs in self.live.values() for g in gs if g.resident and g.owns_storage)
         ready = sum(x.untyped_storage().nbytes() for r in self._ready.values() for x in r.values())
-        flight = sum(g.out.untyped_storage().nbytes() for g in self._inflight.values() if g.out is not None)
+        flight = sum(g.out_bytes for g in self._inflight.values())
         return live + ready + flight
 
     # -- backward --------------------------------------------------------------------------------

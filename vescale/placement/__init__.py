@@ -7,5 +7,8 @@ section order, so the model's own ``split`` / ``chunk`` into the sections runs o
 """
 
 from .interleaved import InterleavedShard, as_interleaved, interleave_of, is_interleaved
+from .nested import blockwise, nest_zero_shards, shard_indices
 
-__all__ = ["InterleavedShard", "as_interleaved", "interleave_of", "is_interleaved"]
+__all__ = [
+    "InterleavedShard", "as_interleaved", "interleave_of", "is_interleaved", "blockwise", "nest_zero_shards", "shard_indices",
+]

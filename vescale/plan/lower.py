@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Placement, Shard
 from torch.distributed.tensor.placement_types import _is_shard_like
 
-from ..placement import InterleavedShard, interleave_of, is_interleaved
+from ..placement import InterleavedShard, interleave_of, is_interleaved, nest_zero_shards
 from .api import Phase, Statement, VescalePlan, placement_str
 from .ir import PlanError, PlanIR, RawEntry, optimize
 
@@ -183,7 +183,23 @@ def lower(plan: VescalePlan, model: nn.Module, mesh: DeviceMesh) -> PlanIR:
     order = {m: i for i, m in enumerate(modules)}
     ir = optimize(raw, names, order, tuple(mesh.mesh_dim_names))
     ir.mesh_dim_sizes = tuple(mesh.shape)
+    _nest_zero_shards(ir, tensors, tuple(mesh.shape))
     return ir
+
+
+def _nest_zero_shards(ir: PlanIR, tensors: dict, mesh_shape: tuple) -> None:
+    """Lay every ZeRO-3 (INIT-only) shard out inside its tensor-parallel shard (FSDP2's layout, see
+    ``vescale.placement.nested``), so that RUN gathers and gradient reduce-scatters run over the ZeRO
+    mesh dim alone. Rewrites each gathered parameter's INIT placements, in its distribute entry and
+    in its gather's sources alike."""
+    param_entry = {(e.module, e.tensor): e for e in ir.entries if e.hook == "param"}
+    for g in ir.entries:
+        if g.action != "gather":
+            continue
+        name = f"{g.module}.{g.tensor}" if g.module else g.tensor
+        nested = nest_zero_shards(g.sources, g.targets, tuple(tensors[name].shape), mesh_shape)
+        if nested != g.sources:
+            g.sources = param_entry[(g.module, g.tensor)].targets = nested
 
 
 def _check_interleaved_alone(raw: list[RawEntry]) -> None:

@@ -10,7 +10,8 @@ Both models use the same module names, so one plan serves both. The plan is Mega
   residual adds run on 1/TP of the tokens;
 * data parallel (DP): the batch (``input_ids``, ``labels``) is split along dim 0;
 * ZeRO-3 (on DP): every parameter is stored as ``Shard(0)`` on DP (INIT) and gathered to Replicate
-  only while its module runs (RUN).
+  only while its module runs (RUN). Lowering stores a weight TP also shards on dim 0 inside its TP
+  shard (``InterleavedShard(0, TP)`` on DP, FSDP2's layout), so gathers run over DP alone.
 """
 
 from __future__ import annotations
