@@ -12,17 +12,20 @@ what ``from_local``'s default gradient layout is). One autograd node runs both.
 
 The common one-mesh-dim moves run as a single collective (the process group's own, called
 directly: no functional-collective wrapper, whose Python autograd registration costs more than the
-call on small tensors) plus the chunk/cat that puts the collective's dim 0 where the shard dim is. Everything else (several mesh dims at once, nested or uneven shards, other Partial ops)
+call on small tensors, nor torch.distributed's checking wrappers) plus the chunk/cat that puts the
+collective's dim 0 where the shard dim is. Everything else (several mesh dims at once, nested or uneven shards, other Partial ops)
 goes through DTensor's ``redistribute_local_tensor`` with the same specs, so every move computes
 what DTensor would.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, ReduceScatterOptions
 from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -30,7 +33,7 @@ from torch.distributed.tensor._redistribute import redistribute_local_tensor
 
 from ..parallel.placing import grad_layout
 
-__all__ = ["Move", "compile_move", "grad_layout", "grad_spec", "local_of", "dtensor_of"]
+__all__ = ["Move", "ParamShadow", "accumulate_grad", "compile_move", "grad_layout", "grad_spec", "local_of", "dtensor_of"]
 
 LocalFn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -66,10 +69,36 @@ def _single_dim_move(src: DTensorSpec, dst: DTensorSpec, i: int) -> Optional[Loc
     return None
 
 
+# The process group's own calls, synchronous, with options made once: torch.distributed's wrappers
+# around them (torch-function dispatch, argument checks, coalescing and logging decorators) cost
+# more than the call itself on small tensors, and none applies here: contiguous real tensors of a
+# mesh group this rank belongs to, outside any coalescing block. Complex tensors take the wrappers
+# (they view them as real).
+def _options(kind, **fields):
+    opts = kind()
+    opts.asyncOp = False
+    for name, value in fields.items():
+        setattr(opts, name, value)
+    return opts
+
+
+_GATHER = _options(AllgatherOptions)
+_REDUCE_SCATTER = _options(ReduceScatterOptions, reduceOp=dist.ReduceOp.SUM)
+_ALL_REDUCE = _options(AllreduceOptions, reduceOp=dist.ReduceOp.SUM)
+
+
+def _wait(work) -> None:
+    if work is not None:  # backends that synchronise in C++ return None
+        work.wait()
+
+
 def _gather(t: torch.Tensor, d: int, n: int, group) -> torch.Tensor:
     t = t.contiguous()
     out = t.new_empty((n * t.shape[0], *t.shape[1:]))
-    dist.all_gather_single(out, t, group=group)
+    if t.is_complex():
+        dist.all_gather_single(out, t, group=group)
+    else:
+        _wait(group.all_gather_single(out, t, _GATHER))
     return out if d == 0 else torch.cat(out.chunk(n, 0), dim=d)
 
 
@@ -77,13 +106,19 @@ def _reduce_scatter(t: torch.Tensor, d: int, n: int, group) -> torch.Tensor:
     # The collective scatters dim 0: stack the n pieces of dim d along it.
     t = torch.cat(t.chunk(n, d), dim=0) if d != 0 else t.contiguous()
     out = t.new_empty((t.shape[0] // n, *t.shape[1:]))
-    dist.reduce_scatter_single(out, t, group=group)
+    if t.is_complex():
+        dist.reduce_scatter_single(out, t, group=group)
+    else:
+        _wait(group.reduce_scatter_single(out, t, _REDUCE_SCATTER))
     return out
 
 
 def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
     out = t.clone(memory_format=torch.contiguous_format)  # the input may be saved for backward
-    dist.all_reduce(out, group=group)
+    if t.is_complex():
+        dist.all_reduce(out, group=group)
+    else:
+        _wait(group.allreduce([out], _ALL_REDUCE))
     return out
 
 
@@ -189,3 +224,58 @@ def local_of(dt: DTensor, spec_of_grad: DTensorSpec) -> torch.Tensor:
 
 def dtensor_of(t: torch.Tensor, spec: DTensorSpec, spec_of_grad: DTensorSpec) -> DTensor:
     return _DTensorOf.apply(t, spec, spec_of_grad)
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters as plain leaves
+# ---------------------------------------------------------------------------------------------
+
+
+class ParamShadow:
+    """A plain leaf tensor standing for a DTensor parameter in a static module's body.
+
+    ``local_of`` costs an autograd node per parameter and module call, and in backward a DTensor
+    gradient per call that autograd's AccumulateGrad then detaches and stores through DTensor's
+    dispatch. The shadow is a leaf over the parameter's local tensor (same storage and version
+    counter, so in-place updates and autograd's saved-tensor checks see the parameter itself);
+    autograd accumulates the local gradient on it, summing every use in the step as it would on the
+    parameter, and its post-accumulate hook hands the sum over as a DTensor with the recorded
+    gradient spec, running the parameter's own hooks as AccumulateGrad does: its tensor hooks (which
+    may replace the gradient), the accumulation into ``param.grad``, then its post-accumulate hooks
+    (vescale.comm's gradient reduction lives there).
+    """
+
+    def __init__(self, param: DTensor, spec_of_grad: DTensorSpec):
+        self.param_ref = weakref.ref(param)
+        self.local = param._local_tensor
+        self.spec = spec_of_grad
+        self.leaf = self.local.detach().requires_grad_()
+        self.leaf.register_post_accumulate_grad_hook(self._hand_over)
+
+    def fits(self, param: DTensor) -> bool:
+        """Whether the parameter still has the local tensor (and storage) this shadow aliases."""
+        local = param._local_tensor
+        return local is self.local and local.data_ptr() == self.leaf.data_ptr()
+
+    def _hand_over(self, leaf: torch.Tensor) -> None:
+        local, leaf.grad = leaf.grad, None
+        param = self.param_ref()
+        if param is None or local is None:
+            return
+        accumulate_grad(param, DTensor(local.contiguous(), self.spec, requires_grad=False))
+
+
+def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """What autograd's AccumulateGrad does with ``grad`` on the leaf ``param`` (outside
+    ``create_graph``): tensor hooks, then ``param.grad`` set (or added to in place), then the
+    post-accumulate hooks."""
+    for hook in tuple((param._backward_hooks or {}).values()):
+        replaced = hook(grad)
+        if replaced is not None:
+            grad = replaced
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad.add_(grad)
+    for hook in tuple((param._post_accumulate_grad_hooks or {}).values()):
+        hook(param)

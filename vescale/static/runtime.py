@@ -26,6 +26,7 @@ values, and the same DTensor operations at the same boundaries.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import re
 from dataclasses import dataclass, field
@@ -34,13 +35,14 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack, _pop_mode, _push_mode
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..dispatch.local import why_rule_not_local
 from ..parallel.faults import _first_line
 from ..parallel.hooks import IO_PLACED
 from ..plan.ir import PlanError
 from ..parallel.placing import grad_layout
-from .boundary import Move, dtensor_of, grad_spec, local_of
+from .boundary import Move, ParamShadow, dtensor_of, grad_spec, local_of
 
 __all__ = ["StaticRuntime", "State"]
 
@@ -82,6 +84,30 @@ class Record:
     # (module, "in" | "out") -> the plan key of each tensor crossing there, in crossing order
     # (argument name or position, output index or field; None inside a nested container)
     keys: dict = field(default_factory=dict)
+    steps: dict = field(default_factory=dict)  # module path -> its _Steps in static steps
+
+
+@dataclass
+class _Steps:
+    """What one module's hooks do in the static steps of one record, decided once."""
+
+    static: bool  # its body runs on local tensors
+    parent_static: bool  # its caller's body does
+    wrap_in: bool  # enter: local inputs become the recorded DTensors
+    wrap_out: bool  # leave: local outputs do
+    moves_in: object | None  # enter: ``fn(index, tensor)`` running the precompiled moves, if any
+    moves_out: object | None  # leave: the same for outputs
+    placed_in: bool = False  # enter: local inputs are as a plan.annotate states: the plan's hook leaves them be
+    placed_out: bool = False  # leave: the same for outputs
+    grad_specs: dict = field(default_factory=dict)  # parameter name -> spec of its gradient
+    shadows: dict = field(default_factory=dict)  # parameter name -> its last ParamShadow
+
+
+def _mover(moves: list | None):
+    """``fn(index, tensor)`` applying the i-th precompiled move (None: a tensor passing through)."""
+    if moves is None:
+        return None
+    return lambda i, t: moves[i](t) if i < len(moves) and moves[i] is not None else t
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,6 +130,26 @@ def _map_out(fn, output):
 
     counter = iter(range(1 << 30))
     return _map_tensors(lambda t: fn(next(counter), t), output)
+
+
+def _any_dtensor(obj) -> bool:
+    """Whether a DTensor sits anywhere in ``obj`` (what ``_map_io`` / ``_map_out`` walk): a scan that
+    builds nothing, so a static step walks (and rebuilds) a module's inputs or outputs only where
+    there is something to unwrap."""
+    if isinstance(obj, torch.Tensor):
+        return isinstance(obj, DTensor)
+    if isinstance(obj, (tuple, list)):
+        for item in obj:
+            if _any_dtensor(item):
+                return True
+        return False
+    if isinstance(obj, dict):
+        for item in obj.values():
+            if _any_dtensor(item):
+                return True
+        return False
+    # Dataclasses (model outputs) are rare at inner boundaries: let the walk look.
+    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -352,6 +398,11 @@ class StaticRuntime:
         self.watcher: _OpWatcher | None = None
         self.replay: _RandomReplay | None = None
         self.static_steps = self.recorded_steps = 0
+        # Parameter -> {id(gradient spec): ParamShadow}; weak, so a dropped parameter takes its shadows along.
+        self.shadows = WeakIdKeyDictionary()
+        # False: every parameter goes through ``local_of`` (an autograd node per use, a DTensor
+        # gradient per use), the path ParamShadow replaces; tests compare the two bit for bit.
+        self.param_leaves = True
 
     # -- which representation each module uses in the current step ---------------------------
 
@@ -444,76 +495,125 @@ class StaticRuntime:
         torch.autograd.Variable._execution_engine.queue_callback(lambda: setattr(record, "complete", True))
 
     # -- per-module hooks ----------------------------------------------------------------------
+    #
+    # In a static step every hook first takes the module's ``_Steps`` (decided once per record, at
+    # the module's first static call) and returns at once where it has nothing to do: most modules
+    # of a static step neither wrap, move nor unwrap anything, and their hooks should cost a dict
+    # lookup, not a walk over their inputs and outputs.
 
     def enter(self, mod, path: str, args, kwargs):
         """Before the plan's pre-hook: local inputs become the DTensors they stand for, if the plan
         redistributes them here or this module runs eagerly."""
         if self._tracking():
             self.stack.append(None)  # this module's hooks run now, not its body
+        if self.state is State.STATIC:
+            steps = self._steps(path)
+            if steps.moves_in is not None:
+                mod.__dict__[IO_PLACED] = True  # the plan's hook leaves the placed tensors alone
+                return _map_io(steps.moves_in, args, kwargs)
+            if steps.wrap_in:
+                return _map_io(self._wrapper(path, "in"), args, kwargs)
+            if steps.placed_in:
+                mod.__dict__[IO_PLACED] = True
+            return None
         wraps = self.parent_static(path) and (path in self.planned_pre or not self.is_static(path))
-        if self.state is State.STATIC and self.is_static(path):
-            if wraps:
-                moved = self._move(mod, path, "in", "body", lambda fn: _map_io(fn, args, kwargs))
-                if moved is not None:
-                    return moved
-            elif path in self.annotated_pre and self.parent_static(path):
-                mod.__dict__[IO_PLACED] = True  # local, as annotated: the plan's hook leaves them be
-        elif self.state is State.RECORD:
+        if self.state is State.RECORD:
             self.record.keys.setdefault((path, "in"), _input_keys(mod, args, kwargs))
         return self._to_dtensors(path, "in", wraps, lambda fn: _map_io(fn, args, kwargs))
 
     def inside(self, mod, path: str, args, kwargs):
         """After the plan's pre-hook: a static module gets local inputs and local parameters."""
         if self.state is State.RECORD:
-            rec = self.record
-
-            def note(i, t):
-                c = _note(rec, self.parent, (path, "body", i), t)
-                if isinstance(t, DTensor) and t.requires_grad:
-                    # This module's own view: a tensor several modules consume (q/k/v projections
-                    # share their input) collects all their gradients, but a static module's
-                    # to_local sees its own share only.
-                    t = t.view_as(t)
-                    _on_grad(t, lambda g, c=c: setattr(c, "grad_placements", g))
-                return t
-
-            args, kwargs = _map_io(note, args, kwargs)
-            # The module uses a view of each parameter in this step, so the gradient's placements
-            # are seen as the module produces them: before vescale.comm reduces them on the leaf.
-            swapped = []
-            for name, p in list(mod._parameters.items()):
-                if isinstance(p, DTensor) and p.requires_grad and torch.is_grad_enabled():
-                    view = p.view_as(p)
-                    key = (path, name)
-                    _on_grad(view, lambda g, key=key: rec.param_grads.__setitem__(key, g))
-                    mod._parameters[name] = view
-                    swapped.append((name, p, view))
-            mod._vescale_swapped = swapped
-            self._body_starts(path)
-            return args, kwargs
-        if not self.is_static(path):
+            return self._inside_recording(mod, path, args, kwargs)
+        if self.state is not State.STATIC or not self._steps(path).static:
             self._body_starts(path)
             return None
-        crossings = self.record.crossings
-        if not mod.__dict__.pop(IO_PLACED, False):  # else enter() already handed over local tensors
-            args, kwargs = _map_io(lambda i, t: _unwrap(t, crossings.get((path, "body", i))), args, kwargs)
-        swapped = []
+        steps = self.record.steps[path]
+        moved = None
+        # Unless enter() handed over local tensors already, unwrap whatever arrives as a DTensor
+        # (from an eager caller, or placed by the plan's hook).
+        if not mod.__dict__.pop(IO_PLACED, False) and (_any_dtensor(args) or _any_dtensor(kwargs)):
+            moved = _map_io(self._unwrapper(path, "body"), args, kwargs)
+        swapped = self._local_parameters(mod, path, steps)
+        if swapped:
+            mod.__dict__["_vescale_swapped"] = swapped
+        self._body_starts(path)
+        return moved
+
+    def _inside_recording(self, mod, path: str, args, kwargs):
         rec = self.record
-        for name, p in mod._parameters.items():
+
+        def note(i, t):
+            c = _note(rec, self.parent, (path, "body", i), t)
+            if isinstance(t, DTensor) and t.requires_grad:
+                # This module's own view: a tensor several modules consume (q/k/v projections
+                # share their input) collects all their gradients, but a static module's
+                # to_local sees its own share only.
+                t = t.view_as(t)
+                _on_grad(t, lambda g, c=c: setattr(c, "grad_placements", g))
+            return t
+
+        args, kwargs = _map_io(note, args, kwargs)
+        # The module uses a view of each parameter in this step, so the gradient's placements
+        # are seen as the module produces them: before vescale.comm reduces them on the leaf.
+        swapped = []
+        for name, p in list(mod._parameters.items()):
+            if isinstance(p, DTensor) and p.requires_grad and torch.is_grad_enabled():
+                view = p.view_as(p)
+                key = (path, name)
+                _on_grad(view, lambda g, key=key: rec.param_grads.__setitem__(key, g))
+                mod._parameters[name] = view
+                swapped.append((name, p, view))
+        mod.__dict__["_vescale_swapped"] = swapped
+        self._body_starts(path)
+        return args, kwargs
+
+    def _local_parameters(self, mod, path: str, steps: "_Steps") -> list:
+        """Swap a static module's DTensor parameters (and planned buffers) for their local tensors,
+        for this call; returns what ``restore`` puts back."""
+        swapped = []
+        params = mod._parameters
+        for name, p in params.items():
             if isinstance(p, DTensor):
-                spec = rec.param_grad_specs.get((path, name))
+                spec = steps.grad_specs.get(name)
                 if spec is None:
-                    spec = rec.param_grad_specs[(path, name)] = grad_spec(p._spec, rec.param_grads.get((path, name)))
-                local = local_of(p, spec)
-                mod._parameters[name] = local
+                    spec = steps.grad_specs[name] = self._param_grad_spec(path, name, p)
+                local = None
+                if self.param_leaves and p.requires_grad and p.grad_fn is None and torch.is_grad_enabled():
+                    local = self._shadow(steps, name, p, spec)
+                if local is None:
+                    local = local_of(p, spec)
+                params[name] = local
                 swapped.append((name, p, local))
         for name, b in mod._buffers.items():
             if isinstance(b, DTensor):  # planned buffers: their local shard, no gradient
                 mod._buffers[name] = b._local_tensor
                 swapped.append((name, b, b._local_tensor))
-        mod._vescale_swapped = swapped
-        self._body_starts(path)
-        return args, kwargs
+        return swapped
+
+    def _shadow(self, steps: "_Steps", name: str, p: DTensor, spec) -> torch.Tensor:
+        """The plain leaf standing for the leaf parameter ``p`` (see ``ParamShadow``). One per
+        parameter and gradient spec, shared by every module that uses it (autograd sums their
+        gradients before the parameter's hooks run, as it does for the parameter); uses with
+        different gradient layouts hand their gradients over separately, as ``local_of`` would."""
+        shadow = steps.shadows.get(name)  # the last call's: the same parameter, outside ZeRO-3
+        if shadow is None or shadow.param_ref() is not p or shadow.spec is not spec or not shadow.fits(p):
+            per_spec = self.shadows.get(p)
+            if per_spec is None:
+                per_spec = self.shadows[p] = {}
+            shadow = per_spec.get(id(spec))
+            if shadow is None or shadow.spec is not spec or not shadow.fits(p):
+                shadow = per_spec[id(spec)] = ParamShadow(p, spec)
+            if isinstance(p, nn.Parameter):  # not ZeRO-3's gathered copies: new each call, freed after
+                steps.shadows[name] = shadow
+        return shadow.leaf
+
+    def _param_grad_spec(self, path: str, name: str, p: DTensor):
+        rec = self.record
+        spec = rec.param_grad_specs.get((path, name))
+        if spec is None:
+            spec = rec.param_grad_specs[(path, name)] = grad_spec(p._spec, rec.param_grads.get((path, name)))
+        return spec
 
     def _body_starts(self, path: str) -> None:
         if self._tracking() and self.stack:
@@ -524,11 +624,14 @@ class StaticRuntime:
 
     def restore(self, mod, path: str) -> None:
         """Always called after forward: the module gets its own parameters back."""
-        mod.__dict__.pop(IO_PLACED, None)  # set only if forward raised between leave and handed_back
-        for name, p, local in mod.__dict__.pop("_vescale_swapped", ()):
-            store = mod._parameters if name in mod._parameters else mod._buffers
-            if store.get(name) is local:
-                store[name] = p
+        state = mod.__dict__
+        state.pop(IO_PLACED, None)  # set only if forward raised between leave and handed_back
+        swapped = state.pop("_vescale_swapped", None)
+        if swapped:
+            for name, p, local in swapped:
+                store = mod._parameters if name in mod._parameters else mod._buffers
+                if store.get(name) is local:
+                    store[name] = p
         if self._tracking() and self.stack:
             self.stack.pop()
 
@@ -537,27 +640,48 @@ class StaticRuntime:
         redistributes them here or the caller runs eagerly."""
         if self._tracking() and self.stack:
             self.stack[-1] = None  # the body is over
+        if self.state is State.STATIC:
+            steps = self._steps(path)
+            if steps.moves_out is not None:
+                mod.__dict__[IO_PLACED] = True
+                return _map_out(steps.moves_out, output)
+            if steps.wrap_out:
+                return _map_out(self._wrapper(path, "out"), output)
+            if steps.placed_out:
+                mod.__dict__[IO_PLACED] = True
+            return None
         wraps = self.is_static(path) and (path in self.planned_post or not self.parent_static(path))
-        if self.state is State.STATIC and self.parent_static(path):
-            if wraps:
-                moved = self._move(mod, path, "out", "result", lambda fn: _map_out(fn, output))
-                if moved is not None:
-                    return moved
-            elif path in self.annotated_post and self.is_static(path):
-                mod.__dict__[IO_PLACED] = True  # local, as annotated: the plan's hook leaves them be
-        elif self.state is State.RECORD:
+        if self.state is State.RECORD:
             self.record.keys.setdefault((path, "out"), _output_keys(output))
         return self._to_dtensors(path, "out", wraps, lambda fn: _map_out(fn, output))
 
-    def _move(self, mod, path: str, src: str, dst: str, walk):
-        """Between two static modules, where the plan's hook redistributes: move the local tensors
-        with the boundary's precompiled moves (see ``boundary.py``) and tell the plan's hook that
-        they are placed already. None when a tensor here has no precompiled move."""
-        moves = self._moves(path, src, dst)
-        if moves is None:
-            return None
-        mod.__dict__[IO_PLACED] = True
-        return walk(lambda i, t: moves[i](t) if i < len(moves) and moves[i] is not None else t)
+    def _steps(self, path: str) -> "_Steps":
+        steps = self.record.steps.get(path)
+        if steps is None:
+            steps = self.record.steps[path] = self._decide_steps(path)
+        return steps
+
+    def _decide_steps(self, path: str) -> "_Steps":
+        """What ``path``'s hooks do in this record's static steps (the same facts the recording
+        mirrored: which modules run static, and where the plan places tensors)."""
+        static, parent_static = self.is_static(path), self.parent_static(path)
+        wrap_in = parent_static and (path in self.planned_pre or not static)
+        wrap_out = static and (path in self.planned_post or not parent_static)
+        # Between two static modules a planned redistribution runs as precompiled moves where
+        # every tensor there has one; otherwise the local tensors are wrapped and DTensor moves them.
+        moves_in = self._moves(path, "in", "body") if wrap_in and static else None
+        moves_out = self._moves(path, "out", "result") if wrap_out and parent_static else None
+        placed_in = static and parent_static and not wrap_in and path in self.annotated_pre
+        placed_out = static and parent_static and not wrap_out and path in self.annotated_post
+        return _Steps(static, parent_static, wrap_in, wrap_out, _mover(moves_in), _mover(moves_out), placed_in, placed_out)
+
+    def _wrapper(self, path: str, where: str):
+        crossings = self.record.crossings
+        return lambda i, t: _wrap(t, crossings.get((path, where, i)))
+
+    def _unwrapper(self, path: str, where: str):
+        crossings = self.record.crossings
+        return lambda i, t: _unwrap(t, crossings.get((path, where, i)))
 
     def _moves(self, path: str, src: str, dst: str) -> list | None:
         rec = self.record
@@ -567,9 +691,9 @@ class StaticRuntime:
         return rec.moves[key]
 
     def _to_dtensors(self, path: str, where: str, wraps: bool, walk):
-        """Where a local tensor must become a DTensor (``wraps``): in a static step, wrap it with the
-        recorded spec; while recording, record the spec and mirror the wrap's effect on gradients.
-        ``walk(fn)`` applies ``fn(index, tensor)`` to the tensors crossing here and returns them."""
+        """While recording, where a local tensor will become a DTensor in static steps (``wraps``):
+        record the spec and mirror the wrap's effect on gradients. ``walk(fn)`` applies
+        ``fn(index, tensor)`` to the tensors crossing here and returns them."""
         if self.state is State.RECORD:
             rec = self.record
 
@@ -583,13 +707,18 @@ class StaticRuntime:
                 return _mirror(t, c.leave_grad) if wraps else t
 
             return walk(note)
-        if self.state is State.STATIC and wraps:
-            crossings = self.record.crossings
-            return walk(lambda i, t: _wrap(t, crossings.get((path, where, i))))
         return None
 
     def handed_back(self, mod, path: str, output):
         """After the plan's post-hook: a static caller gets local tensors."""
+        if self.state is State.STATIC:
+            if not self._steps(path).parent_static:
+                return None
+            if mod.__dict__.pop(IO_PLACED, False):  # leave() already moved them, as local tensors
+                return None
+            if not _any_dtensor(output):
+                return None
+            return _map_out(self._unwrapper(path, "result"), output)
         if self.state is State.RECORD:
             rec = self.record
             is_root = path == ""
@@ -603,12 +732,6 @@ class StaticRuntime:
                 return t
 
             _map_out(note, output)
-            return None
-        if self.state is State.STATIC and self.parent_static(path):
-            if mod.__dict__.pop(IO_PLACED, False):  # leave() already moved them, as local tensors
-                return None
-            crossings = self.record.crossings
-            return _map_out(lambda i, t: _unwrap(t, crossings.get((path, "result", i))), output)
         return None
 
     # -- reporting -------------------------------------------------------------------------------
@@ -670,6 +793,17 @@ def _note(rec: Record, parent: dict, key: tuple, t) -> Crossing:
     placed tensors at the same spot cannot be replayed from one record: it and its caller stay
     eager (then its inputs arrive as DTensors and need no recorded spec)."""
     spec = _spec_of(t)
+    averaged = _averaged_partial(spec)
+    if averaged:
+        # The boundary's gradient specs follow from_local (a Partial value's local gradient is the
+        # whole gradient), which is right for a sum but not for an average (each rank's share of
+        # the gradient is 1/n of it): keep the module and its caller on DTensors, whose own rules
+        # handle it.
+        path = key[0]
+        why = f"a tensor crossing its boundary is {averaged} (averaged over ranks)"
+        rec.unsafe.setdefault(path, why)
+        if parent.get(path) is not None:
+            rec.unsafe.setdefault(parent[path], f"calls {path!r}: {why}")
     c = rec.crossings.get(key)
     if c is None:
         c = rec.crossings[key] = Crossing(spec)
@@ -680,6 +814,16 @@ def _note(rec: Record, parent: dict, key: tuple, t) -> Crossing:
         if parent.get(path) is not None:
             rec.unsafe.setdefault(parent[path], f"calls {path!r}, which is {why}")
     return c
+
+
+def _averaged_partial(spec) -> str | None:
+    """A non-sum Partial placement of ``spec`` on a mesh dim of more than one rank, as text."""
+    if spec is None:
+        return None
+    for i, p in enumerate(spec.placements):
+        if p.is_partial() and getattr(p, "reduce_op", "sum") != "sum" and spec.mesh.size(i) > 1:
+            return f"{p} on mesh dim {i}"
+    return None
 
 
 def _compile_moves(crossings: dict, path: str, src: str, dst: str) -> list | None:

@@ -3,7 +3,8 @@
 Both models use the same module names, so one plan serves both. The plan is Megatron-style:
 
 * tensor parallel (TP): q/k/v and gate/up projections column-wise (``Shard(0)`` of the weight),
-  o/down projections row-wise (``Shard(1)``), vocabulary-parallel embedding and LM head;
+  o/down projections row-wise (``Shard(1)``), vocabulary-parallel embedding and LM head (its
+  logits gathered as they leave it: the loss needs them whole);
 * sequence parallel (SP, on TP): between blocks the residual stream is split along the sequence
   (``Shard(1)``), gathered before attention/MLP and reduce-scattered after them, so norms and
   residual adds run on 1/TP of the tokens;
@@ -23,6 +24,12 @@ from torch.distributed.tensor import Replicate, Shard
 __all__ = ["llama_plan"]
 
 _LAYER = r"model\.layers\.\d+"
+
+
+def _is_zoo_config(config) -> bool:
+    from .llama import LlamaConfig
+
+    return isinstance(config, LlamaConfig)
 
 
 def _mesh_has(mesh: DeviceMesh | None, name: str | None) -> bool:
@@ -57,7 +64,7 @@ def llama_plan(
     if use_tp:
         kv_heads = getattr(config, "num_key_value_heads", None)
         split_kv = kv_heads is None or mesh is None or kv_heads % mesh[tp].size() == 0
-        _tensor_parallel(plan, tp, sequence_parallel, split_kv, mlp)
+        _tensor_parallel(plan, tp, sequence_parallel, split_kv, mlp, zoo_model=_is_zoo_config(config))
     if use_dp:
         plan.shard(r"<in>\[input_ids\]", Shard(0), mesh=dp)
         plan.shard(r"<in>\[labels\]", Shard(0), mesh=dp)
@@ -67,7 +74,8 @@ def llama_plan(
     return plan
 
 
-def _tensor_parallel(plan: VescalePlan, tp: str, sequence_parallel: bool, split_kv: bool, mlp: bool = True) -> None:
+def _tensor_parallel(plan: VescalePlan, tp: str, sequence_parallel: bool, split_kv: bool, mlp: bool = True,
+                     zoo_model: bool = False) -> None:
     # Between blocks: sequence-sharded with SP, replicated without.
     between = Shard(1) if sequence_parallel else Replicate()
     # Vocabulary-parallel embedding with SP (its Partial output is reduce-scattered along the sequence).
@@ -84,10 +92,18 @@ def _tensor_parallel(plan: VescalePlan, tp: str, sequence_parallel: bool, split_
         plan.shard(rf"{_LAYER}\.{block}\.{col}\.weight", Shard(0), mesh=tp)
         plan.shard(rf"{_LAYER}\.{block}\.{row}\.weight", Shard(1), mesh=tp)
         plan.shard(rf"{_LAYER}\.{block}\.<out>", between, mesh=tp)
-    if sequence_parallel:
+    if sequence_parallel and not zoo_model:
         # Static Eager: HF's LlamaModel reads the sequence length for position ids and the causal
         # mask from the (sequence-sharded) embeddings, so its own few ops stay on DTensors; the
-        # decoder layers inside it still run static.
+        # decoder layers inside it still run static. The zoo's LlamaModel reads it from input_ids
+        # (whole along the sequence), so its own ops run static too and its layers meet a static
+        # caller (no DTensor wrapping around each layer). Without a config, keep it eager: the
+        # static step's shape check would otherwise reject HF's model.
         plan.eager(r"model")
     plan.shard(r"lm_head\.<in>", Replicate(), mesh=tp)
-    plan.shard(r"lm_head\.weight", Shard(0), mesh=tp)  # vocabulary-parallel logits
+    plan.shard(r"lm_head\.weight", Shard(0), mesh=tp)  # vocabulary-parallel matmul
+    # The logits are gathered as they leave the head. The loss's log_softmax needs them whole
+    # anyway (DTensor would gather them for it, on the same ranks, with the same collective);
+    # gathered here, the gather is the plan's, which Static Eager runs as a precompiled move, and the
+    # causal-LM wrapper's own ops (the loss) run on local tensors instead of staying on DTensors.
+    plan.shard(r"lm_head\.<out>", Replicate(), mesh=tp)

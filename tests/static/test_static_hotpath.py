@@ -1,0 +1,136 @@
+"""The static step's hot path: per-module decisions, parameters as plain leaves, gradient hand-over.
+
+A static step decides once per record what each module's hooks do (most do nothing and return at
+once), gives static module bodies plain leaf tensors for their DTensor parameters
+(``vescale.static.boundary.ParamShadow``; under ZeRO-3 for the gathered parameters) and hands each
+parameter's summed local gradient over as a DTensor through the parameter's own hooks, as
+autograd's AccumulateGrad would. On gloo ranks (zoo LLaMA with dropout; TP=2 + SP, and DP=2 x TP=2
++ SP + ZeRO-3, where the gradient reduction and ZeRO's gradient hand-off live in those hooks) these
+tests check that
+
+* static steps give the gradients of the ``local_of`` path (an autograd node per parameter use) bit
+  for bit, and eager mode's within 1e-6: a plain step, a step whose zero_grad runs
+  between forward and backward, and a step that accumulates onto the previous gradients;
+* a parameter's own hooks run once per backward, and a hook that replaces the gradient takes
+  effect (it doubles one weight's gradient here);
+* every static module body, including those whose hooks have nothing to do, sees plain tensors
+  as its parameters (and the parameters are DTensors again after the step);
+* a static step issues exactly eager mode's collectives;
+* the causal-LM root runs static under TP, and stays eager under DP, where its loss crosses the
+  boundary averaged over ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+import vescale
+from vescale.debug import CollectiveCounter
+from vescale.testing import run_on_ranks
+from vescale.zoo import llama_plan, synthetic_batches, tiny_llama
+
+SEED = 7
+HOOKED = "model.layers.1.mlp.up_proj.weight"
+
+
+def _grads(model) -> dict:
+    return {n: p.grad.full_tensor().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _train(mode: str, shape: tuple, param_leaves: bool = True) -> dict:
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    names = ("TP",) if len(shape) == 1 else ("DP", "TP")
+    mesh = vescale.init_mesh(shape, names)
+    torch.manual_seed(0)
+    model = tiny_llama(attention_dropout=0.1, hidden_dropout=0.1)
+    plan = llama_plan(mesh, model.config, sequence_parallel=True, zero3="DP" in names)
+    vescale.parallelize(model, plan, mesh, mode=mode)
+    if mode == "static":
+        model._vescale_static.param_leaves = param_leaves
+    params = dict(model.named_parameters())
+    fired = {"post": 0}
+    params[HOOKED].register_hook(lambda g: g * 2)
+    params[HOOKED].register_post_accumulate_grad_hook(lambda p: fired.__setitem__("post", fired["post"] + 1))
+    # Registered after parallelize: runs after the runtime's own pre-hooks, so it sees what the body sees.
+    seen: dict[str, set] = {}
+    for path, mod in model.named_modules():
+        if mod._parameters:
+            mod.register_forward_pre_hook(
+                lambda m, args, path=path: seen.setdefault(path, set()).update(
+                    type(p).__name__ for p in m._parameters.values() if p is not None
+                )
+            )
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    vescale.manual_seed(SEED)
+    out = {"grads": [], "posts": []}
+    batches = list(synthetic_batches(6, 4, 16, 128, seed=2))
+    for step, (x, y) in enumerate(batches):
+        seen.clear()
+        fired["post"] = 0
+        # Counted in the last step only (a static one): a dispatch mode open around a recording step
+        # hides DTensor ops from the recording's watcher on main as of 84eb614 (a known gap).
+        counter = CollectiveCounter() if step == len(batches) - 1 else contextlib.nullcontext()
+        with counter:
+            loss = model(input_ids=x, labels=y).loss
+            if step == 3:
+                opt.zero_grad()  # between forward and backward: the gradients start from nothing
+            loss.backward()
+        out["posts"].append(fired["post"])
+        out["grads"].append(_grads(model))
+        if step == 4:
+            continue  # step 5 accumulates onto step 4's gradients
+        opt.step()
+        opt.zero_grad()
+    out["collectives"] = dict(counter.counts)
+    out["param_types"] = {path: sorted(types) for path, types in seen.items()}
+    out["after"] = sorted({type(p).__name__ for p in model.parameters()})
+    if mode == "static":
+        rt = model._vescale_static
+        out["steps"] = (rt.recorded_steps, rt.static_steps)
+        out["eager_modules"] = sorted(set(rt.latest().unsafe) | rt.forced_eager)
+    return out
+
+
+def _runs(shape: tuple):
+    return {"eager": _train("eager", shape), "static": _train("static", shape),
+            "local_of": _train("static", shape, param_leaves=False)}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("shape", [(2,), (2, 2)], ids=["TP=2+SP", "DP=2xTP=2+SP+ZeRO-3"])
+def test_static_hot_path_matches_eager(shape):
+    runs = run_on_ranks(_runs, math.prod(shape), shape)[0]
+    eager, static, local_of = runs["eager"], runs["static"], runs["local_of"]
+    recorded, ran_static = static["steps"]
+    assert ran_static >= 3, static["steps"]
+    for step, (a, b, c) in enumerate(zip(static["grads"], local_of["grads"], eager["grads"])):
+        assert a.keys() == b.keys() == c.keys(), step
+        for name in a:
+            assert torch.equal(a[name], b[name]), (
+                f"step {step}: {name} gradient differs from the local_of path by {(a[name] - b[name]).abs().max().item():.3g}"
+            )
+            # Eager mode sums some gradients in another order (the recording steps too): a few ulps.
+            diff = (a[name] - c[name]).abs().max().item()
+            assert diff <= 1e-6, f"step {step}: {name} gradient differs from eager by {diff:.3g}"
+    assert static["posts"] == local_of["posts"] == eager["posts"], (static["posts"], eager["posts"])
+    if len(shape) == 1:
+        assert eager["posts"] == [1] * 6, eager["posts"]
+    # (Under ZeRO-3 the at-rest parameter's gradient is written by the reduce-scatter, not by autograd:
+    # its own hooks run in no mode; the gathered parameter's hooks are ZeRO's, and exercised above.)
+    assert static["collectives"] == eager["collectives"], (static["collectives"], eager["collectives"])
+    # llama_plan gathers the logits at lm_head, so the causal-LM root (its loss) runs static; under DP
+    # its loss leaves averaged over the DP ranks (Partial(avg)), whose local gradient from_local's
+    # convention would not scale: the root stays eager there (the gradients above would be 2x off).
+    assert ("" in static["eager_modules"]) == (len(shape) == 2), static["eager_modules"]
+    # The last step ran static: every module body outside the eager ones saw plain tensors.
+    eager_modules = set(static["eager_modules"])
+    for path, types in static["param_types"].items():
+        want = ["DTensor"] if path in eager_modules else ["Tensor"]
+        assert types == want, f"{path}: its body saw parameters of type {types}, want {want}"
+    assert static["after"] == ["DTensor"], static["after"]
