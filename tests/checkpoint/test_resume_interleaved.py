@@ -16,7 +16,7 @@ import torch
 
 import vescale
 from vescale.placement import is_interleaved
-from vescale.testing import run_on_ranks
+from vescale.testing import run_on_ranks, train_losses
 from vescale.zoo import gpt2_plan, synthetic_batches, tiny_hf_gpt2
 
 
@@ -30,27 +30,17 @@ def _resume(folder: str):
         vescale.parallelize(model, gpt2_plan(mesh, model.config), mesh)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-    def train(model, opt, steps):
-        out = []
-        for ids, labels in steps:
-            loss = model(input_ids=ids, labels=labels).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            out.append(loss.full_tensor().item())
-        return out
-
     model, opt = build()
-    straight = train(model, opt, batches)
+    straight = train_losses(model, batches, opt)
     model, opt = build()
-    first = train(model, opt, batches[:2])
+    first = train_losses(model, batches[:2], opt)
     vescale.checkpoint.save(folder, model, opt, step=2)
     model, opt = build()
     vescale.manual_seed(123)  # the RNG must come back from the checkpoint
     vescale.checkpoint.load(folder, model, opt)
     c_attn = model.transformer.h[0].attn.c_attn.weight
     layouts = [tuple(v.placements) == tuple(c_attn.placements) for v in opt.state[c_attn].values() if v.ndim]
-    return straight, first + train(model, opt, batches[2:]), is_interleaved(c_attn.placements[-1]), layouts
+    return straight, first + train_losses(model, batches[2:], opt), is_interleaved(c_attn.placements[-1]), layouts
 
 
 @pytest.mark.multiproc

@@ -15,7 +15,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 import vescale
 from vescale.placement import InterleavedShard, blockwise, nest_zero_shards
-from vescale.testing import run_on_ranks
+from vescale.testing import run_on_ranks, train_losses
 from vescale.zoo import llama_plan, synthetic_batches, tiny_llama
 
 R = Replicate()
@@ -115,15 +115,8 @@ def _single_device_losses(vocab: int) -> list[float]:
     torch.manual_seed(0)
     model = tiny_llama(vocab_size=vocab)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    input_ids, labels = synthetic_batches(1, 4, 16, vocab, seed=1)[0]
-    losses = []
-    for _ in range(2):
-        loss = model(input_ids=input_ids, labels=labels).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    batch = synthetic_batches(1, 4, 16, vocab, seed=1)[0]
+    return train_losses(model, [batch, batch], opt)
 
 
 @pytest.mark.multiproc

@@ -31,7 +31,7 @@ from ..plan.lower import KeyPattern, forward_arg_names
 # Set on a module (in its __dict__) by Static Eager mode while its planned inputs or outputs have
 # already been moved to their planned placements as local tensors: the plan's hooks leave them be.
 IO_PLACED = "_vescale_io_placed"
-from .placing import place, place_entry
+from .placing import _fmt, agrees, place, place_entry
 from .faults import FaultReporter
 from .zero import GatheredParam
 
@@ -283,8 +283,6 @@ _GRAD_CHECKED = "_vescale_grad_checked"  # parameters swapped for a checked view
 def _check_grads_once(mod: nn.Module, path: str, notes: list[Entry]) -> None:
     """For this forward call, the module uses a view of each annotated parameter, whose gradient
     (as the module computes it, before vescale reduces it) must have the annotated placements."""
-    from .placing import _fmt, agrees
-
     swapped = []
     for e in notes:
         param = mod._parameters.get(e.tensor)

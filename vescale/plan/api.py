@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import enum
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Sequence, Union
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
@@ -188,16 +188,9 @@ class VescalePlan:
         In ``mode="static"`` the move runs on local tensors as one precompiled collective; this is
         the statement ``vescale.static.export_plan`` prints for each move it recorded.
         """
-        st = self._add("redistribute", path, dst, mesh, None)
-        extra = {"source": _as_placements(src, path)}
-        for name, value in (("grad_src", grad_src), ("grad_dst", grad_dst)):
-            if value is not None:
-                extra[name] = _as_placements(value, path)
-        for name, value in extra.items():
-            if len(value) != len(st.placements):
-                self.statements.pop()
-                raise ValueError(f"{st}: {name} gives {len(value)} placement(s) but dst gives {len(st.placements)}")
-        return self._replace_last(**extra)
+        grads = {name: _as_placements(v, path) for name, v in (("grad_src", grad_src), ("grad_dst", grad_dst)) if v is not None}
+        self._add("redistribute", path, dst, mesh, None, source=_as_placements(src, path), **grads)
+        return self
 
     def annotate(self, path: str, placement: PlacementArg, mesh: str | None = None) -> "VescalePlan":
         """State how a tensor is laid out, without moving it.
@@ -212,17 +205,7 @@ class VescalePlan:
           under sequence parallelism. Checked at the first backward (and against what Static Eager
           recorded), so a plan that assumes a reduction the model does not need is an error.
         """
-        st = self._add("annotate", path, placement, mesh, None)
-        if st.activation is None and st.grad_of is None:
-            self.statements.pop()
-            raise ValueError(
-                f"{st}: annotate names an activation (<module>.<in>[key] / <out>[key]) or a parameter's "
-                f"gradient (<parameter path>.grad), not {path!r}"
-            )
-        return self
-
-    def _replace_last(self, **fields) -> "VescalePlan":
-        self.statements[-1] = replace(self.statements[-1], **fields)
+        self._add("annotate", path, placement, mesh, None)
         return self
 
     def eager(self, path: str) -> "VescalePlan":
@@ -249,7 +232,8 @@ class VescalePlan:
         self._add("experts", path, Shard(0), mesh, None)
         return self
 
-    def _add(self, kind, path, placement, mesh, phase) -> Statement:
+    def _add(self, kind, path, placement, mesh, phase, **extra) -> Statement:
+        """Check and append one statement; ``extra``: a redistribute's source / gradient placements."""
         if not isinstance(path, str) or not (path or kind == "factory"):
             raise TypeError(f"plan.{kind}: path must be a non-empty regular expression string, got {path!r}")
         try:
@@ -264,11 +248,19 @@ class VescalePlan:
                 f"plan path {path!r}: with mesh={mesh!r} give one placement, not {len(placements)}; "
                 "omit mesh to give one placement per mesh dimension"
             )
-        st = Statement(kind, path, placements, mesh, phase, len(self.statements))
+        st = Statement(kind, path, placements, mesh, phase, len(self.statements), **extra)
         if kind == "shard" and st.activation and phase is not None:
             raise ValueError(f"{st}: phase applies to parameters and buffers, not to activations")
         if kind == "redistribute" and st.activation is None:
             raise ValueError(f"{st}: redistribute names an activation, <module>.<in>[key] or <module>.<out>[key]")
+        if kind == "annotate" and st.activation is None and st.grad_of is None:
+            raise ValueError(
+                f"{st}: annotate names an activation (<module>.<in>[key] / <out>[key]) or a parameter's "
+                f"gradient (<parameter path>.grad), not {path!r}"
+            )
+        for name, value in extra.items():
+            if len(value) != len(placements):
+                raise ValueError(f"{st}: {name} gives {len(value)} placement(s) but dst gives {len(placements)}")
         self.statements.append(st)
         return st
 
