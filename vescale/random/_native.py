@@ -199,6 +199,8 @@ def load(required: bool = False) -> NativeKernel | None:
     """The compiled kernel, built on first use; None (after one warning) if it cannot be built,
     or a RuntimeError naming the reason when ``required``."""
     global _kernel, _failure
+    if _kernel is not None:  # every random op asks: no lock once it is loaded
+        return _kernel
     with _lock:
         if _kernel is None and _failure is None:
             try:

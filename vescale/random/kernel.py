@@ -271,8 +271,11 @@ def _as_int(name: str, value) -> int:
 def resolve_draw(kind: str, dtype: torch.dtype, params: dict) -> Draw:
     """Validate ``params`` for ``kind`` and return the draw both implementations execute."""
     # A tensor p only matters by being a tensor; everything else is a hashable scalar (or a caller's mistake,
-    # which the uncached call then reports).
-    items = tuple((k, _TENSOR_P if isinstance(v, torch.Tensor) else v) for k, v in sorted(params.items()))
+    # which the uncached call then reports). Items stay in the caller's order: each reader passes its
+    # parameters in one fixed order, and another order only makes another cache entry with the same draw.
+    items = tuple(params.items())
+    if isinstance(params.get("p"), torch.Tensor):
+        items = tuple((k, _TENSOR_P if k == "p" else v) for k, v in items)
     try:
         hash(items)
     except TypeError:

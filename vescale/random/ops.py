@@ -312,18 +312,19 @@ def fill(
     holds bernoulli's per-element probabilities for the block (out's shape)."""
     if out.is_meta:
         return  # like PyTorch's meta kernels: nothing drawn, the generator does not move
-    params = dict(call.params)
-    if prob is not None:
-        params["p"] = prob
+    params = call.params if prob is None else dict(call.params, p=prob)
     with generator.reserve(call.kind, out.dtype, global_shape, **params) as draw:
         if out.numel() == 0:
             return
         # The kernel's own tensor ops are plain arithmetic: no dispatch mode (ours included) may see them.
         with without_dispatch_modes():
             # CUDA tensors are drawn on their device (the Triton kernel), everything else on the CPU
-            device = out.device if out.device.type == "cuda" else torch.device("cpu")
-            direct = out.device == device and out.is_contiguous()
-            buf = out if direct else torch.empty(out.shape, dtype=out.dtype, device=device)
+            device_type = out.device.type
+            direct = device_type in ("cpu", "cuda") and out.is_contiguous()
+            if direct:
+                buf = out
+            else:
+                buf = torch.empty(out.shape, dtype=out.dtype, device=out.device if device_type == "cuda" else "cpu")
             kernel.generate(
                 buf,
                 call.kind,
