@@ -36,13 +36,13 @@ def _one_step(zero3: bool, spy: dict | None = None):
 
 def _measure():
     calls = {"refill": 0}
-    original = GatheredParam.refill
+    original = GatheredParam.refill_target  # every refill allocates the freed storage through it
 
     def counting_refill(self, *args):
         calls["refill"] += 1
         return original(self, *args)
 
-    GatheredParam.refill = counting_refill  # test-local instrumentation of the forked rank
+    GatheredParam.refill_target = counting_refill  # test-local instrumentation of the forked rank
     spy: dict = {}
     sharded = _one_step(zero3=True, spy=spy)
     replicated = _one_step(zero3=False)

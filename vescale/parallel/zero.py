@@ -18,6 +18,7 @@ forward, or backward) is gathered asynchronously at the same time.
 from __future__ import annotations
 
 import collections
+import functools
 import re
 
 import torch
@@ -26,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from ..comm.gather import GroupGather, gather
+from ..comm.gather import GatherProgram, GroupGather, gather
 from ..comm.layout import NOTHING
 
 __all__ = ["GatheredParam", "GatherScheduler", "unit_of"]
@@ -81,13 +82,17 @@ class GatheredParam:
                     fresh = self.param.redistribute(self.mesh, self.run_placements)._local_tensor
                 else:
                     fresh = gather(self.param, self.mesh, self.run_placements, self.reducer.stats)._local_tensor
+        self.refill_target().copy_(fresh)
+
+    def refill_target(self) -> torch.Tensor:
+        """The freed storage, allocated again, as a new tensor to write the gathered values into.
+        A new tensor over the same storage has its own version counter, so writing through it does
+        not invalidate the tensors autograd saved from the gathered parameter."""
         local = self.value._local_tensor
         local.untyped_storage().resize_(self.nbytes)
-        # A new tensor over the same storage has its own version counter, so this copy does not
-        # invalidate the tensors autograd saved from `local`.
         view = torch.empty(0, dtype=local.dtype, device=local.device)
         view.set_(local.untyped_storage(), local.storage_offset(), local.size(), local.stride())
-        view.copy_(fresh)
+        return view
 
     def _grad_ready(self, value: DTensor) -> None:
         """Bucketed mode: the gathered copy's gradient goes to the reducer; the copy is freed."""
@@ -104,12 +109,15 @@ class GatheredParam:
 
 def _run_spec(param: DTensor, mesh: DeviceMesh, placements: tuple) -> DTensorSpec:
     cached = getattr(param, "_vescale_run_spec", None)
-    if cached is None or cached.placements != placements or cached.mesh != mesh:
+    if cached is None or (cached.placements is not placements and cached.placements != placements) or (
+        cached.mesh is not mesh and cached.mesh != mesh
+    ):
         meta = TensorMeta(param.shape, param.stride(), param.dtype)
         cached = param._vescale_run_spec = DTensorSpec(mesh, placements, tensor_meta=meta)
     return cached
 
 
+@functools.lru_cache(maxsize=None)
 def unit_of(path: str) -> str:
     """The gather unit of a module: its path up to the first index (``model.layers.3``), or "" ."""
     m = re.match(r"^(.*?\.\d+)(\.|$)", path) or re.match(r"^(\d+)(\.|$)", path)
@@ -129,6 +137,9 @@ class GatherScheduler:
         self._bwd: list[str] = []
         self._refills: dict[str, tuple[GroupGather, list[GatheredParam]]] = {}
         self._bwd_queued = False
+        # (unit, "forward" | "backward") -> the GatherProgram of its last gather: planned once,
+        # reused while the unit gathers the same parameters.
+        self._programs: dict[tuple[str, str], GatherProgram] = {}
 
     def register(self, module: nn.Module, path: str, entries) -> None:
         self.units.setdefault(unit_of(path), []).extend((module, e.tensor, tuple(e.targets)) for e in entries)
@@ -155,7 +166,13 @@ class GatherScheduler:
 
     def _launch_unit(self, unit: str) -> GroupGather:
         items = [(_stored(m, t), run) for m, t, run in self.units[unit]]
-        return GroupGather(items, self.mesh, self.reducer.stats)
+        return self._gather(unit, "forward", items)
+
+    def _gather(self, unit: str, direction: str, items: list) -> GroupGather:
+        program = self._programs.get((unit, direction))
+        if program is None or not program.matches(items):
+            program = self._programs[(unit, direction)] = GatherProgram(items, self.mesh)
+        return GroupGather(items, self.mesh, self.reducer.stats, program)
 
     def take(self, module: nn.Module, path: str, entries) -> list[GatheredParam]:
         """The module's gathered parameters, from its unit's gather (made now, or prefetched)."""
@@ -206,10 +223,10 @@ class GatherScheduler:
                 self.stats["backward_prefetched"] += 1
             else:
                 self._refills[unit] = self._launch_refill(unit, todo)
-            done = self._finish_refill(unit)
+            self._finish_refill(unit)
             for g in todo:
                 if not g.resident:  # not in the unit's gather: gathers alone
-                    g.refill(done.get(id(g)))
+                    g.refill()
         order = self.bwd_order or list(reversed(self.order))
         nxt = _after(order, unit)
         if self.prefetch and nxt is not None and nxt not in self._bwd and nxt not in self._refills:
@@ -219,15 +236,13 @@ class GatherScheduler:
 
     def _launch_refill(self, unit: str, extra: list[GatheredParam]):
         todo = list({id(g): g for g in [*self.live.get(unit, []), *extra] if not g.resident and g.owns_storage}.values())
-        return GroupGather([(g.param, g.run_placements) for g in todo], self.mesh, self.reducer.stats), todo
+        return self._gather(unit, "backward", [(g.param, g.run_placements) for g in todo]), todo
 
-    def _finish_refill(self, unit: str) -> dict[int, torch.Tensor]:
+    def _finish_refill(self, unit: str) -> None:
+        """Write the unit's gather straight into its parameters' freed storage (the rest of the
+        unit is needed by the modules backward reaches next)."""
         gg, todo = self._refills.pop(unit)
-        done = {id(g): x for g, x in zip(todo, gg.wait())}
-        for g in todo:  # the rest of the unit, needed by modules backward reaches next
-            if id(g) in done:
-                g.refill(done[id(g)])
-        return done
+        gg.wait_into([g.refill_target() for g in todo])
 
     def end_backward(self) -> None:
         self._bwd_queued = False
