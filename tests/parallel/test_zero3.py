@@ -15,6 +15,9 @@ from vescale.testing import run_on_ranks
 from vescale.zoo import llama_plan, synthetic_batches, tiny_llama
 
 
+_ALLOCATED = {"gathered": 0}  # storages of gathered parameters allocated (GatheredParam.refill_target)
+
+
 def _one_step(zero3: bool, spy: dict | None = None):
     world = dist.get_world_size()
     mesh = vescale.init_mesh((world,), ("DP",))
@@ -27,26 +30,27 @@ def _one_step(zero3: bool, spy: dict | None = None):
         gathered = [g for p in model.parameters() for g in getattr(p, "_vescale_gathered", [])]
         spy["weights"] = len(list(model.parameters()))  # the tiny LLaMA has only weights
         spy["after_forward"] = (len(gathered), sum(g.resident for g in gathered))
+        allocated = _ALLOCATED["gathered"]
     loss.backward()
     if spy is not None:
         spy["after_backward"] = sum(len(getattr(p, "_vescale_gathered", [])) for p in model.parameters())
+        spy["refills"] = _ALLOCATED["gathered"] - allocated
     opt.step()
     return bytes_at_rest(model, opt)
 
 
 def _measure():
-    calls = {"refill": 0}
-    original = GatheredParam.refill_target  # every refill allocates the freed storage through it
+    original = GatheredParam.refill_target  # every gather into a freed storage allocates it here
 
     def counting_refill(self, *args):
-        calls["refill"] += 1
+        _ALLOCATED["gathered"] += 1
         return original(self, *args)
 
     GatheredParam.refill_target = counting_refill  # test-local instrumentation of the forked rank
     spy: dict = {}
     sharded = _one_step(zero3=True, spy=spy)
     replicated = _one_step(zero3=False)
-    return sharded, replicated, spy, calls["refill"]
+    return sharded, replicated, spy, spy["refills"]
 
 
 @pytest.mark.multiproc

@@ -17,7 +17,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from .direct import all_gather, wait
+from . import direct
 from .groups import group_of, group_size
 from .layout import NOTHING, gather_plan, pack_gather, unpack_gather
 
@@ -33,7 +33,7 @@ def gather(param: DTensor, mesh: DeviceMesh, placements, stats: collections.Coun
             return param.detach().redistribute(mesh, placements)
         row = pack_gather(param._local_tensor, plan)
         out = row.new_empty(len(plan.members) * plan.row)
-        all_gather(out, row, group_of(mesh, plan.dims))
+        direct.all_gather(out, row, group_of(mesh, plan.dims))
         if stats is not None:
             stats["all_gather"] += 1
         local = unpack_gather(out, plan)
@@ -96,8 +96,9 @@ class GroupGather:
     launched now (``program``: a ``GatherProgram`` for ``items``, made here if not given).
 
     ``wait()`` returns one local tensor per item, each with its own storage (so each can be freed
-    on its own); ``wait_into(targets)`` writes them into given tensors instead (a refill: straight
-    from the collective's buffer into the parameters' storage, one copy per unit).
+    on its own); ``wait_into(targets)`` writes them into given tensors instead (ZeRO-3's gathered
+    parameters' own storage: straight from the collective's buffer, one copy per unit);
+    ``finish()`` only completes the collectives (a gather nobody needed).
     """
 
     def __init__(self, items: list[tuple[DTensor, tuple]], mesh: DeviceMesh, stats: collections.Counter | None = None,
@@ -116,19 +117,22 @@ class GroupGather:
         return gather(p, self.mesh, run, self.stats)._local_tensor
 
     def wait(self) -> list[torch.Tensor]:
-        gathered: list = [None] * len(self.items)
+        return self.wait_into([None] * len(self.items))
+
+    def wait_into(self, targets: list) -> list[torch.Tensor]:
+        """Write each item's gathered local tensor into ``targets[i]`` (a tensor of its RUN local
+        shape), or into a new tensor where ``targets[i]`` is None; returns them."""
+        gathered = list(targets)
         for c in self.collectives:
-            c.wait(gathered)
+            c.wait_into(gathered)
         for i in self.program.alone:
-            gathered[i] = self._alone(i)
+            x = self._alone(i)
+            gathered[i] = x if gathered[i] is None else gathered[i].copy_(x)
         return gathered
 
-    def wait_into(self, targets: list[torch.Tensor]) -> None:
-        """Write each item's gathered local tensor into ``targets[i]`` (its RUN local shape)."""
+    def finish(self) -> None:
         for c in self.collectives:
-            c.wait_into(targets)
-        for i in self.program.alone:
-            targets[i].copy_(self._alone(i))
+            c.table()
 
 
 class _Collective:
@@ -140,30 +144,30 @@ class _Collective:
         packed = [pack_gather(t, plan) for t, plan in zip(locals_, program.plans)]
         rows = packed[0] if len(packed) == 1 else torch.cat(packed)  # one parameter: sent as it is
         self.out = rows.new_empty(program.members * program.width)
-        self.work = all_gather(self.out, rows, program.group, async_op=True)
+        self.work = direct.all_gather(self.out, rows, program.group, async_op=True)
         if stats is not None:
             stats["all_gather"] += 1
 
-    def _table(self) -> torch.Tensor:
-        wait(self.work)
+    def table(self) -> torch.Tensor:
+        """The gathered (members, width) table, once the collective has completed."""
+        if self.work is not None:
+            work, self.work = self.work, None
+            direct.wait(work)
         return self.out.view(self.program.members, self.program.width)
 
-    def wait(self, gathered: list) -> None:
-        table, prog = self._table(), self.program
-        if len(prog.idx) == 1:  # the buffer is this parameter's own storage: no copy
-            gathered[prog.idx[0]] = unpack_gather(table, prog.plans[0])
-            return
-        # One copy per parameter out of the shared buffer (its columns), into its own storage.
-        columns = torch.split_with_sizes_copy(table, prog.rows, dim=1)
-        for i, rows, t in zip(prog.idx, columns, prog.plans):
-            gathered[i] = unpack_gather(rows, t)
-
-    def wait_into(self, targets: list[torch.Tensor]) -> None:
-        table, prog = self._table(), self.program
-        if all(prog.in_place):
-            outs = [targets[i].view(prog.members, row) for i, row in zip(prog.idx, prog.rows)]
+    def wait_into(self, gathered: list) -> None:
+        """Fill ``gathered[i]`` for this collective's items: copy into the tensor there, or make one."""
+        table, prog = self.table(), self.program
+        targets = [gathered[i] for i in prog.idx]
+        if all(t is not None for t in targets) and all(prog.in_place):
+            outs = [t.view(prog.members, row) for t, row in zip(targets, prog.rows)]
             torch.split_with_sizes_copy(table, prog.rows, dim=1, out=outs)
             return
-        columns = table.split(prog.rows, dim=1)
-        for i, rows, t in zip(prog.idx, columns, prog.plans):
-            targets[i].copy_(unpack_gather(rows.contiguous(), t))
+        if len(prog.idx) == 1:  # the buffer is this parameter's own storage: no copy
+            fresh = [unpack_gather(table, prog.plans[0])]
+        else:
+            # One copy per parameter out of the shared buffer (its columns), into its own storage.
+            columns = torch.split_with_sizes_copy(table, prog.rows, dim=1)
+            fresh = [unpack_gather(rows, t) for rows, t in zip(columns, prog.plans)]
+        for i, target, x in zip(prog.idx, targets, fresh):
+            gathered[i] = x if target is None else target.copy_(x)

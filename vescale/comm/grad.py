@@ -36,7 +36,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from .direct import all_reduce, reduce_scatter, wait
+from . import direct
 from .groups import group_of
 from .layout import NOTHING, Transfer, pack_rows, reduce_plan, unpack_row
 
@@ -75,22 +75,22 @@ class _Bucket:
             self.out = torch.cat([e.local.reshape(-1) for e in self.entries])
             # Unfused: one mesh dim at a time (the first now, the others when waited for).
             dims = self.dims if self.fuse else self.dims[:1]
-            self.work = all_reduce(self.out, group_of(mesh, dims), async_op=True)
+            self.work = direct.all_reduce(self.out, group_of(mesh, dims), async_op=True)
         else:
             rows = torch.cat([pack_rows(e.local, e.plan) for e in self.entries], dim=1)
             self.out = rows.new_empty(rows.shape[1])
-            self.work = reduce_scatter(self.out, rows.reshape(-1), group_of(mesh, self.dims), async_op=True)
+            self.work = direct.reduce_scatter(self.out, rows.reshape(-1), group_of(mesh, self.dims), async_op=True)
         stats[self.kind] += 1
 
     def wait(self, mesh: DeviceMesh, stats: collections.Counter):
         """Yields (param, reduced local tensor) per entry."""
-        wait(self.work)
+        direct.wait(self.work)
         if self.kind == "all_reduce" and not self.fuse:
             for d in self.dims[1:]:
-                all_reduce(self.out, group_of(mesh, (d,)))
+                direct.all_reduce(self.out, group_of(mesh, (d,)))
                 stats[self.kind] += 1
         if self.then_all_reduce:  # the scattered shards, Partial on these dims until now
-            all_reduce(self.out, group_of(mesh, self.then_all_reduce))
+            direct.all_reduce(self.out, group_of(mesh, self.then_all_reduce))
             stats["all_reduce"] += 1
         at = 0
         for e in self.entries:

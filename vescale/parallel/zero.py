@@ -63,6 +63,15 @@ class GatheredParam:
         # that one must never be freed.
         self.owns_storage = storage.data_ptr() != param._local_tensor.untyped_storage().data_ptr()
 
+    @classmethod
+    def slot(cls, param: DTensor, mesh: DeviceMesh, run_placements, reducer, shape) -> "GatheredParam":
+        """A gathered parameter kept from step to step (bucketed mode): its leaf, hook and spec are
+        made once, its storage is allocated only while gathered (``refill_target``) and freed as
+        any gathered copy's is, and a static step's plain leaf over it is made once too."""
+        g = cls(param, mesh, run_placements, reducer, param._local_tensor.new_empty(shape))
+        g.free()
+        return g
+
     @property
     def resident(self) -> bool:
         return self.value._local_tensor.untyped_storage().nbytes() > 0
@@ -140,6 +149,9 @@ class GatherScheduler:
         # (unit, "forward" | "backward") -> the GatherProgram of its last gather: planned once,
         # reused while the unit gathers the same parameters.
         self._programs: dict[tuple[str, str], GatherProgram] = {}
+        # unit -> (its forward GatherProgram, a GatheredParam.slot per item of its collectives, None
+        # for parameters gathered alone): the gathered parameters a training forward reuses.
+        self._slots: dict[str, tuple[GatherProgram, list]] = {}
 
     def register(self, module: nn.Module, path: str, entries) -> None:
         self.units.setdefault(unit_of(path), []).extend((module, e.tensor, tuple(e.targets)) for e in entries)
@@ -154,15 +166,35 @@ class GatherScheduler:
 
     def begin_forward(self) -> None:
         for g in self._inflight.values():  # predicted but not used: finish it (all ranks did launch it)
-            g.wait()
+            g.finish()
+        self._release_ready()
         self._reset_forward()
 
     def end_forward(self) -> None:
         if self._fwd:
             self.order = self._fwd
         for g in self._inflight.values():
-            g.wait()
+            g.finish()
+        self._release_ready()
         self._inflight, self._ready = {}, {}
+
+    def _release_ready(self) -> None:
+        """Free the slots gathered for modules that did not run (their storage is the slot's own)."""
+        for ready in self._ready.values():
+            for x in ready.values():
+                if isinstance(x, GatheredParam):
+                    x.free()
+
+    def _unit_slots(self, unit: str, gg: GroupGather) -> list:
+        held = self._slots.get(unit)
+        if held is None or held[0] is not gg.program:
+            slots: list = [None] * len(gg.items)
+            for c in gg.program.collectives:
+                for i, t in zip(c.idx, c.plans):
+                    p, run = gg.items[i]
+                    slots[i] = GatheredParam.slot(p, self.mesh, run, self.reducer, t.out[0])
+            held = self._slots[unit] = (gg.program, slots)
+        return held[1]
 
     def _launch_unit(self, unit: str) -> GroupGather:
         items = [(_stored(m, t), run) for m, t, run in self.units[unit]]
@@ -187,13 +219,22 @@ class GatherScheduler:
             if self.prefetch and nxt is not None and nxt not in self._fwd and nxt not in self._inflight:
                 self._inflight[nxt] = self._launch_unit(nxt)
         if unit in self._inflight:
-            locals_ = self._inflight.pop(unit).wait()
-            self._ready[unit] = {(id(m), t): x for (m, t, _), x in zip(self.units[unit], locals_)}
+            gg = self._inflight.pop(unit)
+            keys = [(id(m), t) for m, t, _ in self.units[unit]]
+            if torch.is_grad_enabled():  # into the unit's slots (made once), where it has them
+                slots = self._unit_slots(unit, gg)
+                gathered = gg.wait_into([s.refill_target() if s is not None else None for s in slots])
+                self._ready[unit] = {k: s or x for k, s, x in zip(keys, slots, gathered)}
+            else:  # an evaluation forward: fresh copies, dropped after use
+                self._ready[unit] = dict(zip(keys, gg.wait()))
         ready = self._ready.get(unit, {})
         out = []
         for e in entries:
-            local = ready.pop((id(module), e.tensor), None)  # None: called again; gathered alone
-            out.append(GatheredParam(_stored(module, e.tensor), self.mesh, e.targets, self.reducer, local))
+            got = ready.pop((id(module), e.tensor), None)  # None: called again; gathered alone
+            if isinstance(got, GatheredParam):
+                out.append(got)
+            else:
+                out.append(GatheredParam(_stored(module, e.tensor), self.mesh, e.targets, self.reducer, got))
         if torch.is_grad_enabled():  # kept for backward's unit refill; no-grad copies just go
             self.live.setdefault(unit, []).extend(out)
         return out
@@ -202,7 +243,10 @@ class GatherScheduler:
         """Bytes of gathered copies this scheduler holds now: resident gathered parameters, gathered
         ones waiting for their module, and gathers in flight (for tests of ZeRO-3's memory)."""
         live = sum(g.nbytes for gs in self.live.values() for g in gs if g.resident and g.owns_storage)
-        ready = sum(x.untyped_storage().nbytes() for r in self._ready.values() for x in r.values())
+        ready = sum(
+            (x.nbytes if x.resident else 0) if isinstance(x, GatheredParam) else x.untyped_storage().nbytes()
+            for r in self._ready.values() for x in r.values()
+        )
         flight = sum(g.out_bytes for g in self._inflight.values())
         return live + ready + flight
 
@@ -247,7 +291,7 @@ class GatherScheduler:
     def end_backward(self) -> None:
         self._bwd_queued = False
         for gg, _ in self._refills.values():  # prefetched but never needed: complete it
-            gg.wait()
+            gg.finish()
         self._refills = {}
         if self._bwd:
             self.bwd_order, self._bwd = self._bwd, []
