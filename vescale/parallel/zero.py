@@ -186,13 +186,16 @@ class GatherScheduler:
                     x.free()
 
     def _unit_slots(self, unit: str, gg: GroupGather) -> list:
+        """The unit's slots: one per parameter of its collectives that takes a gradient (a frozen
+        one is gathered afresh each time, dropped after its last use as before)."""
         held = self._slots.get(unit)
-        if held is None or held[0] is not gg.program:
+        if held is None or held[0] is not gg.program or not _slots_fit(held[1], gg.items):
             slots: list = [None] * len(gg.items)
             for c in gg.program.collectives:
                 for i, t in zip(c.idx, c.plans):
                     p, run = gg.items[i]
-                    slots[i] = GatheredParam.slot(p, self.mesh, run, self.reducer, t.out[0])
+                    if p.requires_grad:
+                        slots[i] = GatheredParam.slot(p, self.mesh, run, self.reducer, t.out[0])
             held = self._slots[unit] = (gg.program, slots)
         return held[1]
 
@@ -295,6 +298,15 @@ class GatherScheduler:
         self._refills = {}
         if self._bwd:
             self.bwd_order, self._bwd = self._bwd, []
+
+
+def _slots_fit(slots: list, items: list) -> bool:
+    """The slots still stand for the parameters: same dtype, and none for a parameter frozen since
+    they were made (a parameter unfrozen since gets one when they are made again: a new program)."""
+    for g, (p, _) in zip(slots, items):
+        if g is not None and (not p.requires_grad or g.value.dtype != p.dtype):
+            return False
+    return True
 
 
 def _stored(module: nn.Module, name: str) -> DTensor:
