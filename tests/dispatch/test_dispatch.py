@@ -148,6 +148,24 @@ def test_optimizer_steps_on_local_shards_equal_dtensor_steps(mesh, opt_cls, kw):
     opt.state_dict()  # still keyed by the DTensor parameters
 
 
+def test_optimizer_state_wrappers_are_reused_across_steps(mesh):
+    """The step updates per-element state in place: the DTensor wrapping it after a step is the
+    one from the step before (no new wrapper per state entry and step), over the same storage;
+    state loaded from a state_dict (new tensors) gets new wrappers."""
+    params, opt = _step_params(mesh, torch.optim.AdamW, True)
+    p = params[0]
+    before = dict(opt.state[p])
+    p.grad = _dt(mesh, p.shape, p.placements, 99)
+    opt.step()
+    for name in ("exp_avg", "exp_avg_sq"):
+        assert opt.state[p][name] is before[name], name
+    opt.load_state_dict(opt.state_dict())  # deep-copies the state: new tensors
+    loaded = opt.state[p]["exp_avg"]
+    opt.step()
+    assert opt.state[p]["exp_avg"] is loaded and isinstance(loaded, DTensor)
+    assert loaded.placements == p.placements
+
+
 def test_optimizer_step_really_sees_local_tensors(mesh):
     _fresh(True)
     seen = []

@@ -42,7 +42,7 @@ def _uses_local_step(opt: torch.optim.Optimizer) -> bool:
     if not any(isinstance(p, DTensor) for p in params):
         return False
     return all(
-        p.grad is None or (isinstance(p.grad, DTensor) and p.grad._spec == p._spec)
+        p.grad is None or (isinstance(p.grad, DTensor) and (p.grad._spec is p._spec or p.grad._spec == p._spec))
         for p in params
         if isinstance(p, DTensor)
     )
@@ -50,6 +50,7 @@ def _uses_local_step(opt: torch.optim.Optimizer) -> bool:
 
 def _to_local(opt: torch.optim.Optimizer) -> None:
     swapped = []  # (group, original params) to restore
+    as_dtensors = {}  # local tensor -> its parameter's state as DTensors, reused by _to_dtensor
     for group in opt.param_groups:
         params = group["params"]
         locals_ = []
@@ -62,13 +63,16 @@ def _to_local(opt: torch.optim.Optimizer) -> None:
             state = opt.state.pop(p, None)
             if state:
                 opt.state[local] = {k: v._local_tensor if isinstance(v, DTensor) else v for k, v in state.items()}
+                as_dtensors[local] = state
             locals_.append(local)
         swapped.append((group, params, locals_))
         group["params"] = locals_
     opt._vescale_local_step = swapped
+    opt._vescale_state_dtensors = as_dtensors
 
 
 def _to_dtensor(opt: torch.optim.Optimizer) -> None:
+    before = opt.__dict__.pop("_vescale_state_dtensors", {})
     for group, params, locals_ in opt.__dict__.pop("_vescale_local_step", []):
         group["params"] = params
         for p, local in zip(params, locals_):
@@ -77,12 +81,16 @@ def _to_dtensor(opt: torch.optim.Optimizer) -> None:
             local.grad = None  # the gradient lives in p.grad; the alias would keep a second reference
             state = opt.state.pop(local, None)
             if state:
-                opt.state[p] = {k: _as_param_layout(v, local, p) for k, v in state.items()}
+                was = before.get(local, {})
+                opt.state[p] = {k: _as_param_layout(v, local, p, was.get(k)) for k, v in state.items()}
 
 
-def _as_param_layout(value, local: torch.Tensor, param: DTensor):
+def _as_param_layout(value, local: torch.Tensor, param: DTensor, was=None):
     """Per-element state (shaped like the local shard) becomes a DTensor laid out like ``param``;
-    scalars such as Adam's step count stay as they are."""
+    scalars such as Adam's step count stay as they are. ``was``: the DTensor this state entry was
+    before the step; the step updates state in place, so it is usually still the right wrapper."""
+    if isinstance(was, DTensor) and was._local_tensor is value and was._spec is param._spec:
+        return was
     if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == local.shape and value.ndim > 0:
         return DTensor(value, param._spec, requires_grad=False)
     return value

@@ -12,8 +12,9 @@ what ``from_local``'s default gradient layout is). One autograd node runs both.
 
 The common one-mesh-dim moves run as a single collective (the process group's own, called
 directly: no functional-collective wrapper, whose Python autograd registration costs more than the
-call on small tensors, nor torch.distributed's checking wrappers) plus the chunk/cat that puts the
-collective's dim 0 where the shard dim is. Everything else (several mesh dims at once, nested or uneven shards, other Partial ops)
+call on small tensors, nor torch.distributed's checking wrappers). A shard dim other than 0 needs
+no stacking copy: the list forms of all-gather and reduce-scatter take the n pieces as strided
+views of the full tensor, and the backend copies into / reads from them where they lie. Everything else (several mesh dims at once, nested or uneven shards, other Partial ops)
 goes through DTensor's ``redistribute_local_tensor`` with the same specs, so every move computes
 what DTensor would.
 """
@@ -94,22 +95,38 @@ def _wait(work) -> None:
 
 def _gather(t: torch.Tensor, d: int, n: int, group) -> torch.Tensor:
     t = t.contiguous()
-    out = t.new_empty((n * t.shape[0], *t.shape[1:]))
     if t.is_complex():
+        out = t.new_empty((n * t.shape[0], *t.shape[1:]))
         dist.all_gather_single(out, t, group=group)
-    else:
+        return out if d == 0 else torch.cat(out.chunk(n, 0), dim=d)
+    shape = list(t.shape)
+    shape[d] *= n
+    out = t.new_empty(shape)
+    if d == 0:
         _wait(group.all_gather_single(out, t, _GATHER))
-    return out if d == 0 else torch.cat(out.chunk(n, 0), dim=d)
+    else:
+        # Each rank's piece lands straight in its slot of the result (a strided view): the
+        # backend copies it there from its receive buffer, with no stacking copy of our own.
+        _wait(group.allgather([list(out.chunk(n, d))], [t], _GATHER))
+    return out
 
 
 def _reduce_scatter(t: torch.Tensor, d: int, n: int, group) -> torch.Tensor:
-    # The collective scatters dim 0: stack the n pieces of dim d along it.
-    t = torch.cat(t.chunk(n, d), dim=0) if d != 0 else t.contiguous()
-    out = t.new_empty((t.shape[0] // n, *t.shape[1:]))
     if t.is_complex():
+        # The collective scatters dim 0: stack the n pieces of dim d along it.
+        t = torch.cat(t.chunk(n, d), dim=0) if d != 0 else t.contiguous()
+        out = t.new_empty((t.shape[0] // n, *t.shape[1:]))
         dist.reduce_scatter_single(out, t, group=group)
-    else:
+        return out
+    if d == 0:
+        t = t.contiguous()
+        out = t.new_empty((t.shape[0] // n, *t.shape[1:]))
         _wait(group.reduce_scatter_single(out, t, _REDUCE_SCATTER))
+        return out
+    # The n pieces of dim d go in as strided views: the backend reads them where they lie.
+    pieces = list(t.chunk(n, d))
+    out = torch.empty_like(pieces[0], memory_format=torch.contiguous_format)
+    _wait(group.reduce_scatter([out], [pieces], _REDUCE_SCATTER))
     return out
 
 

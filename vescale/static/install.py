@@ -45,7 +45,9 @@ def install_static(model: nn.Module, plan: VescalePlan, ir: PlanIR) -> list:
     handles = []
     for path, mod in model.named_modules():
         if runs_forward(mod):
-            handles += _install_one(rt, mod, path)
+            own = _install_one(rt, mod, path)
+            rt.own_hooks[path] = (mod, frozenset(h.id for h in own))
+            handles += own
     return handles
 
 

@@ -89,6 +89,9 @@ class Record:
     # (argument name or position, output index or field; None inside a nested container)
     keys: dict = field(default_factory=dict)
     steps: dict = field(default_factory=dict)  # module path -> its _Steps in static steps
+    # Module path -> module, for the modules whose hooks have nothing to do in this record's static
+    # steps (see StaticRuntime._find_quiet); None until the first static step has run.
+    quiet: dict | None = None
 
 
 @dataclass
@@ -275,6 +278,17 @@ class _RandomReplay(TorchDispatchMode):
         self.record, self.stack = record, stack
         self.random_ops = DTensor._op_dispatcher._random_ops
         self.drawn: dict[str, int] = {}
+        self.on = False
+
+    def turn(self, on: bool) -> None:
+        """Enter (on) or leave the dispatch mode stack."""
+        if on == self.on:
+            return
+        self.on = on
+        if on:
+            self.__enter__()
+        else:
+            _exit_from_anywhere(self)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -407,6 +421,13 @@ class StaticRuntime:
         self.static_steps = self.recorded_steps = 0
         # Parameter -> {id(gradient spec): ParamShadow}; weak, so a dropped parameter takes its shadows along.
         self.shadows = WeakIdKeyDictionary()
+        # Quiet modules (see _find_quiet): the ids of the hooks install_static put on each module,
+        # the hook entries taken off the modules silenced now, and the parameters swapped for
+        # their local tensors at the root for this forward.
+        self.own_hooks: dict[str, tuple[nn.Module, frozenset]] = {}
+        self.silenced: dict[str, tuple[nn.Module, list]] = {}
+        self.swapped_at_root: list = []
+        self.quiet_modules = True  # False: every module keeps its hooks (tests compare the two bit for bit)
         # False: every parameter goes through ``local_of`` (an autograd node per use, a DTensor
         # gradient per use), the path ParamShadow replaces; tests compare the two bit for bit.
         self.param_leaves = True
@@ -431,10 +452,18 @@ class StaticRuntime:
 
     def begin_step(self, args, kwargs) -> None:
         """Root pre-hook: pick this step's state from the root inputs' shapes."""
+        self._begin(args, kwargs)
+        # Hooks come off the modules with nothing to do in this step, back on every other module.
+        quiet = self._quiet_now()
+        self._silence(quiet)
+        self._swap_at_root(quiet)
+
+    def _begin(self, args, kwargs) -> None:
         key = tuple((tuple(t.shape), t.dtype) for t in _tensors(args, kwargs))
         if self.watcher is not None:  # the last recording's (closed only here), or one whose forward raised
             self._close_watcher()
         self._close_replay()
+        self._restore_at_root()  # left over only if the last forward's cleanup did not run
         if not torch.is_grad_enabled():
             # An evaluation forward: runs eagerly, records nothing, keeps the training records.
             self.state, self.record = None, None
@@ -449,11 +478,13 @@ class StaticRuntime:
             self.state, self.record = State.STATIC, rec
             self.static_steps += 1
             if rec.random:
+                # Entered only while the body of a module that draws runs (see _follow_body).
                 self.replay = _RandomReplay(rec, self.stack)
-                self.replay.__enter__()
             if not rec.checked:
                 rec.checked = True
                 self._open_watcher(checking=True)
+            elif rec.quiet is None:
+                rec.quiet = self._find_quiet(rec)
             return
         # A new set of shapes: start from the modules the last recording found eager (the same
         # model code decides them, whatever the sizes), so one recording step usually suffices.
@@ -480,13 +511,12 @@ class StaticRuntime:
         if self.watcher is not None and (self.state is State.STATIC or not torch.is_grad_enabled()):
             self._close_watcher()
         self._close_replay()
+        self._restore_at_root()
 
     def _close_replay(self) -> None:
         if self.replay is not None:
             replay, self.replay = self.replay, None
-            if self.watcher is not None:  # modes leave in the reverse order of entering
-                self._close_watcher()
-            replay.__exit__(None, None, None)
+            replay.turn(False)
             self.stack.clear()
 
     def _close_watcher(self) -> None:
@@ -513,6 +543,7 @@ class StaticRuntime:
         redistributes them here or this module runs eagerly."""
         if self._tracking():
             self.stack.append(None)  # this module's hooks run now, not its body
+            self._follow_body()
         if self.state is State.STATIC:
             steps = self._steps(path)
             if steps.moves_in is not None:
@@ -627,6 +658,14 @@ class StaticRuntime:
     def _body_starts(self, path: str) -> None:
         if self._tracking() and self.stack:
             self.stack[-1] = path
+            self._follow_body()
+
+    def _follow_body(self) -> None:
+        """The random replay intercepts ops only while the body of a module that draws random
+        numbers runs: as a dispatch mode it costs every op it sees a Python call, and most of a
+        step's ops belong to modules that draw nothing."""
+        if self.replay is not None:
+            self.replay.turn(bool(self.stack) and self.stack[-1] in self.record.random)
 
     def _tracking(self) -> bool:
         return self.watcher is not None or self.replay is not None
@@ -637,18 +676,17 @@ class StaticRuntime:
         state.pop(IO_PLACED, None)  # set only if forward raised between leave and handed_back
         swapped = state.pop("_vescale_swapped", None)
         if swapped:
-            for name, p, local in swapped:
-                store = mod._parameters if name in mod._parameters else mod._buffers
-                if store.get(name) is local:
-                    store[name] = p
+            _put_back(mod, swapped)
         if self._tracking() and self.stack:
             self.stack.pop()
+            self._follow_body()
 
     def leave(self, mod, path: str, output):
         """Before the plan's post-hook: local outputs of a static module become DTensors if the plan
         redistributes them here or the caller runs eagerly."""
         if self._tracking() and self.stack:
             self.stack[-1] = None  # the body is over
+            self._follow_body()
         if self.state is State.STATIC:
             steps = self._steps(path)
             if steps.moves_out is not None:
@@ -753,11 +791,100 @@ class StaticRuntime:
             _map_out(note, output)
         return None
 
+    # -- quiet modules -------------------------------------------------------------------------
+    #
+    # In a static step most modules (every Linear, norm, activation of a TP block) neither wrap,
+    # move nor unwrap anything: their five hooks only swap the parameters for local tensors and
+    # back. Those hooks still cost nn.Module's slow call path and five Python calls per module and
+    # call. So from a record's second static step on (the first checks local shapes through the
+    # hooks), such modules lose their hooks for the step and the root swaps their parameters once
+    # for the whole forward; any other state puts every hook back first.
+
+    def _find_quiet(self, rec: Record) -> dict:
+        """The modules of ``rec`` whose hooks have nothing to do in its static steps: static with a
+        static caller, no tensor wrapped, moved or placed at their boundary, no random op to replay,
+        no hooks but install_static's, and leaf parameters (ZeRO-3's gathered ones come from hooks)."""
+        quiet = {}
+        for path, (mod, own) in self.own_hooks.items():
+            steps = rec.steps.get(path)
+            if not path or steps is None or not steps.static or not steps.parent_static or path in rec.random:
+                continue
+            if steps.wrap_in or steps.wrap_out or steps.placed_in or steps.placed_out:
+                continue
+            if set(mod._forward_pre_hooks) | set(mod._forward_hooks) != own:
+                continue  # the plan's (or the user's) hooks work here
+            if all(not isinstance(p, DTensor) or (isinstance(p, nn.Parameter) and p.grad_fn is None) for p in mod._parameters.values()):
+                quiet[path] = mod
+        return quiet
+
+    def _quiet_now(self) -> dict:
+        rec = self.record
+        if not self.quiet_modules or self.state is not State.STATIC or self.watcher is not None or rec.quiet is None:
+            return {}
+        return rec.quiet
+
+    def _silence(self, quiet: dict) -> None:
+        """Take the hooks off the modules in ``quiet``, put them back on every other one."""
+        # A module given a hook while silenced is not quiet any more.
+        for path in [p for p, (m, _) in self.silenced.items() if m._forward_pre_hooks or m._forward_hooks]:
+            quiet.pop(path, None)
+        for path in [p for p in self.silenced if p not in quiet]:
+            _hooks_back(*self.silenced.pop(path))
+        for path, mod in quiet.items():
+            if path not in self.silenced:
+                self.silenced[path] = (mod, _hooks_off(mod))
+
+    def _swap_at_root(self, quiet: dict) -> None:
+        """A quiet module gets its local parameters for the whole forward (its inside() would have
+        swapped them at each call)."""
+        for path, mod in quiet.items():
+            swapped = self._local_parameters(mod, path, self.record.steps[path])
+            if swapped:
+                self.swapped_at_root.append((mod, swapped))
+
+    def _restore_at_root(self) -> None:
+        swaps, self.swapped_at_root = self.swapped_at_root, []
+        for mod, swapped in swaps:
+            _put_back(mod, swapped)
+
     # -- reporting -------------------------------------------------------------------------------
 
     def latest(self) -> Record | None:
         complete = [r for r in self.records.values() if r.complete]
         return complete[-1] if complete else None
+
+
+def _put_back(mod: nn.Module, swapped: list) -> None:
+    """Give ``mod`` back the parameters (and buffers) that ``_local_parameters`` swapped."""
+    for name, p, local in swapped:
+        store = mod._parameters if name in mod._parameters else mod._buffers
+        if store.get(name) is local:
+            store[name] = p
+
+
+# A module's forward hooks live in these dicts (keyed by hook id); emptied, nn.Module calls forward
+# directly. They are emptied in place and refilled in place, so hook handles stay valid.
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+               "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def _hooks_off(mod: nn.Module) -> list:
+    saved = []
+    for name in _HOOK_DICTS:
+        hooks = getattr(mod, name)
+        saved.append(list(hooks.items()))
+        hooks.clear()
+    return saved
+
+
+def _hooks_back(mod: nn.Module, saved: list) -> None:
+    """Refill the hook dicts, the saved hooks first (any registered meanwhile after them)."""
+    for name, items in zip(_HOOK_DICTS, saved):
+        hooks = getattr(mod, name)
+        added = list(hooks.items())
+        hooks.clear()
+        hooks.update(items)
+        hooks.update(added)
 
 
 def _callers(model: nn.Module) -> dict[str, str | None]:
