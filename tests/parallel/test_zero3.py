@@ -15,6 +15,9 @@ from vescale.testing import run_on_ranks
 from vescale.zoo import llama_plan, synthetic_batches, tiny_llama
 
 
+_ALLOCATED = {"gathered": 0}  # storages of gathered parameters allocated (GatheredParam.refill_target)
+
+
 def _one_step(zero3: bool, spy: dict | None = None):
     world = dist.get_world_size()
     mesh = vescale.init_mesh((world,), ("DP",))
@@ -27,26 +30,27 @@ def _one_step(zero3: bool, spy: dict | None = None):
         gathered = [g for p in model.parameters() for g in getattr(p, "_vescale_gathered", [])]
         spy["weights"] = len(list(model.parameters()))  # the tiny LLaMA has only weights
         spy["after_forward"] = (len(gathered), sum(g.resident for g in gathered))
+        allocated = _ALLOCATED["gathered"]
     loss.backward()
     if spy is not None:
         spy["after_backward"] = sum(len(getattr(p, "_vescale_gathered", [])) for p in model.parameters())
+        spy["refills"] = _ALLOCATED["gathered"] - allocated
     opt.step()
     return bytes_at_rest(model, opt)
 
 
 def _measure():
-    calls = {"refill": 0}
-    original = GatheredParam.refill
+    original = GatheredParam.refill_target  # every gather into a freed storage allocates it here
 
     def counting_refill(self, *args):
-        calls["refill"] += 1
+        _ALLOCATED["gathered"] += 1
         return original(self, *args)
 
-    GatheredParam.refill = counting_refill  # test-local instrumentation of the forked rank
+    GatheredParam.refill_target = counting_refill  # test-local instrumentation of the forked rank
     spy: dict = {}
     sharded = _one_step(zero3=True, spy=spy)
     replicated = _one_step(zero3=False)
-    return sharded, replicated, spy, calls["refill"]
+    return sharded, replicated, spy, spy["refills"]
 
 
 @pytest.mark.multiproc
@@ -113,3 +117,37 @@ def test_zero3_on_one_rank_keeps_parameters():
     sharded, replicated, spy, _ = run_on_ranks(_measure, 1)[0]
     assert spy["after_forward"] == (spy["weights"], spy["weights"])  # nothing freed
     assert sharded == replicated
+
+
+def _slot_steps():
+    """Three steps of ZeRO-3 (DP=2); before the third, one weight is frozen."""
+    mesh = vescale.init_mesh((dist.get_world_size(),), ("DP",))
+    torch.manual_seed(0)
+    model = vescale.parallelize(tiny_llama(), llama_plan(mesh, zero3=True), mesh)
+    sched = model._vescale_gathers
+    frozen = "model.layers.0.mlp.up_proj.weight"
+    input_ids, labels = synthetic_batches(1, 4, 16, 128, seed=1)[0]
+    seen, grads, held = [], [], []
+    for step in range(3):
+        if step == 2:
+            dict(model.named_parameters())[frozen].requires_grad_(False)
+        model(input_ids=input_ids, labels=labels).loss.backward()
+        seen.append({unit: [id(g.value) if g is not None else None for g in slots] for unit, (_, slots) in sched._slots.items()})
+        grads.append({n: p.grad is not None for n, p in model.named_parameters()})
+        held.append(sched.held_bytes())
+        model.zero_grad()
+    return seen, grads, held, frozen
+
+
+@pytest.mark.multiproc
+def test_zero3_gathered_parameters_are_kept_from_step_to_step():
+    """A training forward gathers each unit into the same gathered parameters every step (their
+    storage freed between uses); a weight frozen since makes its unit's new ones, and gets no gradient."""
+    for seen, grads, held, frozen in run_on_ranks(_slot_steps, 2):
+        assert seen[0] == seen[1] and all(None not in ids for ids in seen[0].values()), seen
+        # Rebuilt for the frozen weight, which has none (it is gathered afresh, as before slots).
+        assert seen[2]["model.layers.0"] != seen[1]["model.layers.0"] and seen[2]["model.layers.0"].count(None) == 1
+        assert all(seen[2][u] == seen[1][u] for u in seen[1] if u != "model.layers.0")
+        assert all(grads[0].values()) and grads[0] == grads[1]
+        assert not grads[2][frozen] and sum(grads[2].values()) == len(grads[2]) - 1
+        assert held[:2] == [0, 0]  # (a frozen weight's copy is kept until the next forward, as ever)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard
 
 import vescale
+from vescale.comm import direct
 from vescale.placement import InterleavedShard, blockwise, nest_zero_shards
 from vescale.testing import run_on_ranks, train_losses
 from vescale.zoo import llama_plan, synthetic_batches, tiny_llama
@@ -46,29 +47,29 @@ def _spy_step(bucket_mb, vocab: int = 128):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     input_ids, labels = synthetic_batches(1, 4, 16, vocab, seed=1)[0]
     seen = []
-    real_ag, real_rs, real_ar = dist.all_gather_single, dist.reduce_scatter_single, dist.all_reduce
+    real_ag, real_rs, real_ar = direct.all_gather, direct.reduce_scatter, direct.all_reduce
 
-    def ag(out, inp, group=None, **kw):
+    def ag(out, inp, group, **kw):
         seen.append(("all_gather", tuple(dist.get_process_group_ranks(group)), out.numel() * out.element_size()))
-        return real_ag(out, inp, group=group, **kw)
+        return real_ag(out, inp, group, **kw)
 
-    def rs(out, inp, group=None, **kw):
+    def rs(out, inp, group, **kw):
         seen.append(("reduce_scatter", tuple(dist.get_process_group_ranks(group)), inp.numel() * inp.element_size()))
-        return real_rs(out, inp, group=group, **kw)
+        return real_rs(out, inp, group, **kw)
 
-    def ar(tensor, group=None, **kw):
+    def ar(tensor, group, **kw):
         seen.append(("all_reduce", tuple(dist.get_process_group_ranks(group)), tensor.numel() * tensor.element_size()))
-        return real_ar(tensor, group=group, **kw)
+        return real_ar(tensor, group, **kw)
 
     losses = []
     for step in range(2):
-        if step == 1:
-            dist.all_gather_single, dist.reduce_scatter_single, dist.all_reduce = ag, rs, ar
+        if step == 1:  # vescale.comm issues its collectives through vescale.comm.direct
+            direct.all_gather, direct.reduce_scatter, direct.all_reduce = ag, rs, ar
         try:
             loss = model(input_ids=input_ids, labels=labels).loss
             loss.backward()
         finally:
-            dist.all_gather_single, dist.reduce_scatter_single, dist.all_reduce = real_ag, real_rs, real_ar
+            direct.all_gather, direct.reduce_scatter, direct.all_reduce = real_ag, real_rs, real_ar
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())

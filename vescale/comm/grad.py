@@ -33,10 +33,10 @@ import contextlib
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from . import direct
 from .groups import group_of
 from .layout import NOTHING, Transfer, pack_rows, reduce_plan, unpack_row
 
@@ -75,22 +75,22 @@ class _Bucket:
             self.out = torch.cat([e.local.reshape(-1) for e in self.entries])
             # Unfused: one mesh dim at a time (the first now, the others when waited for).
             dims = self.dims if self.fuse else self.dims[:1]
-            self.work = dist.all_reduce(self.out, group=group_of(mesh, dims), async_op=True)
+            self.work = direct.all_reduce(self.out, group_of(mesh, dims), async_op=True)
         else:
             rows = torch.cat([pack_rows(e.local, e.plan) for e in self.entries], dim=1)
             self.out = rows.new_empty(rows.shape[1])
-            self.work = dist.reduce_scatter_single(self.out, rows.reshape(-1), group=group_of(mesh, self.dims), async_op=True)
+            self.work = direct.reduce_scatter(self.out, rows.reshape(-1), group_of(mesh, self.dims), async_op=True)
         stats[self.kind] += 1
 
     def wait(self, mesh: DeviceMesh, stats: collections.Counter):
         """Yields (param, reduced local tensor) per entry."""
-        self.work.wait()
+        direct.wait(self.work)
         if self.kind == "all_reduce" and not self.fuse:
             for d in self.dims[1:]:
-                dist.all_reduce(self.out, group=group_of(mesh, (d,)))
+                direct.all_reduce(self.out, group_of(mesh, (d,)))
                 stats[self.kind] += 1
         if self.then_all_reduce:  # the scattered shards, Partial on these dims until now
-            dist.all_reduce(self.out, group=group_of(mesh, self.then_all_reduce))
+            direct.all_reduce(self.out, group_of(mesh, self.then_all_reduce))
             stats["all_reduce"] += 1
         at = 0
         for e in self.entries:
@@ -115,25 +115,35 @@ class GradReducer:
         self._launched: list[_Bucket] = []
         self._ready: list[tuple[torch.Tensor, torch.Tensor]] = []  # reduced without a bucket
         self._queued = False
+        # id(param) -> (param spec, gradient spec, plan): a plan depends on those two specs only, and
+        # static steps hand the same gradient spec over every step, so it is worked out once.
+        self._plans: dict[int, tuple] = {}
 
     def plan(self, param: DTensor, grad: DTensor) -> Transfer | None:
         """The collective for this gradient; ``NOTHING`` if none is needed, ``None`` if it has no
         bucketed form (the caller then redistributes it itself)."""
+        cached = self._plans.get(id(param))
+        if cached is not None and cached[0] is param._spec and cached[1] is grad._spec:
+            return cached[2]
         if grad.device_mesh is not self.mesh and grad.device_mesh != self.mesh:
-            return None
-        return reduce_plan(grad.shape, self.mesh, grad.placements, param.placements)
+            plan = None
+        else:
+            plan = reduce_plan(grad.shape, self.mesh, grad.placements, param.placements)
+        self._plans[id(param)] = (param._spec, grad._spec, plan)
+        return plan
 
     def add(self, param: DTensor, grad: DTensor, plan: Transfer) -> None:
         """File a gradient of ``param`` (called from backward hooks)."""
         local = grad._local_tensor
-        key = (id(param), tuple(grad.placements))
         if not self.sync:
+            key = (id(param), tuple(grad.placements))
             held = self._pending.get(key)
             self._pending[key] = _Entry(param, local if held is None else held.local + local, plan)
             return
-        held = self._pending.pop(key, None)
-        if held is not None:
-            local = held.local + local
+        if self._pending:  # micro-steps accumulated under no_grad_sync
+            held = self._pending.pop((id(param), tuple(grad.placements)), None)
+            if held is not None:
+                local = held.local + local
         self._queue_finish()
         self._file(_Entry(param, local, plan))
 

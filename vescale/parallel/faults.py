@@ -28,7 +28,11 @@ import torch.nn as nn
 __all__ = ["FaultReporter", "note_peer_failures"]
 
 _KEY = "vescale/fault/{}"
-_COLLECTIVE_FILES = ("torch/distributed/distributed_c10d.py", "torch/distributed/_functional_collectives.py")
+# Where a failed collective's frame names it: torch.distributed's functions, and vescale.comm's
+# direct process-group calls (all_gather / reduce_scatter / all_reduce / wait).
+_COLLECTIVE_FILES = (
+    "torch/distributed/distributed_c10d.py", "torch/distributed/_functional_collectives.py", "vescale/comm/direct.py",
+)
 _COMM_WORDS = ("gloo", "nccl", "Timed out", "timed out", "Connection reset", "Connection closed", "DistBackendError")
 
 

@@ -178,14 +178,31 @@ def _map_named_tensors(fn: Callable[[str, torch.Tensor], torch.Tensor], obj, pat
 
 
 def _tensors_in(obj) -> list[torch.Tensor]:
+    """The tensors ``_map_tensors`` visits, in its order; builds nothing else (it runs on every
+    module output of a ZeRO-3 step)."""
     found: list[torch.Tensor] = []
-    _map_tensors(lambda t: found.append(t) or t, obj)
+    _collect_tensors(obj, found)
     return found
+
+
+def _collect_tensors(obj, found: list) -> None:
+    if isinstance(obj, torch.Tensor):
+        found.append(obj)
+    elif isinstance(obj, (tuple, list)):
+        for v in obj:
+            _collect_tensors(v, found)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _collect_tensors(v, found)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            _collect_tensors(getattr(obj, f.name), found)
 
 
 def _register_once_on_grads(output, fn: Callable[[], None]) -> None:
     """Call ``fn`` once, when backward first reaches any tensor of ``output``."""
-    tensors = [t for t in _tensors_in(output) if t.requires_grad]
+    tensors = [output] if isinstance(output, torch.Tensor) else _tensors_in(output)
+    tensors = [t for t in tensors if t.requires_grad]
     fired = [False]
 
     def hook(grad):

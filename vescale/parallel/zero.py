@@ -13,11 +13,19 @@ Units: the parameters of one block, i.e. everything under the same ``<ModuleList
 head), like FSDP's per-block wrapping. A unit is gathered when its first module runs, with one
 all-gather over the union of its parameters' groups; the next unit (in the order of the previous
 forward, or backward) is gathered asynchronously at the same time.
+
+Per-step CPU cost: a unit's gather is planned once (``GatherProgram``: plans, groups, row widths),
+and a training forward gathers into the same gathered parameters every step (``GatheredParam.slot``,
+as FSDP2 keeps its unsharded parameters): their leaf, gradient hook and spec are made once, the
+collective's buffer is copied straight into their storage (one ``split_with_sizes_copy`` per unit),
+and that storage is freed between uses exactly as a fresh copy's would be. Backward's refills write
+into the freed storage the same way.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import re
 
 import torch
@@ -26,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from ..comm.gather import GroupGather, gather
+from ..comm.gather import GatherProgram, GroupGather, gather
 from ..comm.layout import NOTHING
 
 __all__ = ["GatheredParam", "GatherScheduler", "unit_of"]
@@ -62,6 +70,15 @@ class GatheredParam:
         # that one must never be freed.
         self.owns_storage = storage.data_ptr() != param._local_tensor.untyped_storage().data_ptr()
 
+    @classmethod
+    def slot(cls, param: DTensor, mesh: DeviceMesh, run_placements, reducer, shape) -> "GatheredParam":
+        """A gathered parameter kept from step to step (bucketed mode): its leaf, hook and spec are
+        made once, its storage is allocated only while gathered (``refill_target``) and freed as
+        any gathered copy's is, and a static step's plain leaf over it is made once too."""
+        g = cls(param, mesh, run_placements, reducer, param._local_tensor.new_empty(shape))
+        g.free()
+        return g
+
     @property
     def resident(self) -> bool:
         return self.value._local_tensor.untyped_storage().nbytes() > 0
@@ -81,13 +98,17 @@ class GatheredParam:
                     fresh = self.param.redistribute(self.mesh, self.run_placements)._local_tensor
                 else:
                     fresh = gather(self.param, self.mesh, self.run_placements, self.reducer.stats)._local_tensor
+        self.refill_target().copy_(fresh)
+
+    def refill_target(self) -> torch.Tensor:
+        """The freed storage, allocated again, as a new tensor to write the gathered values into.
+        A new tensor over the same storage has its own version counter, so writing through it does
+        not invalidate the tensors autograd saved from the gathered parameter."""
         local = self.value._local_tensor
         local.untyped_storage().resize_(self.nbytes)
-        # A new tensor over the same storage has its own version counter, so this copy does not
-        # invalidate the tensors autograd saved from `local`.
         view = torch.empty(0, dtype=local.dtype, device=local.device)
         view.set_(local.untyped_storage(), local.storage_offset(), local.size(), local.stride())
-        view.copy_(fresh)
+        return view
 
     def _grad_ready(self, value: DTensor) -> None:
         """Bucketed mode: the gathered copy's gradient goes to the reducer; the copy is freed."""
@@ -104,12 +125,15 @@ class GatheredParam:
 
 def _run_spec(param: DTensor, mesh: DeviceMesh, placements: tuple) -> DTensorSpec:
     cached = getattr(param, "_vescale_run_spec", None)
-    if cached is None or cached.placements != placements or cached.mesh != mesh:
+    if cached is None or (cached.placements is not placements and cached.placements != placements) or (
+        cached.mesh is not mesh and cached.mesh != mesh
+    ):
         meta = TensorMeta(param.shape, param.stride(), param.dtype)
         cached = param._vescale_run_spec = DTensorSpec(mesh, placements, tensor_meta=meta)
     return cached
 
 
+@functools.lru_cache(maxsize=None)
 def unit_of(path: str) -> str:
     """The gather unit of a module: its path up to the first index (``model.layers.3``), or "" ."""
     m = re.match(r"^(.*?\.\d+)(\.|$)", path) or re.match(r"^(\d+)(\.|$)", path)
@@ -129,6 +153,12 @@ class GatherScheduler:
         self._bwd: list[str] = []
         self._refills: dict[str, tuple[GroupGather, list[GatheredParam]]] = {}
         self._bwd_queued = False
+        # (unit, "forward" | "backward") -> the GatherProgram of its last gather: planned once,
+        # reused while the unit gathers the same parameters.
+        self._programs: dict[tuple[str, str], GatherProgram] = {}
+        # unit -> (its forward GatherProgram, a GatheredParam.slot per item of its collectives, None
+        # for parameters gathered alone): the gathered parameters a training forward reuses.
+        self._slots: dict[str, tuple[GatherProgram, list]] = {}
 
     def register(self, module: nn.Module, path: str, entries) -> None:
         self.units.setdefault(unit_of(path), []).extend((module, e.tensor, tuple(e.targets)) for e in entries)
@@ -143,19 +173,48 @@ class GatherScheduler:
 
     def begin_forward(self) -> None:
         for g in self._inflight.values():  # predicted but not used: finish it (all ranks did launch it)
-            g.wait()
+            g.finish()
+        self._release_ready()
         self._reset_forward()
 
     def end_forward(self) -> None:
         if self._fwd:
             self.order = self._fwd
         for g in self._inflight.values():
-            g.wait()
+            g.finish()
+        self._release_ready()
         self._inflight, self._ready = {}, {}
+
+    def _release_ready(self) -> None:
+        """Free the slots gathered for modules that did not run (their storage is the slot's own)."""
+        for ready in self._ready.values():
+            for x in ready.values():
+                if isinstance(x, GatheredParam):
+                    x.free()
+
+    def _unit_slots(self, unit: str, gg: GroupGather) -> list:
+        """The unit's slots: one per parameter of its collectives that takes a gradient (a frozen
+        one is gathered afresh each time, dropped after its last use as before)."""
+        held = self._slots.get(unit)
+        if held is None or held[0] is not gg.program or not _slots_fit(held[1], gg.items):
+            slots: list = [None] * len(gg.items)
+            for c in gg.program.collectives:
+                for i, t in zip(c.idx, c.plans):
+                    p, run = gg.items[i]
+                    if p.requires_grad:
+                        slots[i] = GatheredParam.slot(p, self.mesh, run, self.reducer, t.out[0])
+            held = self._slots[unit] = (gg.program, slots)
+        return held[1]
 
     def _launch_unit(self, unit: str) -> GroupGather:
         items = [(_stored(m, t), run) for m, t, run in self.units[unit]]
-        return GroupGather(items, self.mesh, self.reducer.stats)
+        return self._gather(unit, "forward", items)
+
+    def _gather(self, unit: str, direction: str, items: list) -> GroupGather:
+        program = self._programs.get((unit, direction))
+        if program is None or not program.matches(items):
+            program = self._programs[(unit, direction)] = GatherProgram(items, self.mesh)
+        return GroupGather(items, self.mesh, self.reducer.stats, program)
 
     def take(self, module: nn.Module, path: str, entries) -> list[GatheredParam]:
         """The module's gathered parameters, from its unit's gather (made now, or prefetched)."""
@@ -170,13 +229,22 @@ class GatherScheduler:
             if self.prefetch and nxt is not None and nxt not in self._fwd and nxt not in self._inflight:
                 self._inflight[nxt] = self._launch_unit(nxt)
         if unit in self._inflight:
-            locals_ = self._inflight.pop(unit).wait()
-            self._ready[unit] = {(id(m), t): x for (m, t, _), x in zip(self.units[unit], locals_)}
+            gg = self._inflight.pop(unit)
+            keys = [(id(m), t) for m, t, _ in self.units[unit]]
+            if torch.is_grad_enabled():  # into the unit's slots (made once), where it has them
+                slots = self._unit_slots(unit, gg)
+                gathered = gg.wait_into([s.refill_target() if s is not None else None for s in slots])
+                self._ready[unit] = {k: s or x for k, s, x in zip(keys, slots, gathered)}
+            else:  # an evaluation forward: fresh copies, dropped after use
+                self._ready[unit] = dict(zip(keys, gg.wait()))
         ready = self._ready.get(unit, {})
         out = []
         for e in entries:
-            local = ready.pop((id(module), e.tensor), None)  # None: called again; gathered alone
-            out.append(GatheredParam(_stored(module, e.tensor), self.mesh, e.targets, self.reducer, local))
+            got = ready.pop((id(module), e.tensor), None)  # None: called again; gathered alone
+            if isinstance(got, GatheredParam):
+                out.append(got)
+            else:
+                out.append(GatheredParam(_stored(module, e.tensor), self.mesh, e.targets, self.reducer, got))
         if torch.is_grad_enabled():  # kept for backward's unit refill; no-grad copies just go
             self.live.setdefault(unit, []).extend(out)
         return out
@@ -185,7 +253,10 @@ class GatherScheduler:
         """Bytes of gathered copies this scheduler holds now: resident gathered parameters, gathered
         ones waiting for their module, and gathers in flight (for tests of ZeRO-3's memory)."""
         live = sum(g.nbytes for gs in self.live.values() for g in gs if g.resident and g.owns_storage)
-        ready = sum(x.untyped_storage().nbytes() for r in self._ready.values() for x in r.values())
+        ready = sum(
+            (x.nbytes if x.resident else 0) if isinstance(x, GatheredParam) else x.untyped_storage().nbytes()
+            for r in self._ready.values() for x in r.values()
+        )
         flight = sum(g.out_bytes for g in self._inflight.values())
         return live + ready + flight
 
@@ -206,10 +277,10 @@ class GatherScheduler:
                 self.stats["backward_prefetched"] += 1
             else:
                 self._refills[unit] = self._launch_refill(unit, todo)
-            done = self._finish_refill(unit)
+            self._finish_refill(unit)
             for g in todo:
                 if not g.resident:  # not in the unit's gather: gathers alone
-                    g.refill(done.get(id(g)))
+                    g.refill()
         order = self.bwd_order or list(reversed(self.order))
         nxt = _after(order, unit)
         if self.prefetch and nxt is not None and nxt not in self._bwd and nxt not in self._refills:
@@ -219,23 +290,30 @@ class GatherScheduler:
 
     def _launch_refill(self, unit: str, extra: list[GatheredParam]):
         todo = list({id(g): g for g in [*self.live.get(unit, []), *extra] if not g.resident and g.owns_storage}.values())
-        return GroupGather([(g.param, g.run_placements) for g in todo], self.mesh, self.reducer.stats), todo
+        return self._gather(unit, "backward", [(g.param, g.run_placements) for g in todo]), todo
 
-    def _finish_refill(self, unit: str) -> dict[int, torch.Tensor]:
+    def _finish_refill(self, unit: str) -> None:
+        """Write the unit's gather straight into its parameters' freed storage (the rest of the
+        unit is needed by the modules backward reaches next)."""
         gg, todo = self._refills.pop(unit)
-        done = {id(g): x for g, x in zip(todo, gg.wait())}
-        for g in todo:  # the rest of the unit, needed by modules backward reaches next
-            if id(g) in done:
-                g.refill(done[id(g)])
-        return done
+        gg.wait_into([g.refill_target() for g in todo])
 
     def end_backward(self) -> None:
         self._bwd_queued = False
         for gg, _ in self._refills.values():  # prefetched but never needed: complete it
-            gg.wait()
+            gg.finish()
         self._refills = {}
         if self._bwd:
             self.bwd_order, self._bwd = self._bwd, []
+
+
+def _slots_fit(slots: list, items: list) -> bool:
+    """The slots still stand for the parameters: same dtype, and none for a parameter frozen since
+    they were made (a parameter unfrozen since gets one when they are made again: a new program)."""
+    for g, (p, _) in zip(slots, items):
+        if g is not None and (not p.requires_grad or g.value.dtype != p.dtype):
+            return False
+    return True
 
 
 def _stored(module: nn.Module, name: str) -> DTensor:

@@ -42,6 +42,7 @@ from ..parallel.faults import _first_line
 from ..parallel.hooks import IO_PLACED
 from ..plan.ir import PlanError
 from ..parallel.placing import grad_layout
+from . import averaged
 from .boundary import Move, ParamShadow, dtensor_of, grad_spec, local_of
 
 __all__ = ["StaticRuntime", "State"]
@@ -65,6 +66,9 @@ class Crossing:
     # default layout, as the recording step's _mirror had it) and for a DTensor unwrapped here.
     wrap_grad: object | None = None
     unwrap_grad: object | None = None
+    # What the wrap divides the local gradient by: the ranks an averaged Partial averages over
+    # (``vescale.static.averaged``), 1 otherwise; set with wrap_grad.
+    wrap_divisor: int = 1
 
 
 @dataclass
@@ -215,7 +219,7 @@ class _OpWatcher(TorchDispatchMode):
             specs = [_spec_of(a) for a in args if isinstance(a, torch.Tensor)]
             self.record.random.setdefault(module, []).append(specs)
         elif not self.checking and module not in self.record.unsafe and is_dtensor_op:
-            why = _why_not_local(func, args, kwargs)
+            why = _why_not_local(func, args, kwargs) or averaged.consumes_average(func, args, kwargs)
             if why:
                 self.record.unsafe[module] = why
         try:
@@ -356,6 +360,9 @@ def _wrap(t: torch.Tensor, c: Crossing | None):
         return t
     if c.wrap_grad is None:
         c.wrap_grad = grad_spec(c.spec, c.leave_grad)
+        c.wrap_divisor = averaged.wrap_divisor(c.spec)
+    if c.wrap_divisor != 1:  # an averaged Partial: each rank's local value has 1/n of the gradient
+        t = averaged.divide_grad(t, c.wrap_divisor)
     return dtensor_of(t, c.spec, c.wrap_grad)
 
 
@@ -576,6 +583,8 @@ class StaticRuntime:
 
         def note(i, t):
             c = _note(rec, self.parent, (path, "body", i), t)
+            if averaged.averaged_dims(c.spec):  # its body would get a share of an averaged value
+                rec.unsafe.setdefault(path, f"its input is {averaged.describe(c.spec)} (averaged over ranks)")
             if isinstance(t, DTensor) and t.requires_grad:
                 # This module's own view: a tensor several modules consume (q/k/v projections
                 # share their input) collects all their gradients, but a static module's
@@ -742,6 +751,9 @@ class StaticRuntime:
                 stated = self.grad_dst_spots.get((path, where, keys[i])) if i < len(keys) else None
                 if stated is not None and isinstance(t, DTensor):
                     c.leave_grad = tuple(g or d for g, d in zip(stated, grad_layout(t.placements)))
+                why = averaged.wrap_refusal(c.spec, c.leave_grad)
+                if why:
+                    _unsafe_with_caller(rec, self.parent, path, why)
                 return _mirror(t, c.leave_grad) if wraps else t
 
             return walk(note)
@@ -761,8 +773,15 @@ class StaticRuntime:
             rec = self.record
             is_root = path == ""
 
+            # A static caller gets this output unwrapped (a share of an averaged value would enter
+            # its code) unless it stays local: a static module not redistributed here.
+            unwrapped = not self.is_static(path) or path in self.planned_post
+            caller = self.parent.get(path)
+
             def note(i, t):
                 c = _note(rec, self.parent, (path, "result", i), t)
+                if unwrapped and caller is not None and averaged.averaged_dims(c.spec):
+                    rec.unsafe.setdefault(caller, f"gets {averaged.describe(c.spec)} (averaged over ranks) from {path!r}")
                 _on_grad(t, lambda g, c=c: setattr(c, "grad_placements", g))
                 if is_root and t.requires_grad and t.grad_fn is not None:
                     # The step is recorded once its backward has run to the end.
@@ -920,37 +939,19 @@ def _note(rec: Record, parent: dict, key: tuple, t) -> Crossing:
     placed tensors at the same spot cannot be replayed from one record: it and its caller stay
     eager (then its inputs arrive as DTensors and need no recorded spec)."""
     spec = _spec_of(t)
-    averaged = _averaged_partial(spec)
-    if averaged:
-        # The boundary's gradient specs follow from_local (a Partial value's local gradient is the
-        # whole gradient), which is right for a sum but not for an average (each rank's share of
-        # the gradient is 1/n of it): keep the module and its caller on DTensors, whose own rules
-        # handle it.
-        path = key[0]
-        why = f"a tensor crossing its boundary is {averaged} (averaged over ranks)"
-        rec.unsafe.setdefault(path, why)
-        if parent.get(path) is not None:
-            rec.unsafe.setdefault(parent[path], f"calls {path!r}: {why}")
     c = rec.crossings.get(key)
     if c is None:
         c = rec.crossings[key] = Crossing(spec)
     elif c.spec != spec:
-        path = key[0]
-        why = "called more than once per step with differently placed tensors"
-        rec.unsafe.setdefault(path, why)
-        if parent.get(path) is not None:
-            rec.unsafe.setdefault(parent[path], f"calls {path!r}, which is {why}")
+        _unsafe_with_caller(rec, parent, key[0], "called more than once per step with differently placed tensors")
     return c
 
 
-def _averaged_partial(spec) -> str | None:
-    """A non-sum Partial placement of ``spec`` on a mesh dim of more than one rank, as text."""
-    if spec is None:
-        return None
-    for i, p in enumerate(spec.placements):
-        if p.is_partial() and getattr(p, "reduce_op", "sum") != "sum" and spec.mesh.size(i) > 1:
-            return f"{p} on mesh dim {i}"
-    return None
+def _unsafe_with_caller(rec: Record, parent: dict, path: str, why: str) -> None:
+    """Keep ``path`` and its caller on DTensors."""
+    rec.unsafe.setdefault(path, why)
+    if parent.get(path) is not None:
+        rec.unsafe.setdefault(parent[path], f"calls {path!r}: {why}")
 
 
 def _compile_moves(crossings: dict, path: str, src: str, dst: str) -> list | None:
@@ -966,6 +967,8 @@ def _compile_moves(crossings: dict, path: str, src: str, dst: str) -> list | Non
             moves.append(None)
         elif a.spec is None or b.spec is None or a.spec.mesh != b.spec.mesh or a.spec.shape != b.spec.shape:
             return None
+        elif averaged.averaged_dims(a.spec) or averaged.averaged_dims(b.spec):
+            return None  # wrapped instead: the wrap divides its gradient (vescale.static.averaged)
         else:
             moves.append(Move(a.spec, b.spec, b.grad_placements, a.leave_grad))
     return moves

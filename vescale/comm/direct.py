@@ -1,0 +1,72 @@
+"""Collectives called on the process group itself, with options made once.
+
+``torch.distributed``'s functions wrap each call in torch-function dispatch, argument checks and
+logging and coalescing decorators that cost more CPU than the collective itself on the small
+buffers of a ZeRO-3 unit or a gradient bucket, and vescale.comm issues several per step. None of it
+applies here: contiguous real tensors, a process group of a mesh this rank belongs to, outside any
+coalescing block. Complex tensors take the wrappers (they view them as real). The ops still go
+through the c10d dispatcher, so ``vescale.debug.CollectiveCounter`` and profilers see them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, ReduceScatterOptions
+
+__all__ = ["all_gather", "reduce_scatter", "all_reduce", "wait"]
+
+
+def _options(kind, async_op: bool, **fields):
+    opts = kind()
+    opts.asyncOp = async_op
+    for name, value in fields.items():
+        setattr(opts, name, value)
+    return opts
+
+
+# (collective, async_op) -> options: passed by reference and copied by c10d, so shared safely.
+_OPTIONS = {
+    (kind, a): _options(cls, a, **fields)
+    for kind, cls, fields in (
+        ("all_gather", AllgatherOptions, {}),
+        ("reduce_scatter", ReduceScatterOptions, {"reduceOp": dist.ReduceOp.SUM}),
+        ("all_reduce", AllreduceOptions, {"reduceOp": dist.ReduceOp.SUM}),
+    )
+    for a in (False, True)
+}
+
+
+def all_gather(out: torch.Tensor, t: torch.Tensor, group, async_op: bool = False):
+    """``out`` (``group.size() * t.numel()`` elements) gets every member's ``t`` in rank order;
+    returns the work to wait for when ``async_op`` (else None)."""
+    if t.is_complex():
+        return dist.all_gather_single(out, t, group=group, async_op=async_op)
+    return _settle(group.all_gather_single(out, t, _OPTIONS["all_gather", async_op]), async_op)
+
+
+def reduce_scatter(out: torch.Tensor, t: torch.Tensor, group, async_op: bool = False):
+    """``out`` gets the sum over members of this rank's 1/size part of ``t`` (summed)."""
+    if t.is_complex():
+        return dist.reduce_scatter_single(out, t, group=group, async_op=async_op)
+    return _settle(group.reduce_scatter_single(out, t, _OPTIONS["reduce_scatter", async_op]), async_op)
+
+
+def all_reduce(t: torch.Tensor, group, async_op: bool = False):
+    """``t`` summed over the members, in place."""
+    if t.is_complex():
+        return dist.all_reduce(t, group=group, async_op=async_op)
+    return _settle(group.allreduce([t], _OPTIONS["all_reduce", async_op]), async_op)
+
+
+def _settle(work, async_op: bool):
+    if async_op:
+        return work
+    wait(work)
+    return None
+
+
+def wait(work) -> None:
+    """Wait for ``work`` (backends that synchronise in C++ return None)."""
+    if work is not None:
+        work.wait()
