@@ -26,6 +26,7 @@ values, and the same DTensor operations at the same boundaries.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import enum
 import re
@@ -178,6 +179,12 @@ def _why_not_local(func, args, kwargs) -> str | None:
     return why_rule_not_local(func, args, kwargs)
 
 
+# Backward ops that divide by a total weight DTensor all-reduces over the ranks (the count of labels
+# not ignored): a rank's local share of an averaged loss is not 1/n of the gradient when the ranks
+# ignore different numbers of labels, so a module running them stays eager.
+_GLOBAL_COUNT_BACKWARDS = frozenset({torch.ops.aten.nll_loss_backward.default, torch.ops.aten.nll_loss2d_backward.default})
+
+
 def _sized_ops() -> set:
     """Ops whose size arguments DTensor rewrites from global to local sizes."""
     prop = DTensor._op_dispatcher.sharding_propagator
@@ -204,7 +211,11 @@ class _OpWatcher(TorchDispatchMode):
         self.record, self.stack, self.checking = record, stack, checking
         self.sized = _sized_ops()
         self.seen: dict[str, int] = {}
-        self.nodes: dict = {}  # autograd node -> module whose forward made it
+        # Which module's body made each autograd node, as spans of autograd's sequence numbers:
+        # (first sequence number, module or None for hooks), one per change of the running body.
+        # (An op's node is not reachable from __torch_dispatch__, which runs below autograd, but its
+        # sequence number is drawn from one per-thread counter in forward order.)
+        self.spans: list[tuple[int, str | None]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -234,22 +245,43 @@ class _OpWatcher(TorchDispatchMode):
                 f"its config, or a length read from a tensor laid out differently from the one it "
                 f"reshapes); keep it on DTensors with plan.eager({module!r})"
             ) from e
-        if not self.checking and is_dtensor_op:
-            # Remember which module made each autograd node: its backward ops are that module's too.
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor) and t.grad_fn is not None:
-                    self.nodes[t.grad_fn] = module
         if func in self.sized:
             self._check_shape(module, func, out)
         return out
 
+    def body_changed(self) -> None:
+        """Called by the runtime whenever the running body changes (``stack[-1]``)."""
+        if not self.checking:
+            self.spans.append((torch._C._autograd._get_sequence_nr(), self.stack[-1] if self.stack else None))
+
+    def _module_of(self, node) -> str | None:
+        """The module whose body made the autograd node ``node`` in the recorded forward."""
+        seq = node._sequence_nr()
+        i = bisect.bisect_right(self.spans, seq, key=lambda span: span[0]) - 1
+        return self.spans[i][1] if i >= 0 else None
+
     def _check_backward(self, func, args, kwargs) -> None:
         node = torch._C._current_autograd_node()
-        module = self.nodes.get(node) if node is not None else None
+        module = self._module_of(node) if node is not None else None
         if module is not None and module not in self.record.unsafe:
+            if func not in _GLOBAL_COUNT_BACKWARDS and self._returns_average(module):
+                # The backward of a value averaged over ranks (a mean over a DP-sharded batch): static
+                # code gets its 1/n share where the value leaves the module (vescale.static.averaged),
+                # which is what DTensor's redistributions along this chain compute. Not a loss whose
+                # backward divides by a count all-reduced over ranks (ignored labels differ per rank).
+                return
             why = _why_not_local(func, args, kwargs)
             if why:
                 self.record.unsafe[module] = f"in backward, {why}"
+
+    def _returns_average(self, module: str) -> bool:
+        crossings = self.record.crossings
+        i = 0
+        while (module, "result", i) in crossings:
+            if averaged.averaged_dims(crossings[(module, "result", i)].spec):
+                return True
+            i += 1
+        return False
 
     def _check_shape(self, module: str, func, out) -> None:
         shapes = self.record.shapes.setdefault(module, [])
@@ -666,6 +698,8 @@ class StaticRuntime:
         step's ops belong to modules that draw nothing."""
         if self.replay is not None:
             self.replay.turn(bool(self.stack) and self.stack[-1] in self.record.random)
+        if self.watcher is not None:
+            self.watcher.body_changed()
 
     def _tracking(self) -> bool:
         return self.watcher is not None or self.replay is not None
