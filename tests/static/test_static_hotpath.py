@@ -15,7 +15,9 @@ tests check that
   effect (it doubles one weight's gradient here);
 * every static module body, including those whose hooks have nothing to do, sees plain tensors
   as its parameters (and the parameters are DTensors again after the step);
-* a static step issues exactly eager mode's collectives (under DP less the loss backward's all-reduce);
+* a static step issues exactly eager mode's collectives (under DP less the loss backward's all-reduce;
+  under TP alone less the table gradient's reduce-scatter, which the vocabulary-parallel lookup's
+  static kernel makes unnecessary);
 * the causal-LM root runs static under TP and under DP, where its loss crosses the boundary
   averaged over ranks.
 """
@@ -125,8 +127,10 @@ def test_static_hot_path_matches_eager(shape):
     # its own hooks run in no mode; the gathered parameter's hooks are ZeRO's, and exercised above.)
     # Eager's collectives, less one under DP: eager's loss backward all-reduces the loss's total
     # weight (nll_loss_backward needs the global token count); the static root divides its gradient
-    # by DP instead.
-    fewer = {"all_reduce": 1} if len(shape) == 2 else {}
+    # by DP instead. Less one without ZeRO-3: eager mode computes the vocabulary-parallel table's
+    # gradient whole (Replicate on TP) and the gradient reduction reduce-scatters it to the table's
+    # rows; static steps compute this rank's rows only (vescale/static/local_ops.py).
+    fewer = {"all_reduce": 1} if len(shape) == 2 else {"reduce_scatter": 1}
     want = {k: n - fewer.get(k, 0) for k, n in eager["collectives"].items()}
     assert static["collectives"] == want, (static["collectives"], eager["collectives"])
     # llama_plan gathers the logits at lm_head, so the causal-LM root (its loss) runs static; under DP

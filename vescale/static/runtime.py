@@ -15,7 +15,9 @@ each tensor crossing it before and after the plan's hooks, the placements its gr
 and the placements of every parameter's gradient. A ``TorchDispatchMode`` watches every DTensor op of
 that step and asks DTensor's own sharding propagation whether the op would redistribute its inputs
 or draw random numbers; a module that runs such an op itself (not in a child) stays eager, and
-``plan.eager(path)`` keeps a module eager by hand. Ops whose size arguments DTensor rewrites to local
+``plan.eager(path)`` keeps a module eager by hand. One such op is recorded instead: a
+vocabulary-parallel lookup into the module's own table, which static steps run masked on the local
+rows (``local_ops.py``). Ops whose size arguments DTensor rewrites to local
 sizes (view, reshape, expand, new_zeros, ...) are fine when the model derives sizes from its tensors;
 their local shapes are recorded and the first static step checks them. Once that step's backward
 has finished, later steps with the same input shapes run ``STATIC``; a new shape records again.
