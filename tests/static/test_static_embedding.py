@@ -8,8 +8,8 @@ masked lookup on the local rows (``vescale/static/local_ops.py``). These tests c
 * a model that is only a lookup (so nothing else moves a bit) computes *exactly* what eager mode
   computes, and under TP alone what the single device computes: losses, the table's gradient
   every step, and the table after AdamW steps, compared with ``torch.equal``; on TP=2 with the
-  output reduce-scattered along the sequence (SP) or all-reduced, an uneven vocabulary (15 rows on
-  2 ranks), a padding row in the second shard, and DP=2 x TP=2 with the ids split on DP and the
+  output reduce-scattered along the sequence (SP), all-reduced, or handed to the caller unreduced
+  (whose plan all-reduces it), an uneven vocabulary (15 rows on 2 ranks), a padding row in the second shard, and DP=2 x TP=2 with the ids split on DP and the
   table ZeRO-3-sharded on DP (there the gradient sums two batch halves: within 1e-6 of one device);
 * that it ran static: the lookup is recorded with this rank's rows, no ``aten.embedding`` reaches
   DTensor in a static step, and a static step issues no collective eager mode does not;
@@ -75,7 +75,8 @@ def _batches(vocab: int):
 def _lookup_plan(out, dp: bool, zero3: bool) -> VescalePlan:
     plan = VescalePlan()
     plan.shard(r"embed\.weight", Shard(0), mesh="TP")
-    plan.shard(r"embed\.<out>", out, mesh="TP")
+    if out is not None:  # None: the lookup leaves 'embed' unreduced, as a Partial the root's plan reduces
+        plan.shard(r"embed\.<out>", out, mesh="TP")
     plan.shard(r"<out>", Replicate(), mesh="TP")  # the test's loss sees the whole output
     if dp:
         plan.shard(r"<in>\[ids\]", Shard(0), mesh="DP")
@@ -129,6 +130,8 @@ LOOKUP_CASES = {  # name: (vocab, padding_idx, embed output, mesh shape, zero3, 
     "TP=2+SP": (16, None, Shard(1), (2,), False, 2),
     "TP=2+SP, uneven vocab, padding row on rank 1": (15, 12, Shard(1), (2,), False, 2),
     "TP=2, output all-reduced": (16, None, Replicate(), (2,), False, 2),
+    # Nothing moves at 'embed' (a "quiet" module but for its lookup: it must keep its hooks).
+    "TP=2, output reduced by the caller": (16, None, None, (2,), False, 2),
     "DP=2xTP=2+SP+ZeRO-3": (16, None, Shard(1), (2, 2), True, 4),
 }
 
