@@ -50,7 +50,7 @@ from torch.overrides import TorchFunctionMode
 from ..dispatch.local import moves_data
 from ..plan.ir import PlanError
 
-__all__ = ["MaskedLookup", "LocalLookups", "masked_lookup", "grad_placements", "unmasked", "unmasked_inputs", "check_lookup"]
+__all__ = ["MaskedLookup", "LocalLookups", "masked_lookup", "grad_placements", "is_masked", "unmasked", "unmasked_inputs", "check_lookup"]
 
 aten = torch.ops.aten
 
