@@ -15,7 +15,9 @@ each tensor crossing it before and after the plan's hooks, the placements its gr
 and the placements of every parameter's gradient. A ``TorchDispatchMode`` watches every DTensor op of
 that step and asks DTensor's own sharding propagation whether the op would redistribute its inputs
 or draw random numbers; a module that runs such an op itself (not in a child) stays eager, and
-``plan.eager(path)`` keeps a module eager by hand. Ops whose size arguments DTensor rewrites to local
+``plan.eager(path)`` keeps a module eager by hand. One such op is recorded instead: a
+vocabulary-parallel lookup into the module's own table, which static steps run masked on the local
+rows (``local_ops.py``). Ops whose size arguments DTensor rewrites to local
 sizes (view, reshape, expand, new_zeros, ...) are fine when the model derives sizes from its tensors;
 their local shapes are recorded and the first static step checks them. Once that step's backward
 has finished, later steps with the same input shapes run ``STATIC``; a new shape records again.
@@ -45,6 +47,7 @@ from ..plan.ir import PlanError
 from ..parallel.placing import grad_layout
 from . import averaged
 from .boundary import Move, ParamShadow, dtensor_of, grad_spec, local_of
+from .local_ops import LocalLookups, check_lookup, grad_placements, is_masked, masked_lookup, unmasked, unmasked_inputs
 
 __all__ = ["StaticRuntime", "State"]
 
@@ -93,6 +96,10 @@ class Record:
     # Module path -> module, for the modules whose hooks have nothing to do in this record's static
     # steps (see StaticRuntime._find_quiet); None until the first static step has run.
     quiet: dict | None = None
+    # module path -> {parameter name: MaskedLookup}: vocabulary-parallel lookups its body runs
+    # masked on local tensors in static steps (local_ops.py)
+    lookups: dict = field(default_factory=dict)
+    masked: set = field(default_factory=set)  # crossing keys that held a masked Partial (local_ops.unmasked_inputs)
 
 
 @dataclass
@@ -109,6 +116,7 @@ class _Steps:
     placed_out: bool = False  # leave: the same for outputs
     grad_specs: dict = field(default_factory=dict)  # parameter name -> spec of its gradient
     shadows: dict = field(default_factory=dict)  # parameter name -> its last ParamShadow
+    lookups: LocalLookups | None = None  # entered while its body runs: its masked lookups (local_ops.py)
 
 
 def _mover(moves: list | None):
@@ -206,9 +214,10 @@ class _OpWatcher(TorchDispatchMode):
     head count from its config, say) where DTensor would have passed a local one fails here, with
     the module and op named, instead of computing something else."""
 
-    def __init__(self, record: Record, stack: list, checking: bool):
+    def __init__(self, record: Record, stack: list, checking: bool, modules: dict | None = None):
         super().__init__()
         self.record, self.stack, self.checking = record, stack, checking
+        self.modules = modules or {}  # path -> module (whose parameters a masked lookup may read)
         self.sized = _sized_ops()
         self.seen: dict[str, int] = {}
         # Which module's body made each autograd node, as spans of autograd's sequence numbers:
@@ -230,9 +239,14 @@ class _OpWatcher(TorchDispatchMode):
             specs = [_spec_of(a) for a in args if isinstance(a, torch.Tensor)]
             self.record.random.setdefault(module, []).append(specs)
         elif not self.checking and module not in self.record.unsafe and is_dtensor_op:
-            why = _why_not_local(func, args, kwargs) or averaged.consumes_average(func, args, kwargs)
+            why = _why_not_local(func, args, kwargs)
+            if why and self._masked_lookup(module, func, args, kwargs):
+                why = None  # static steps run it masked on local tensors (local_ops.py)
+            why = why or averaged.consumes_average(func, args, kwargs)
             if why:
                 self.record.unsafe[module] = why
+        elif self.checking and self.record.lookups and not is_dtensor_op:  # a static body's op
+            check_lookup(self.record.lookups, self.record.steps, module, func)
         try:
             out = func(*args, **kwargs)
         except RuntimeError as e:
@@ -259,6 +273,16 @@ class _OpWatcher(TorchDispatchMode):
         seq = node._sequence_nr()
         i = bisect.bisect_right(self.spans, seq, key=lambda span: span[0]) - 1
         return self.spans[i][1] if i >= 0 else None
+
+    def _masked_lookup(self, module: str, func, args, kwargs) -> bool:
+        """Whether the op is a vocabulary-parallel lookup that static steps run masked on local
+        tensors (recorded here), so it need not keep ``module`` eager."""
+        mod = self.modules.get(module)
+        lookup = masked_lookup(func, args, kwargs, mod._parameters) if mod is not None else None
+        if lookup is None:
+            return False
+        tables = self.record.lookups.setdefault(module, {})
+        return tables.setdefault(lookup.param, lookup) == lookup  # one table, looked up one way
 
     def _check_backward(self, func, args, kwargs) -> None:
         node = torch._C._current_autograd_node()
@@ -437,6 +461,7 @@ class StaticRuntime:
         # nearest ancestor that runs forward. A container (ModuleList) is never called, so the
         # module whose forward loops over it is the one that meets its children's outputs.
         self.parent = _callers(model)
+        self.modules = dict(model.named_modules(remove_duplicate=False))
         self.forced_eager = set(eager_paths)
         self.planned_pre, self.planned_post = planned_pre, planned_post
         # Modules whose inputs / outputs a plan.annotate describes: between two static modules the
@@ -531,7 +556,7 @@ class StaticRuntime:
         return self.record
 
     def _open_watcher(self, checking: bool) -> None:
-        self.watcher = _OpWatcher(self.record, self.stack, checking)
+        self.watcher = _OpWatcher(self.record, self.stack, checking, self.modules)
         # A recording's watcher outlives this forward (it watches backward too, and is closed at the
         # next root forward), so it goes beneath the modes the user has open: a user's mode entered
         # around the step (vescale.debug.CollectiveCounter, say) exits first and must pop itself.
@@ -561,7 +586,18 @@ class StaticRuntime:
         # forward): autograd runs this callback under the thread-local state captured when
         # backward() was called and restores the caller's state afterwards, so popping the mode
         # here would leave it on the caller's dispatch stack, watching every later op.
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: setattr(record, "complete", True))
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: self._complete(record))
+
+    def _complete(self, record: Record) -> None:
+        # Modules that would get an eager module's unmasked masked-Partial stay eager (local_ops.py),
+        # counting those this recording found eager (they will be next time), to a fixed point.
+        while True:
+            eager = set(record.assumed_eager) | self.forced_eager | set(record.unsafe)
+            found = {p: why for p, why in unmasked_inputs(record.masked, self.parent, eager).items() if p not in record.unsafe}
+            if not found:
+                break
+            record.unsafe.update(found)
+        record.complete = True
 
     # -- per-module hooks ----------------------------------------------------------------------
     #
@@ -607,6 +643,8 @@ class StaticRuntime:
         swapped = self._local_parameters(mod, path, steps)
         if swapped:
             mod.__dict__["_vescale_swapped"] = swapped
+        if steps.lookups is not None:
+            steps.lookups.enter(mod)
         self._body_starts(path)
         return moved
 
@@ -684,7 +722,8 @@ class StaticRuntime:
         rec = self.record
         spec = rec.param_grad_specs.get((path, name))
         if spec is None:
-            spec = rec.param_grad_specs[(path, name)] = grad_spec(p._spec, rec.param_grads.get((path, name)))
+            placements = grad_placements(rec.lookups, path, name, p, rec.param_grads.get((path, name)))
+            spec = rec.param_grad_specs[(path, name)] = grad_spec(p._spec, placements)
         return spec
 
     def _body_starts(self, path: str) -> None:
@@ -711,6 +750,10 @@ class StaticRuntime:
         swapped = state.pop("_vescale_swapped", None)
         if swapped:
             _put_back(mod, swapped)
+        if self.state is State.STATIC:
+            steps = self.record.steps.get(path)
+            if steps is not None and steps.lookups is not None and steps.lookups.module is mod:
+                steps.lookups.exit()
         if self._tracking() and self.stack:
             self.stack.pop()
             self._follow_body()
@@ -754,7 +797,9 @@ class StaticRuntime:
         moves_out = self._moves(path, "out", "result") if wrap_out and parent_static else None
         placed_in = static and parent_static and not wrap_in and path in self.annotated_pre
         placed_out = static and parent_static and not wrap_out and path in self.annotated_post
-        return _Steps(static, parent_static, wrap_in, wrap_out, _mover(moves_in), _mover(moves_out), placed_in, placed_out)
+        lookups = self.record.lookups.get(path) if static else None
+        return _Steps(static, parent_static, wrap_in, wrap_out, _mover(moves_in), _mover(moves_out), placed_in, placed_out,
+                      lookups=LocalLookups(lookups) if lookups else None)
 
     def _wrapper(self, path: str, where: str):
         crossings = self.record.crossings
@@ -843,6 +888,8 @@ class StaticRuntime:
             steps = rec.steps.get(path)
             if not path or steps is None or not steps.static or not steps.parent_static or path in rec.random:
                 continue
+            if steps.lookups is not None:
+                continue  # its hooks open the masked lookups' mode around its body (local_ops.py)
             if steps.wrap_in or steps.wrap_out or steps.placed_in or steps.placed_out:
                 continue
             if set(mod._forward_pre_hooks) | set(mod._forward_hooks) != own:
@@ -973,6 +1020,10 @@ def _note(rec: Record, parent: dict, key: tuple, t) -> Crossing:
     placed tensors at the same spot cannot be replayed from one record: it and its caller stay
     eager (then its inputs arrive as DTensors and need no recorded spec)."""
     spec = _spec_of(t)
+    if is_masked(spec):
+        # In static steps this tensor comes from a masked lookup's kernel: a plain Partial sum.
+        rec.masked.add(key)
+        spec = unmasked(spec)
     c = rec.crossings.get(key)
     if c is None:
         c = rec.crossings[key] = Crossing(spec)
