@@ -104,10 +104,17 @@ def moe_plan(
         plan.shard(r"<in>\[labels\]", Shard(0), mesh=ep)
         plan.experts(_EXPERTS, mesh=ep)  # ... and own experts/EP experts each
     if use_dp and not use_ep and (mesh is None or mesh[dp].size() > 1):
-        # DTensor's rules for the routing's data-dependent ops replicate the tokens over DP, so the
-        # MoE block mixes them with its DP-sharded input: sizes it reads from one do not fit the
-        # other's local shards. In Static Eager mode the block stays on DTensors (no effect in eager).
-        plan.eager(r"model\.layers\.\d+\.mlp")
+        # The router and the experts are per-token: each DP rank runs the MoE block on its own
+        # tokens (on the other dims' sub-mesh). Without this, DTensor's rules for the routing's
+        # data-dependent ops would replicate the tokens over DP: every rank would run the experts
+        # on every rank's tokens.
+        plan.batch_local(r"model\.layers\.\d+\.mlp", mesh=dp)
+        # HF's mask code (transformers.masking_utils._preprocess_mask_arguments) expands the position
+        # ids to the batch size it reads from the embeddings: the global batch on DTensors, the local
+        # one on local shards. The result only tells packed sequences apart and is not used for
+        # unpacked batches, but Static Eager refuses the size mismatch: the model body stays on
+        # DTensors (under TP the plan's factory statement keeps it there anyway).
+        plan.eager(r"model")
     if zero3 and use_dp:
         # `.*weight` in llama_plan does not match HF's expert tensors.
         plan.shard(rf"{_EXPERTS}\.(gate_up_proj|down_proj)", Shard(0), mesh=dp, phase=INIT)
