@@ -10,7 +10,8 @@ here, on 2 gloo ranks (DP=2), what the statement changes and how it refuses what
   gradients match the single device;
 * a random op inside (Mixtral's router jitter) is an error naming the module and the fix, and so
   are a statement matching no module, a mesh dim that does not exist, a module both batch-local and
-  expert-parallel, and a parameter still sharded on DP while it runs.
+  expert-parallel, a parameter still sharded on DP while it runs, and ``moe_plan`` for a model that
+  computes HF's load-balancing loss (``output_router_logits=True``) from DP-local router logits.
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ def _errors() -> dict:
         "no_dim": error_of(train_one, no_dim),
         "with_experts": error_of(train_one, with_experts),
         "sharded_param": error_of(train_one, sharded_param),
+        "router_logits": error_of(lambda: moe_plan(mesh, tiny_hf_mixtral(output_router_logits=True).config)),
     }
 
 
@@ -120,3 +122,4 @@ def test_batch_local_errors_name_the_module_and_the_fix():
     assert "'CP' does not exist" in e["no_dim"], e["no_dim"]
     assert "both batch-local and expert-parallel" in e["with_experts"], e["with_experts"]
     assert f"{MLP}.gate.weight" in e["sharded_param"] and "phase=RUN" in e["sharded_param"], e["sharded_param"]
+    assert "output_router_logits=False" in e["router_logits"], e["router_logits"]

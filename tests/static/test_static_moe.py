@@ -7,8 +7,12 @@ MoE blocks' experts running on local tensors.
   run static (the test fails if they are kept eager).
 * DP=2 + ZeRO-3 and DP=2 x TP=2 + SP + ZeRO-3: ``moe_plan`` makes the MoE blocks batch-local
   (``plan.batch_local``): each DP rank's block runs on its own tokens, on the TP sub-mesh, and the
-  blocks and experts run static (the test fails if they are kept eager, or if the experts see more
-  than the DP rank's tokens).
+  experts (and, without TP, the blocks) run static (the test fails if they are kept eager, or if
+  the experts see more than the DP rank's tokens).
+* Gradients: under TP ``moe_plan`` keeps the blocks' own ops on DTensors (``plan.eager``): in a
+  static block the router's (eager) and the experts' (static, Partial over TP) input gradients
+  would be added as local tensors of different layouts; with the blocks static this test's
+  gradient check fails by ~5e-4.
 
 Losses within 1e-5 of the single device and of eager mode over 6 SGD steps, and the last step's
 gradients within 1e-5 (fp32: sharded matmuls and collectives sum in another order, and a static step
@@ -100,5 +104,5 @@ def test_static_moe_matches_eager_and_single_device(config):
     dp = 2 if "DP" in config else 1
     for mode in ("eager", "static"):  # each DP rank's experts see its own tokens only
         assert r[f"{mode}_rows"] == {(BATCH * SEQ // dp, 32)}, (mode, r[f"{mode}_rows"])
-    if dp > 1:
+    if "TP" not in config:  # under TP moe_plan keeps the blocks' own ops (view, reshape) on DTensors
         assert not kept & {"model.layers.0.mlp", "model.layers.1.mlp"}, f"MoE blocks kept eager: {r['eager_modules']}"

@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
 from ..placement import InterleavedShard
-from ..plan import INIT, RUN, VescalePlan
+from ..plan import INIT, RUN, PlanError, VescalePlan
 from .hf import _transformers
 from .plans import _mesh_has, llama_plan
 
@@ -99,11 +99,27 @@ def moe_plan(
         if not use_ep:
             plan.shard(rf"{_EXPERTS}\.gate_up_proj", InterleavedShard(1, 2), mesh=tp)  # gate | up
             plan.shard(rf"{_EXPERTS}\.down_proj", Shard(2), mesh=tp)  # row-parallel
+            # Static Eager: the block's tokens feed the router (eager: its backward scatters a Partial
+            # gradient) and the tensor-parallel experts (static, whose input gradient is a local
+            # Partial sum over TP). In a static block body the two gradients would be added as local
+            # tensors of different layouts (DTensor all-reduces the Partial one first), which gives
+            # wrong gradients upstream; the block's own ops (view, reshape) stay on DTensors so that
+            # both gradients come back as DTensors, and the experts still run static.
+            if mesh is None or mesh[tp].size() > 1:
+                plan.eager(r"model\.layers\.\d+\.mlp")
     if use_ep:
         plan.shard(r"<in>\[input_ids\]", Shard(0), mesh=ep)  # EP ranks split the batch ...
         plan.shard(r"<in>\[labels\]", Shard(0), mesh=ep)
         plan.experts(_EXPERTS, mesh=ep)  # ... and own experts/EP experts each
     if use_dp and not use_ep and (mesh is None or mesh[dp].size() > 1):
+        if getattr(config, "output_router_logits", False):
+            # HF collects the router logits of every layer for its load-balancing loss outside the
+            # blocks, where they would be this DP rank's tokens taken for the whole batch.
+            raise PlanError(
+                f"moe_plan: config.output_router_logits=True (the load-balancing auxiliary loss) is not supported "
+                f"with batch-local MoE blocks under {dp!r}; set output_router_logits=False, or split the experts "
+                f"with an EP mesh dim instead"
+            )
         # The router and the experts are per-token: each DP rank runs the MoE block on its own
         # tokens (on the other dims' sub-mesh). Without this, DTensor's rules for the routing's
         # data-dependent ops would replicate the tokens over DP: every rank would run the experts
