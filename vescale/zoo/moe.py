@@ -16,6 +16,10 @@ by the experts' ones:
 * **expert parallelism** (``ep``): each rank of the ``EP`` mesh dim holds experts/EP whole experts and
   the tokens are routed to them with all-to-all (``vescale.parallel.experts``); the EP dim also splits
   the batch, like DP, for everything outside the experts.
+* **data parallelism** (``dp``, without ``ep``): the MoE blocks are batch-local
+  (``plan.batch_local``, ``vescale.parallel.batch_local``): each DP rank's router and experts run on
+  its own tokens, on the sub-mesh of the other dims (the routing's data-dependent ops would
+  otherwise gather the tokens over DP and every rank would run the experts on all of them).
 * **ZeRO-3** (``zero3``, on ``dp``): ``.*weight`` does not name HF's expert tensors
   (``gate_up_proj``, ``down_proj``), so the plan adds them: stored ``Shard(0)`` (by expert) on DP,
   gathered while their module runs.
