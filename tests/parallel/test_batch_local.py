@@ -10,7 +10,8 @@ here, on 2 gloo ranks (DP=2), what the statement changes and how it refuses what
   gradients match the single device;
 * a random op inside (Mixtral's router jitter) is an error naming the module and the fix, and so
   are a statement matching no module, a mesh dim that does not exist, a module both batch-local and
-  expert-parallel, a parameter still sharded on DP while it runs, and ``moe_plan`` for a model that
+  expert-parallel, an activation statement for a module inside it, a parameter still sharded on DP
+  while it runs, and ``moe_plan`` for a model that
   computes HF's load-balancing loss (``output_router_logits=True``) from DP-local router logits.
 """
 
@@ -86,6 +87,9 @@ def _errors() -> dict:
         plan.statements = [s for s in plan.statements if s.kind != "experts"]
         return plan.experts(rf"{MLP}\.experts", mesh="DP")
 
+    def inner_activation(model):
+        return moe_plan(mesh, model.config).shard(rf"{MLP}\.gate\.<in>", Shard(0), mesh="DP")
+
     def sharded_param(model):
         plan = moe_plan(mesh, model.config)
         return plan.shard(rf"{MLP}\.gate\.weight", Shard(0), mesh="DP", phase=INIT).shard(
@@ -97,6 +101,7 @@ def _errors() -> dict:
         "no_dim": error_of(train_one, no_dim),
         "with_experts": error_of(train_one, with_experts),
         "sharded_param": error_of(train_one, sharded_param),
+        "inner_activation": error_of(train_one, inner_activation),
         "router_logits": error_of(lambda: moe_plan(mesh, tiny_hf_mixtral(output_router_logits=True).config)),
     }
 
@@ -123,3 +128,4 @@ def test_batch_local_errors_name_the_module_and_the_fix():
     assert "both batch-local and expert-parallel" in e["with_experts"], e["with_experts"]
     assert f"{MLP}.gate.weight" in e["sharded_param"] and "phase=RUN" in e["sharded_param"], e["sharded_param"]
     assert "output_router_logits=False" in e["router_logits"], e["router_logits"]
+    assert f"module '{MLP}.gate' lies inside the batch-local '{MLP}'" in e["inner_activation"], e["inner_activation"]

@@ -78,15 +78,30 @@ def install_batch_local(model: nn.Module, plan, mesh: DeviceMesh) -> list:
         if st.mesh_dim not in names:
             raise PlanError(f"{st}: mesh dimension {st.mesh_dim!r} does not exist; this mesh has dimensions {names}")
         module = model.get_submodule(path)
-        for inner, _ in module.named_modules(prefix=path):
-            clash = next((e for e in experts if re.fullmatch(e.path, inner)), None)
-            if clash is not None:
-                raise PlanError(f"{st} and {clash}: {inner!r} cannot be both batch-local and expert-parallel; drop one")
+        _check_inside(plan, st, path, module, experts)
         if st.mesh_dim not in subs:  # sub-meshes made once, in statement order on every rank
             rest = tuple(n for n in names if n != st.mesh_dim)
             subs[st.mesh_dim] = mesh[rest if len(rest) > 1 else rest[0]] if rest else None
         handles += _Scope(module, path, st, mesh, names.index(st.mesh_dim), subs[st.mesh_dim]).install()
     return handles
+
+
+def _check_inside(plan, st, path: str, module: nn.Module, experts: list) -> None:
+    """Refuse what cannot work inside a batch-local module: expert parallelism, and activation
+    statements of the modules inside it (stated on the full mesh; their tensors live on the sub-mesh)."""
+    activations = [s for s in plan.statements if s.kind in ("shard", "redistribute", "annotate") and s.activation]
+    for inner, _ in module.named_modules(prefix=path):
+        clash = next((e for e in experts if re.fullmatch(e.path, inner)), None)
+        if clash is not None:
+            raise PlanError(f"{st} and {clash}: {inner!r} cannot be both batch-local and expert-parallel; drop one")
+        if inner == path:
+            continue  # the module's own inputs and outputs are placed on the full mesh, outside the scope
+        for a in activations:
+            if any(re.fullmatch(a.module_pattern, f"{inner}.<{d}>") for d in ("in", "out")):
+                raise PlanError(
+                    f"{a}: module {inner!r} lies inside the batch-local {path!r} ({st}), where tensors live on the "
+                    f"sub-mesh without {st.mesh_dim!r}; state placements of the batch-local module's own inputs and outputs instead"
+                )
 
 
 # ---------------------------------------------------------------------------------------------
