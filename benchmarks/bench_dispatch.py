@@ -21,7 +21,7 @@ sequence length against a repeated one (static mode records again for new shapes
 runs the same on real gloo ranks (one process each; ``local`` left out: its stand-in collectives
 do not communicate; 4 ranks oversubscribe 2 cores, so read ratios, not absolutes). Run:
 
-    .venv/bin/python benchmarks/bench_dispatch.py [--rounds 7] [--configs tp8,dp2tp4] [--gloo tp2,dp2tp2] [--model llama|moe] [--clock wall|cpu|thread]
+    .venv/bin/python benchmarks/bench_dispatch.py [--rounds 7] [--configs tp8,dp2tp4] [--gloo tp2,dp2tp2] [--model llama|moe] [--clock wall|cpu|thread] [--dropout 0.1]
 
 ``--model moe``: HF's unchanged ``MixtralForCausalLM`` with many small experts (16 experts of
 intermediate 64, 2 per token) under ``vescale.zoo.moe_plan`` (tensor-parallel experts, SP, ZeRO-3),
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import math
 import statistics
@@ -216,6 +217,11 @@ class Runner:
         return CLOCK[0]() - t0
 
 
+def _set_dropout(p: float) -> None:
+    global MODEL
+    MODEL = dataclasses.replace(MODEL, attention_dropout=p, hidden_dropout=p)
+
+
 def _build(kind: str):
     if kind == "llama":
         return LlamaForCausalLM(MODEL)
@@ -380,8 +386,9 @@ def bench(config: str, rounds: int, variants: list[str], kind: str) -> None:
             f"{math.prod(shape)} (fake group)", r, "local")
 
 
-def _on_gloo_rank(config: str, rounds: int, variants: list[str], kind: str):
+def _on_gloo_rank(config: str, rounds: int, variants: list[str], kind: str, dropout: float):
     CLOCK[0] = time.perf_counter  # ranks wait for each other: CPU time would not count it
+    _set_dropout(dropout)  # a fresh process: the parent's setting does not carry over
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     shape, names, sp, zero3 = CONFIGS[config]
     mesh = vescale.init_mesh(shape, names)
@@ -395,7 +402,7 @@ def bench_gloo(config: str, rounds: int, variants: list[str], kind: str) -> None
 
     shape, names, sp, zero3 = CONFIGS[config]
     variants = [v for v in variants if v != "local"]  # its stand-in collectives do not communicate
-    r = run_on_ranks(_on_gloo_rank, math.prod(shape), config, rounds, variants, kind, timeout=1800)[0]
+    r = run_on_ranks(_on_gloo_rank, math.prod(shape), config, rounds, variants, kind, MODEL.attention_dropout, timeout=1800)[0]
     _report(f"\n## {kind} {config} on {math.prod(shape)} gloo ranks (processes): mesh {dict(zip(names, shape))}, "
             f"SP={sp}, ZeRO-3={zero3}; rank 0's times", r, "torch")
 
@@ -408,15 +415,20 @@ def main() -> None:
     ap.add_argument("--gloo", default="", help="configs to run on real gloo ranks too, e.g. tp2,dp2tp2")
     ap.add_argument("--model", choices=("llama", "moe"), default="llama", help="the zoo LLaMA or HF Mixtral (many small experts)")
     ap.add_argument("--ops", action="store_true", help="per-op overhead on a DP=2 x TP=2 mesh first")
+    ap.add_argument("--dropout", type=float, default=0.0,
+                    help="attention and hidden-state dropout of the zoo LLaMA (its random ops go through "
+                         "vescale.random in eager and static mode; 0: none, as in the issue's model)")
     ap.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
                     help="fake-group step times: wall clock, or this process's (cpu) / thread's (thread) CPU "
                          "time, steadier on a shared machine (gloo ranks always use the wall clock: they wait "
                          "in collectives)")
     args = ap.parse_args()
     CLOCK[0] = CLOCKS[args.clock]
+    _set_dropout(args.dropout)
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     torch.set_num_threads(1)
-    print(f"torch {torch.__version__}; 1 intra-op thread; {args.rounds} interleaved rounds; {args.clock} clock")
+    print(f"torch {torch.__version__}; 1 intra-op thread; {args.rounds} interleaved rounds; {args.clock} clock; "
+          f"dropout {args.dropout}")
     if args.ops:
         dist.init_process_group("fake", rank=0, world_size=4)
         print("\n## per-op time on a DP=2 x TP=2 mesh (fake group), microseconds")

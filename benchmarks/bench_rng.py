@@ -1,6 +1,6 @@
 """Throughput of vescale.random's counter kernel on a rank's local shard, against native torch.rand / torch.randn.
 
-    python benchmarks/bench_rng.py [--threads 1 2] [--repeat 7]
+    python benchmarks/bench_rng.py [--parts 1 2 3] [--threads 1 2] [--repeat 7] [--rounds 15 --calls 20]
 
 Part 1 fills a local block of float32 values of a global tensor sharded 8 ways, as one rank does:
 Shard(0) (the block is one contiguous run of the global tensor) and Shard(1) (one run per row), with
@@ -12,11 +12,20 @@ Times are the best of --repeat runs (wall clock); on a shared machine the best r
 disturbed by other processes. The device profile is an H100 SXM (T = 270,336 threads for large tensors).
 Native torch.rand / randn on CPU run on one thread whatever torch.set_num_threads says (one mt19937
 stream); the compiled kernel uses torch.get_num_threads() threads, set per row of the table.
+
+Part 3 (per-op overhead) times whole random ops on DTensors, as a model calls them (F.dropout,
+torch.rand_like, Tensor.uniform_, aten.native_dropout), against the same native op on the rank's local
+shard, on a (1, 8) mesh over the fake process group, one thread, in CPU time of the thread (time.thread_time:
+a busy shared machine inflates wall-clock times, not this). The variants are interleaved: each round
+times --calls calls of every variant in turn; the table gives the median over --rounds rounds of the
+per-call time, with the interquartile range, and the ratio of the medians. "kernel only" is
+kernel.generate of the same block (the drawing itself, no DTensor or op machinery).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -102,17 +111,105 @@ def part2(local_numel, thread_counts, repeat):
     print()
 
 
+def _overhead_cases():
+    """(label, DTensor op, native op on the local shard, kernel-only draw of the same block)."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    import vescale
+    from vescale.random import dtensor as random_dtensor
+
+    mesh = vescale.init_mesh((1, WORLD), ("DP", "TP"))
+    vescale.manual_seed(0)
+    cases = []
+    for label, local_shape, placements, op in (
+        ("F.dropout hidden (8,64,256) Shard(1)", (8, 8, 256), [Replicate(), Shard(1)], "dropout"),
+        ("F.dropout attn probs (8,8,64,64) Shard(1)", (8, 1, 64, 64), [Replicate(), Shard(1)], "dropout"),
+        ("aten.native_dropout (8,64,256) Shard(1)", (8, 8, 256), [Replicate(), Shard(1)], "native_dropout"),
+        ("rand_like (8,64,256) Shard(1)", (8, 8, 256), [Replicate(), Shard(1)], "rand_like"),
+        ("uniform_ weight (512,256) Shard(0)", (64, 256), [Replicate(), Shard(0)], "uniform_"),
+        ("randn_like (8,64,256) Replicate", (8, 64, 256), [Replicate(), Replicate()], "randn_like"),
+    ):
+        local = torch.randn(local_shape)
+        dist_tensor = DTensor.from_local(local, mesh, placements, run_check=False)
+        call = {
+            "dropout": lambda t: F.dropout(t, 0.1, True),
+            "native_dropout": lambda t: torch.ops.aten.native_dropout(t, 0.1, True),
+            "rand_like": torch.rand_like,
+            "randn_like": torch.randn_like,
+            "uniform_": lambda t: t.uniform_(-0.1, 0.1),
+        }[op]
+        block = random_dtensor._plan_of(dist_tensor._spec).block
+        kind, params = {
+            "rand_like": ("uniform", dict(low=0.0, high=1.0)),
+            "uniform_": ("uniform", dict(low=-0.1, high=0.1)),
+            "randn_like": ("normal", dict(mean=0.0, std=1.0)),
+        }.get(op, ("bernoulli", dict(p=0.9)))
+        out = torch.empty(local_shape)
+
+        def kernel_only(out=out, block=block, kind=kind, params=params):
+            kernel.generate(out, kind, seed=0, offset=0, global_shape=block.global_shape, dim_indices=block,
+                            profile=PROFILE, **params)
+
+        cases.append((label, (lambda t=dist_tensor, c=call: c(t)), (lambda t=local, c=call: c(t)), kernel_only))
+    return cases
+
+
+def part3(rounds: int, calls: int):
+    import torch.distributed as dist
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers the "fake" backend
+
+    from vescale import dispatch
+
+    torch.set_num_threads(1)
+    if not dist.is_initialized():
+        dist.init_process_group("fake", rank=0, world_size=WORLD)
+    dispatch.install()
+    cases = _overhead_cases()
+    print(f"Part 3: per-op overhead of random ops on DTensors ((1, {WORLD}) mesh, fake process group, 1 thread); "
+          f"median CPU us per call over {rounds} rounds of {calls} calls [interquartile range]")
+    header = f"{'op':<44}{'native local':>20}{'DTensor':>20}{'x native':>9}{'kernel only':>20}"
+    print(header)
+    print("-" * len(header))
+    for label, dtensor_op, native_op, kernel_op in cases:
+        variants = (native_op, dtensor_op, kernel_op)
+        for fn in variants:  # warm-up: plans, caches, first-use builds
+            for _ in range(5):
+                fn()
+        samples = [[] for _ in variants]
+        for _ in range(rounds):
+            for fn, times in zip(variants, samples):
+                start = time.thread_time()
+                for _ in range(calls):
+                    fn()
+                times.append((time.thread_time() - start) / calls * 1e6)
+        cells = []
+        for times in samples:
+            q1, _, q3 = statistics.quantiles(times, n=4)
+            cells.append((statistics.median(times), f"{statistics.median(times):.0f} [{q1:.0f}-{q3:.0f}]"))
+        ratio = cells[1][0] / cells[0][0]
+        print(f"{label:<44}{cells[0][1]:>20}{cells[1][1]:>20}{ratio:>9.2f}{cells[2][1]:>20}")
+    print()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3], choices=[1, 2, 3])
     parser.add_argument("--sizes", type=int, nargs="+", default=[2**16, 2**20, 2**22], help="local elements")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="thread counts for the C kernel")
     parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=15, help="part 3: interleaved rounds")
+    parser.add_argument("--calls", type=int, default=20, help="part 3: calls per variant per round")
     args = parser.parse_args()
     if _native.load() is None:
         raise SystemExit("the compiled kernel could not be built; nothing to compare")
     print(f"torch {torch.__version__}, profile {PROFILE}, {torch.get_num_threads()} threads available\n")
-    part1(args.sizes, args.threads, args.repeat)
-    part2(2**20, args.threads, 2 * args.repeat)
+    if 1 in args.parts:
+        part1(args.sizes, args.threads, args.repeat)
+    if 2 in args.parts:
+        part2(2**20, args.threads, 2 * args.repeat)
+    if 3 in args.parts:
+        part3(args.rounds, args.calls)
 
 
 if __name__ == "__main__":

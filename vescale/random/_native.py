@@ -128,22 +128,20 @@ class NativeKernel:
         self._lib.vrng_philox(words[0].numel(), *[w.data_ptr() for w in words], k0, k1, out.data_ptr())
         return out.to(torch.int64) & 0xFFFFFFFF
 
-    def fill(self, out, draw, seed: int, launches, global_shape, dim_indices, scans, prob) -> None:
-        """``scans``: scan_index of each of dim_indices (None when dim_indices is None)."""
-        row_base, inner_off, run = local_layout(global_shape, dim_indices, scans)
-        numel = 1
-        for size in global_shape:
-            numel *= size
-        starts = torch.tensor([launch.start for launch in launches] + [numel], dtype=torch.int64)
-        threads = torch.tensor([launch.threads for launch in launches], dtype=torch.int64)
-        counters = torch.tensor([launch.counter for launch in launches], dtype=torch.int64)  # < 2**62
+    def fill(self, out, draw, seed: int, launches, block, prob) -> None:
+        """Fill ``out`` with ``block`` (a kernel.Block) of the draw. The launch tables are small ctypes arrays
+        (a torch.tensor each would cost more than the rest of the call for a small block)."""
+        row_base, inner_off, run = block.layout()
+        count = len(launches)
+        starts = (ctypes.c_int64 * (count + 1))(*[launch.start for launch in launches], block.global_numel)
+        threads = (ctypes.c_int64 * count)(*[launch.threads for launch in launches])
+        counters = (ctypes.c_uint64 * count)(*[launch.counter for launch in launches])  # < 2**62
         job = _Job(
-            op=draw.op, dtype=_DTYPE_CODES[out.dtype], wide=int(draw.wide), unroll=draw.unroll, seed=seed,
-            nlaunch=len(launches), launch_start=starts.data_ptr(), launch_threads=threads.data_ptr(),
-            launch_counter=counters.data_ptr(), nrows=row_base.numel(), ninner=inner_off.numel(), run=run,
-            row_base=row_base.data_ptr(), inner_off=inner_off.data_ptr(), a=draw.a, b=draw.b, c=draw.c,
-            modulus=draw.modulus, base=draw.base, prob=None if prob is None else prob.data_ptr(),
-            out=out.data_ptr(), num_threads=torch.get_num_threads(),
+            draw.op, _DTYPE_CODES[out.dtype], int(draw.wide), draw.unroll, seed,
+            count, ctypes.addressof(starts), ctypes.addressof(threads), ctypes.addressof(counters),
+            row_base.numel(), inner_off.numel(), run, row_base.data_ptr(), inner_off.data_ptr(),
+            draw.a, draw.b, draw.c, draw.modulus, draw.base,
+            None if prob is None else prob.data_ptr(), out.data_ptr(), torch.get_num_threads(),
         )
         if self._lib.vrng_fill(ctypes.byref(job)) != 0:
             raise MemoryError("vescale.random: the compiled kernel could not allocate its task list")
@@ -201,6 +199,8 @@ def load(required: bool = False) -> NativeKernel | None:
     """The compiled kernel, built on first use; None (after one warning) if it cannot be built,
     or a RuntimeError naming the reason when ``required``."""
     global _kernel, _failure
+    if _kernel is not None:  # every random op asks: no lock once it is loaded
+        return _kernel
     with _lock:
         if _kernel is None and _failure is None:
             try:

@@ -63,12 +63,13 @@ def _is_identity(draw) -> bool:
     return math.copysign(1.0, draw.a) > 0 and draw.a == 0.0 and draw.b == 1.0
 
 
-def fill(out, draw, seed: int, launches, global_shape, dim_indices, scans, prob) -> None:
-    """Fill the contiguous ``out`` (CUDA: compiled; CPU: interpreted) as ``NativeKernel.fill`` does."""
+def fill(out, draw, seed: int, launches, block, prob) -> None:
+    """Fill the contiguous ``out`` (CUDA: compiled; CPU: interpreted) with ``block`` (a kernel.Block) of the
+    draw, as ``NativeKernel.fill`` does. The block's layout stays on the device between calls."""
     module = load(interpret=out.device.type != "cuda")
     device = out.device
-    row_base, inner_off, run = _native.local_layout(global_shape, dim_indices, scans)
-    numel = math.prod(global_shape)
+    row_base, inner_off, run = block.layout(device)
+    numel = block.global_numel
     table = [launch.start for launch in launches] + [numel]
     table += [launch.threads for launch in launches] + [launch.counter for launch in launches]
     int_params = [seed & 0xFFFFFFFF, seed >> 32, _as_int64(draw.modulus), draw.base, inner_off.numel(), run, out.numel()]
@@ -79,8 +80,8 @@ def fill(out, draw, seed: int, launches, global_shape, dim_indices, scans, prob)
         module.fill_kernel[grid](
             target,
             target if prob is None else prob.to(device),
-            row_base.to(device),
-            inner_off.to(device),
+            row_base,
+            inner_off,
             torch.tensor(table, dtype=torch.int64, device=device),
             torch.tensor(int_params, dtype=torch.int64, device=device),
             torch.tensor([draw.a, draw.b, draw.c], dtype=torch.float64, device=device),

@@ -33,7 +33,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Partial, _is_shard_like
 
 from vescale.dispatch import install_semantic_handlers
-from vescale.random import ops
+from vescale.random import kernel, ops
 
 __all__ = ["VescaleRNGTracker", "install", "uninstall", "is_installed", "local_indices", "handle_random_op"]
 
@@ -97,19 +97,72 @@ def _result_spec(spec: DTensorSpec, dtype: torch.dtype, tensor_meta: TensorMeta 
     )
 
 
-def _local_operand(tensor, spec: DTensorSpec, dim_indices) -> torch.Tensor:
-    """The values of ``tensor`` (broadcast to ``spec``'s shape) at this rank's block of ``spec``."""
-    shape = tuple(spec.shape)
+class _SpecPlan:
+    """What a random op over a DTensor spec needs that depends only on the spec and this rank's mesh
+    coordinate: the result placements, the result spec per dtype and this rank's kernel.Block (indices,
+    scans, kernel layout). Nothing here depends on the op's values or the generator state, so one plan
+    serves every call over the same spec (the same specs recur every training step)."""
+
+    def __init__(self, spec: DTensorSpec, coordinate):
+        # A private spec of our own: later changes to the caller's spec object cannot reach the plan.
+        self.base = _result_spec(spec, spec.tensor_meta.dtype if spec.tensor_meta else torch.float32)
+        self.placements = self.base.placements
+        self.shape = self.base.shape
+        self.dim_indices = local_indices(self.base, coordinate)
+        self.block = None if self.dim_indices is None else kernel.Block(self.shape, self.dim_indices)
+        self.local_shape = self.block.shape if self.block is not None else (0,)
+        self._result_specs: dict[torch.dtype, DTensorSpec] = {}
+
+    def result_spec(self, dtype: torch.dtype) -> DTensorSpec:
+        """The spec of a contiguous ``dtype`` result; one object per dtype, shared by all results (DTensor's
+        own sharding propagation shares output specs the same way: specs are never modified in place)."""
+        spec = self._result_specs.get(dtype)
+        if spec is None:
+            spec = self._result_specs[dtype] = _result_spec(self.base, dtype)
+        return spec
+
+
+_PLANS_LIMIT = 1024  # distinct (spec, coordinate) pairs kept; a model has a few dozen
+_plans: dict = {}
+
+
+def _plan_of(spec: DTensorSpec) -> _SpecPlan:
+    """The cached plan of ``spec`` at this rank's coordinate. The key holds every input of the plan (mesh,
+    placements, shard order and its form, global shape, coordinate) and nothing that changes between
+    calls (dtype and strides only select a result spec inside the plan)."""
+    coordinate = spec.mesh.get_coordinate()
+    key = (
+        spec.mesh,
+        spec.placements,
+        spec.shard_order,
+        spec.use_strided_shard_as_shard_order,
+        spec.shape,
+        None if coordinate is None else tuple(coordinate),
+    )
+    plan = _plans.get(key)
+    if plan is None:
+        if len(_plans) >= _PLANS_LIMIT:
+            _plans.clear()
+        plan = _plans[key] = _SpecPlan(spec, coordinate)
+    return plan
+
+
+def clear_plan_cache() -> None:
+    """Forget every cached plan (tests compare cached and freshly built plans with it)."""
+    _plans.clear()
+
+
+def _local_operand(tensor, plan: _SpecPlan) -> torch.Tensor:
+    """The values of ``tensor`` (broadcast to the plan's shape) at this rank's block."""
+    shape = tuple(plan.shape)
     if isinstance(tensor, DTensor):
-        if tuple(tensor.shape) == shape and tensor.device_mesh == spec.mesh:
-            return tensor.redistribute(spec.mesh, spec.placements).to_local()
+        if tuple(tensor.shape) == shape and tensor.device_mesh == plan.base.mesh:
+            own = tensor._spec
+            if own.placements == plan.placements and own.shard_order == plan.base.shard_order:
+                return tensor._local_tensor  # already laid out as the result: nothing to move
+            return tensor.redistribute(plan.base.mesh, plan.placements).to_local()
         tensor = tensor.full_tensor()  # broadcast operand or another mesh: rare, so simply gather it
-    return ops.select_block(tensor, shape, dim_indices)
-
-
-def _empty_local(dim_indices, dtype, device) -> torch.Tensor:
-    shape = [len(i) for i in dim_indices] if dim_indices is not None else [0]
-    return torch.empty(shape, dtype=dtype, device=device)
+    return ops.select_block(tensor, shape, plan.dim_indices)
 
 
 # ---- the handlers -----------------------------------------------------------------------------------------
@@ -127,34 +180,33 @@ def handle_random_op(op, args, kwargs):
     source = call.target if call.target is not None else call.like
     if not isinstance(source, DTensor):
         raise TypeError(f"vescale.random: {op} expected a DTensor self/input, got {type(source).__name__}")
-    spec = _result_spec(source._spec, call.dtype)
-    dim_indices = local_indices(spec)
-    device = source._local_tensor.device
+    plan = _plan_of(source._spec)
     if call.dropout_scale is not None:
-        return _dropout(call, spec, dim_indices)
-    prob = None if call.prob is None else _local_operand(call.prob, spec, dim_indices)
+        return _dropout(call, plan)
+    prob = None if call.prob is None else _local_operand(call.prob, plan)
     if call.target is not None:
-        ops.fill(source._local_tensor, call, spec.shape, dim_indices, prob)
-        if spec.placements != source._spec.placements:  # Partial dims now hold the same values: Replicate
+        ops.fill(source._local_tensor, call, plan.shape, plan.block, prob)
+        if plan.placements != source._spec.placements:  # Partial dims now hold the same values: Replicate
             source._spec = _result_spec(source._spec, source.dtype, source._spec.tensor_meta)
         return source
-    local = _empty_local(dim_indices, call.dtype, call.device or device)
-    ops.fill(local, call, spec.shape, dim_indices, prob)
-    return DTensor(local, spec, requires_grad=False)
+    device = call.device or source._local_tensor.device
+    local = torch.empty(plan.local_shape, dtype=call.dtype, device=device)
+    ops.fill(local, call, plan.shape, plan.block, prob)
+    return DTensor(local, plan.result_spec(call.dtype), requires_grad=False)
 
 
-def _dropout(call: ops.RandomCall, spec: DTensorSpec, dim_indices):
+def _dropout(call: ops.RandomCall, plan: _SpecPlan):
     x = call.like
-    x_local = _local_operand(x, spec, dim_indices) if dim_indices is not None else x._local_tensor
+    x_local = _local_operand(x, plan) if plan.block is not None else x._local_tensor
     if call.train:
         mask = torch.empty(x_local.shape, dtype=torch.float32, device=x_local.device)
-        ops.fill(mask, call, spec.shape, dim_indices)
+        ops.fill(mask, call, plan.shape, plan.block)
         output, mask = ops.dropout_output(x_local, mask, call.dropout_scale)
     else:
         output, mask = x_local.clone(), torch.ones_like(x_local, dtype=torch.bool)
     return (
-        DTensor(output, _result_spec(spec, x.dtype), requires_grad=False),
-        DTensor(mask, _result_spec(spec, torch.bool), requires_grad=False),
+        DTensor(output, plan.result_spec(x.dtype), requires_grad=False),
+        DTensor(mask, plan.result_spec(torch.bool), requires_grad=False),
     )
 
 
@@ -170,17 +222,17 @@ class _ShardBlock:
 
     def __init__(self, spec: DTensorSpec):
         self.spec = spec
-        self.dim_indices = local_indices(spec)
+        self.plan = _plan_of(spec)
 
     def __call__(self, local_shape):
-        expected = [len(i) for i in self.dim_indices] if self.dim_indices is not None else [0]
+        expected = list(self.plan.local_shape)
         if list(local_shape) != expected:
             raise RuntimeError(
                 f"vescale.random: a random op inside a DTensor factory region built a tensor of shape "
                 f"{list(local_shape)}, but this rank's shard of {list(self.spec.shape)} with placements "
                 f"{self.spec.placements} has shape {expected}"
             )
-        return tuple(self.spec.shape), self.dim_indices
+        return tuple(self.spec.shape), self.plan.block
 
 
 class VescaleRNGTracker(dtensor_random._RNGStateTracker):

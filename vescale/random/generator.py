@@ -11,7 +11,6 @@ This module holds the state and its checkpoint form; ``dtensor.py`` and ``consis
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 
@@ -117,27 +116,34 @@ class Draw:
     profile: DeviceProfile
 
 
-@contextlib.contextmanager
-def reserve(kind: str, dtype: torch.dtype, global_shape, **params):
-    """Take the generator position for one random op over a tensor of ``global_shape`` (yields a
-    :class:`Draw`) and advance the offset past it, exactly as a CUDA launch over the whole tensor
-    would. If the block raises, the offset goes back: a failed op draws nothing. ``params`` are the
-    kernel's (bernoulli's ``p`` may be a tensor: that kernel advances the offset differently)."""
-    if _state.seed is None:
-        raise RuntimeError(
-            "vescale.random: the generator is not seeded. Call vescale.manual_seed(seed) with the same "
-            "seed on every rank (and in the single-device reference run) before random ops on DTensors "
-            "or inside vescale.random.consistent()."
-        )
-    profile = device_profile()
-    draw = Draw(_state.seed, _state.offset, profile)
-    # 0 for an empty tensor: CUDA returns early without touching the generator.
-    _state.offset += kernel.offset_increment(kind, dtype, math.prod(global_shape), profile, **params)
-    try:
-        yield draw
-    except BaseException:
-        _state.offset = draw.offset
-        raise
+class reserve:
+    """``with reserve(kind, dtype, global_shape, **params) as draw:`` takes the generator position for one
+    random op over a tensor of ``global_shape`` (``draw`` is a :class:`Draw`) and advances the offset past
+    it, exactly as a CUDA launch over the whole tensor would. If the block raises, the offset goes back: a
+    failed op draws nothing. ``params`` are the kernel's (bernoulli's ``p`` may be a tensor: that kernel
+    advances the offset differently). A class rather than a generator-based context manager: it runs for
+    every random op, and this is the cheaper form."""
+
+    __slots__ = ("_draw",)
+
+    def __init__(self, kind: str, dtype: torch.dtype, global_shape, **params):
+        if _state.seed is None:
+            raise RuntimeError(
+                "vescale.random: the generator is not seeded. Call vescale.manual_seed(seed) with the same "
+                "seed on every rank (and in the single-device reference run) before random ops on DTensors "
+                "or inside vescale.random.consistent()."
+            )
+        profile = device_profile()
+        self._draw = Draw(_state.seed, _state.offset, profile)
+        # 0 for an empty tensor: CUDA returns early without touching the generator.
+        _state.offset += kernel.offset_increment(kind, dtype, math.prod(global_shape), profile, **params)
+
+    def __enter__(self) -> Draw:
+        return self._draw
+
+    def __exit__(self, kind, value, traceback) -> None:
+        if kind is not None:
+            _state.offset = self._draw.offset
 
 
 def get_state() -> torch.Tensor:

@@ -271,8 +271,11 @@ def _as_int(name: str, value) -> int:
 def resolve_draw(kind: str, dtype: torch.dtype, params: dict) -> Draw:
     """Validate ``params`` for ``kind`` and return the draw both implementations execute."""
     # A tensor p only matters by being a tensor; everything else is a hashable scalar (or a caller's mistake,
-    # which the uncached call then reports).
-    items = tuple((k, _TENSOR_P if isinstance(v, torch.Tensor) else v) for k, v in sorted(params.items()))
+    # which the uncached call then reports). Items stay in the caller's order: each reader passes its
+    # parameters in one fixed order, and another order only makes another cache entry with the same draw.
+    items = tuple(params.items())
+    if isinstance(params.get("p"), torch.Tensor):
+        items = tuple((k, _TENSOR_P if k == "p" else v) for k, v in items)
     try:
         hash(items)
     except TypeError:
@@ -334,9 +337,19 @@ def _fits_32bit_indexing(numel: int, itemsize: int) -> bool:
 
 def _launches(numel: int, itemsize: int, unroll: int, offset: int, profile: DeviceProfile):
     """The launches a grid-stride op over ``numel`` elements makes, and the total offset increment."""
+    at_zero, increment = _launches_at_offset_zero(numel, itemsize, unroll, profile)
+    if offset == 0:
+        return list(at_zero), increment
+    # Every counter is (offset + increment so far) / 4 with both terms multiples of 4: shift by offset / 4.
+    shift = offset // 4
+    return [Launch(launch.start, launch.numel, launch.threads, launch.counter + shift) for launch in at_zero], increment
+
+
+@functools.lru_cache(maxsize=1024)  # depends only on the op's global size, dtype width and profile: recurs every step
+def _launches_at_offset_zero(numel: int, itemsize: int, unroll: int, profile: DeviceProfile):
     increment = _grid_stride_increment(numel, unroll, profile)
     if _fits_32bit_indexing(numel, itemsize):
-        return [Launch(0, numel, profile.num_threads(numel), offset // 4)], increment
+        return (Launch(0, numel, profile.num_threads(numel), 0),), increment
     pieces, stack = [], [(0, numel)]  # SplitUntil32Bit: depth first, first half (numel // 2) first
     while stack:
         start, size = stack.pop()
@@ -347,13 +360,9 @@ def _launches(numel: int, itemsize: int, unroll: int, offset: int, profile: Devi
             stack += [(start + half, size - half), (start, half)]
     launches = []
     for start, size in pieces:
-        launches.append(Launch(start, size, profile.num_threads(size), (offset + increment) // 4))
+        launches.append(Launch(start, size, profile.num_threads(size), increment // 4))
         increment += _grid_stride_increment(size, unroll, profile)
-    return launches, increment
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return tuple(launches), increment
 
 
 def offset_increment(kind: str, dtype: torch.dtype, numel: int, profile: DeviceProfile, **params) -> int:
@@ -367,7 +376,7 @@ def offset_increment(kind: str, dtype: torch.dtype, numel: int, profile: DeviceP
         return 0
     if draw.op == OP_BERNOULLI_TENSOR:
         return BERNOULLI_TENSOR_INCREMENT
-    return _launches(numel, _itemsize(dtype), draw.unroll, 0, profile)[1]
+    return _launches_at_offset_zero(numel, dtype.itemsize, draw.unroll, profile)[1]
 
 
 # ---- generate ------------------------------------------------------------------------------------------
@@ -381,25 +390,51 @@ def _scan_index_torch(index: torch.Tensor):
     return IndexScan(int(low), int(high), step_one)
 
 
-def _check_generate_args(out, seed, offset, global_shape, dim_indices, scan_index, devices=("cpu",)):
-    """Validated (global_shape, dim_indices, per-dim index scans); ``scan_index`` reads an index tensor once
-    and returns (min, max, whether it is a step-1 range)."""
-    if not isinstance(out, torch.Tensor) or out.device.type not in devices or not out.is_contiguous():
-        raise ValueError(f"vescale.random kernel: out must be a contiguous tensor on {' or '.join(devices)}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
-        raise ValueError(f"vescale.random kernel: seed must be an int in [0, 2**64), got {seed!r}")
-    if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < 2**62 or offset % 4:
-        raise ValueError(f"vescale.random kernel: offset must be a multiple of 4 in [0, 2**62), got {offset!r}")
-    global_shape = tuple(global_shape)
-    if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in global_shape):
-        raise ValueError(f"vescale.random kernel: global_shape must hold non-negative ints, got {global_shape}")
-    if dim_indices is None:
-        if tuple(out.shape) != global_shape:
-            raise ValueError(
-                f"vescale.random kernel: with dim_indices=None out must have the global shape {global_shape}, "
-                f"got {tuple(out.shape)}"
-            )
-        return global_shape, None, None
+class Block:
+    """Which elements of a global tensor a fill draws, validated and scanned once so it can be reused.
+
+    ``dim_indices``: per global dim, the 1-D int64 CPU tensor of global indices the local block holds
+    (None: the whole tensor). Element (c_0..c_{D-1}) of the block is global flat index
+    sum_d dim_indices[d][c_d] * global_stride[d]. A Block depends only on the global shape and the
+    indices, never on the op, the dtype or the generator state, so a caller that draws the same block
+    again (the DTensor handlers do, every training step) builds it once and passes it to
+    :func:`generate` in place of ``dim_indices``. The kernels' layout (per-dim runs, see
+    ``_native.local_layout``) is computed on first use and kept, per device. The index tensors must not
+    be modified afterwards.
+    """
+
+    __slots__ = ("global_shape", "global_numel", "dim_indices", "scans", "shape", "_layouts")
+
+    def __init__(self, global_shape: Sequence[int], dim_indices: Sequence[torch.Tensor] | None, scan_index=None):
+        global_shape = tuple(global_shape)
+        if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in global_shape):
+            raise ValueError(f"vescale.random kernel: global_shape must hold non-negative ints, got {global_shape}")
+        self.global_shape, self.global_numel = global_shape, math.prod(global_shape)
+        self._layouts: dict = {}
+        if dim_indices is None:
+            self.dim_indices, self.scans, self.shape = None, None, global_shape
+            return
+        self.dim_indices, self.scans = _checked_indices(global_shape, dim_indices, scan_index or _scan_index_torch)
+        self.shape = tuple(index.numel() for index in self.dim_indices)
+
+    def layout(self, device: torch.device | None = None):
+        """(row_base, inner_off, run) of ``_native.local_layout``, the tensors on ``device`` (default CPU)."""
+        key = None if device is None or device.type == "cpu" else device
+        layout = self._layouts.get(key)
+        if layout is None:
+            if key is None:
+                from vescale.random._native import local_layout  # plain tensor code; builds nothing
+
+                layout = local_layout(self.global_shape, self.dim_indices, self.scans)
+            else:
+                row_base, inner_off, run = self.layout()
+                layout = (row_base.to(device), inner_off.to(device), run)
+            self._layouts[key] = layout
+        return layout
+
+
+def _checked_indices(global_shape: tuple, dim_indices, scan_index):
+    """Contiguous copies-or-views of ``dim_indices`` and their scans, or a ValueError naming the bad one."""
     dim_indices = list(dim_indices)
     if len(dim_indices) != len(global_shape):
         raise ValueError(
@@ -416,12 +451,30 @@ def _check_generate_args(out, seed, offset, global_shape, dim_indices, scan_inde
         scans.append(scan_index(index) if index.numel() else None)
         if index.numel() and (scans[d][0] < 0 or scans[d][1] >= size):
             raise ValueError(f"vescale.random kernel: dim_indices[{d}] holds indices outside [0, {size})")
-    local_shape = tuple(index.numel() for index in dim_indices)
-    if tuple(out.shape) != local_shape:
+    return dim_indices, scans
+
+
+def _check_generate_args(out, seed, offset, global_shape, block: Block, devices=("cpu",)) -> None:
+    if not isinstance(out, torch.Tensor) or out.device.type not in devices or not out.is_contiguous():
+        raise ValueError(f"vescale.random kernel: out must be a contiguous tensor on {' or '.join(devices)}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise ValueError(f"vescale.random kernel: seed must be an int in [0, 2**64), got {seed!r}")
+    if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < 2**62 or offset % 4:
+        raise ValueError(f"vescale.random kernel: offset must be a multiple of 4 in [0, 2**62), got {offset!r}")
+    if tuple(global_shape) != block.global_shape:
         raise ValueError(
-            f"vescale.random kernel: out has shape {tuple(out.shape)} but dim_indices select {local_shape}"
+            f"vescale.random kernel: global_shape {tuple(global_shape)} is not the shape of the block's global "
+            f"tensor {block.global_shape}"
         )
-    return global_shape, dim_indices, scans
+    if out.shape != block.shape:
+        if block.dim_indices is None:
+            raise ValueError(
+                f"vescale.random kernel: with dim_indices=None out must have the global shape {block.global_shape}, "
+                f"got {tuple(out.shape)}"
+            )
+        raise ValueError(
+            f"vescale.random kernel: out has shape {tuple(out.shape)} but dim_indices select {block.shape}"
+        )
 
 
 def _probabilities(p: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -458,7 +511,9 @@ def generate(
     both omitted: random_(); ``high=None``: up to the dtype's maximum). ``backend``: "auto" (a CUDA ``out``:
     the Triton kernel; a CPU one: the compiled C kernel when available, else the PyTorch path), "native"
     (compiled C kernel, error if it cannot be built), "torch", or "triton" (the Triton kernel; on a CPU
-    ``out`` it runs in Triton's interpreter, which is how tests check it). All give the same bits."""
+    ``out`` it runs in Triton's interpreter, which is how tests check it). All give the same bits.
+    ``dim_indices`` may also be a :class:`Block` of ``global_shape`` built earlier: its validation, scans
+    and layout are then reused instead of recomputed."""
     if backend not in BACKENDS:
         raise ValueError(f"vescale.random kernel: backend must be one of {BACKENDS}, got {backend!r}")
     on_cuda = isinstance(out, torch.Tensor) and out.device.type == "cuda"
@@ -474,16 +529,17 @@ def generate(
         from vescale.random import _native  # imported here: building it is a first-use cost, not an import one
 
         native = _native.load(required=backend == "native")
-    scan_index = native.scan_index if native is not None else _scan_index_torch
+    if isinstance(dim_indices, Block):
+        block = dim_indices
+    else:
+        block = Block(global_shape, dim_indices, native.scan_index if native is not None else _scan_index_torch)
     devices = ("cpu", "cuda") if backend == "triton" else ("cpu",)
-    global_shape, dim_indices, scans = _check_generate_args(
-        out, seed, offset, global_shape, dim_indices, scan_index, devices
-    )
+    _check_generate_args(out, seed, offset, global_shape, block, devices)
     draw = resolve_draw(kind, out.dtype, params)
     prob = _probabilities(params["p"], out) if draw.op == OP_BERNOULLI_TENSOR else None
     if out.numel() == 0:
         return
-    numel = math.prod(global_shape)
+    numel = block.global_numel
     if draw.op == OP_BERNOULLI_TENSOR:
         launches = [Launch(0, numel, 0, offset // 4)]  # threads unused: the mapping is j -> (j // 4, j % 4)
     else:
@@ -491,11 +547,11 @@ def generate(
     if backend == "triton":
         from vescale.random import _triton
 
-        _triton.fill(out, draw, seed, launches, global_shape, dim_indices, scans, prob)
+        _triton.fill(out, draw, seed, launches, block, prob)
     elif native is not None:
-        native.fill(out, draw, seed, launches, global_shape, dim_indices, scans, prob)
+        native.fill(out, draw, seed, launches, block, prob)
     else:
-        _fill_torch(out, draw, seed, launches, global_shape, dim_indices, prob)
+        _fill_torch(out, draw, seed, launches, block, prob)
 
 
 BACKENDS = ("auto", "native", "torch", "triton")
@@ -621,8 +677,8 @@ def _cast(values: torch.Tensor, draw: Draw, dtype: torch.dtype) -> torch.Tensor:
     return result
 
 
-def _fill_torch(out, draw: Draw, seed: int, launches, global_shape, dim_indices, prob) -> None:
-    j = flat_indices(global_shape, dim_indices)
+def _fill_torch(out, draw: Draw, seed: int, launches, block: Block, prob) -> None:
+    j = flat_indices(block.global_shape, block.dim_indices)
     counter, thread, ii = _counters(j, draw, launches)
     mask = philox.MASK32
     words = philox.philox4x32_10(counter & mask, counter >> 32, thread & mask, thread >> 32, seed & mask, seed >> 32)

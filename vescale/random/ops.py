@@ -13,10 +13,13 @@ normal with tensor mean/std, ...) raise instead of silently drawing rank-local n
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
+from torch._ops import _len_torch_dispatch_stack_pre_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
@@ -49,21 +52,54 @@ class RandomCall:
 def bind(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> dict:
     """Name every argument of ``op`` (defaults filled in) so each reader looks arguments up by name."""
     bound = {}
-    for i, arg in enumerate(op._schema.arguments):
-        if i < len(args) and not arg.kwarg_only:
-            bound[arg.name] = args[i]
-        elif arg.name in kwargs:
-            bound[arg.name] = kwargs[arg.name]
+    for i, (name, kwarg_only, default) in enumerate(_schema_arguments(op)):
+        if i < len(args) and not kwarg_only:
+            bound[name] = args[i]
+        elif name in kwargs:
+            bound[name] = kwargs[name]
         else:
-            bound[arg.name] = arg.default_value if arg.has_default_value() else None
+            bound[name] = default
     return bound
+
+
+@functools.lru_cache(maxsize=None)  # one entry per random op overload; reading a schema builds new objects
+def _schema_arguments(op: torch._ops.OpOverload) -> tuple:
+    return tuple(
+        (arg.name, arg.kwarg_only, arg.default_value if arg.has_default_value() else None)
+        for arg in op._schema.arguments
+    )
+
+
+def without_dispatch_modes():
+    """``_disable_current_modes()`` when a dispatch mode is active, else a no-op context: plain tensor code
+    run by vescale.random itself must not reach any mode (ours included), and toggling an empty mode
+    stack costs more than a small random op."""
+    if torch._C._len_torch_dispatch_stack() or _len_torch_dispatch_stack_pre_dispatch():
+        return _disable_current_modes()
+    return contextlib.nullcontext()
+
+
+_VALID_SCALARS: set = set()  # (op, dtype, typed scalars) that PyTorch's own checks accepted
+_VALID_SCALARS_LIMIT = 4096  # a model uses a handful; the bound only guards against unbounded growth
 
 
 def _check_like_native(inplace_op, dtype: torch.dtype, *scalars) -> None:
     # Let PyTorch's own kernel validate the arguments (same checks, same messages) on an empty tensor:
     # the checks run before the "empty tensor: nothing to draw" early return, so no generator moves.
-    with _disable_current_modes():
+    # Acceptance depends only on (op, dtype, scalars), so an accepted combination is not checked again;
+    # the key holds each scalar's type too (True, 1 and 1.0 hash alike but need not check alike).
+    key = (inplace_op, dtype, tuple((type(v), v) for v in scalars))
+    try:
+        if key in _VALID_SCALARS:
+            return
+    except TypeError:  # an unhashable argument: check it every time
+        key = None
+    with without_dispatch_modes():
         inplace_op(torch.empty(0, dtype=dtype), *scalars)
+    if key is not None:
+        if len(_VALID_SCALARS) >= _VALID_SCALARS_LIMIT:
+            _VALID_SCALARS.clear()
+        _VALID_SCALARS.add(key)
 
 
 def _check_layout(b: dict, op) -> None:
@@ -268,26 +304,27 @@ def fill(
     out: torch.Tensor,
     call: RandomCall,
     global_shape: Sequence[int],
-    dim_indices: Sequence[torch.Tensor] | None,
+    dim_indices: Sequence[torch.Tensor] | kernel.Block | None,
     prob: torch.Tensor | None = None,
 ) -> None:
-    """Fill ``out`` with the block ``dim_indices`` of the global random tensor ``call`` asks for, and
-    advance the generator past the whole tensor. ``prob`` holds bernoulli's per-element probabilities
-    for the block (out's shape)."""
+    """Fill ``out`` with the block ``dim_indices`` (index tensors, or a prepared ``kernel.Block``) of the
+    global random tensor ``call`` asks for, and advance the generator past the whole tensor. ``prob``
+    holds bernoulli's per-element probabilities for the block (out's shape)."""
     if out.is_meta:
         return  # like PyTorch's meta kernels: nothing drawn, the generator does not move
-    params = dict(call.params)
-    if prob is not None:
-        params["p"] = prob
+    params = call.params if prob is None else dict(call.params, p=prob)
     with generator.reserve(call.kind, out.dtype, global_shape, **params) as draw:
         if out.numel() == 0:
             return
         # The kernel's own tensor ops are plain arithmetic: no dispatch mode (ours included) may see them.
-        with _disable_current_modes():
+        with without_dispatch_modes():
             # CUDA tensors are drawn on their device (the Triton kernel), everything else on the CPU
-            device = out.device if out.device.type == "cuda" else torch.device("cpu")
-            direct = out.device == device and out.is_contiguous()
-            buf = out if direct else torch.empty(out.shape, dtype=out.dtype, device=device)
+            device_type = out.device.type
+            direct = device_type in ("cpu", "cuda") and out.is_contiguous()
+            if direct:
+                buf = out
+            else:
+                buf = torch.empty(out.shape, dtype=out.dtype, device=out.device if device_type == "cuda" else "cpu")
             kernel.generate(
                 buf,
                 call.kind,

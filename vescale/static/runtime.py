@@ -274,6 +274,17 @@ class _RandomReplay(TorchDispatchMode):
         self.record, self.stack = record, stack
         self.random_ops = DTensor._op_dispatcher._random_ops
         self.drawn: dict[str, int] = {}
+        self.on = False
+
+    def turn(self, on: bool) -> None:
+        """Enter (on) or leave the dispatch mode stack."""
+        if on == self.on:
+            return
+        self.on = on
+        if on:
+            self.__enter__()
+        else:
+            _exit_from_anywhere(self)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -460,8 +471,8 @@ class StaticRuntime:
             self.state, self.record = State.STATIC, rec
             self.static_steps += 1
             if rec.random:
+                # Entered only while the body of a module that draws runs (see _follow_body).
                 self.replay = _RandomReplay(rec, self.stack)
-                self.replay.__enter__()
             if not rec.checked:
                 rec.checked = True
                 self._open_watcher(checking=True)
@@ -498,9 +509,7 @@ class StaticRuntime:
     def _close_replay(self) -> None:
         if self.replay is not None:
             replay, self.replay = self.replay, None
-            if self.watcher is not None:  # modes leave in the reverse order of entering
-                self._close_watcher()
-            replay.__exit__(None, None, None)
+            replay.turn(False)
             self.stack.clear()
 
     def _close_watcher(self) -> None:
@@ -527,6 +536,7 @@ class StaticRuntime:
         redistributes them here or this module runs eagerly."""
         if self._tracking():
             self.stack.append(None)  # this module's hooks run now, not its body
+            self._follow_body()
         if self.state is State.STATIC:
             steps = self._steps(path)
             if steps.moves_in is not None:
@@ -639,6 +649,14 @@ class StaticRuntime:
     def _body_starts(self, path: str) -> None:
         if self._tracking() and self.stack:
             self.stack[-1] = path
+            self._follow_body()
+
+    def _follow_body(self) -> None:
+        """The random replay intercepts ops only while the body of a module that draws random
+        numbers runs: as a dispatch mode it costs every op it sees a Python call, and most of a
+        step's ops belong to modules that draw nothing."""
+        if self.replay is not None:
+            self.replay.turn(bool(self.stack) and self.stack[-1] in self.record.random)
 
     def _tracking(self) -> bool:
         return self.watcher is not None or self.replay is not None
@@ -652,12 +670,14 @@ class StaticRuntime:
             _put_back(mod, swapped)
         if self._tracking() and self.stack:
             self.stack.pop()
+            self._follow_body()
 
     def leave(self, mod, path: str, output):
         """Before the plan's post-hook: local outputs of a static module become DTensors if the plan
         redistributes them here or the caller runs eagerly."""
         if self._tracking() and self.stack:
             self.stack[-1] = None  # the body is over
+            self._follow_body()
         if self.state is State.STATIC:
             steps = self._steps(path)
             if steps.moves_out is not None:
