@@ -1,16 +1,23 @@
 """Static Eager mode on HF Mixtral (unchanged, default ``grouped_mm`` experts kernel) under
-``vescale.zoo.moe_plan``: the same losses as eager mode and the single device, with the MoE blocks'
-experts running on local tensors where the plan allows it.
+``vescale.zoo.moe_plan``: the same losses and gradients as eager mode and the single device, with the
+MoE blocks' experts running on local tensors.
 
 * TP=2 + SP (tensor-parallel experts, ``InterleavedShard`` gate|up): the routing's data-dependent
   ops act on replicated tokens and the experts' matmuls on local shards, so the experts modules
   run static (the test fails if they are kept eager).
-* DP=2 x TP=2 + SP + ZeRO-3 (4 ranks): the routing mixes DP-sharded and replicated tokens, so the
-  MoE blocks stay on DTensors (``moe_plan`` says so); the rest runs static, results unchanged.
+* DP=2 + ZeRO-3 and DP=2 x TP=2 + SP + ZeRO-3: ``moe_plan`` makes the MoE blocks batch-local
+  (``plan.batch_local``): each DP rank's block runs on its own tokens, on the TP sub-mesh, and the
+  experts (and, without TP, the blocks) run static (the test fails if they are kept eager, or if
+  the experts see more than the DP rank's tokens).
+* Gradients: under TP ``moe_plan`` keeps the blocks' own ops on DTensors (``plan.eager``): in a
+  static block the router's (eager) and the experts' (static, Partial over TP) input gradients
+  would be added as local tensors of different layouts; with the blocks static this test's
+  gradient check fails by ~5e-4.
 
-Losses within 1e-5 of the single device and of eager mode over 6 SGD steps (fp32: sharded matmuls
-and collectives sum in another order, and a static step reduces some gradients at module boundaries
-where eager mode reduces their sum once, which moves the loss by about 1e-6).
+Losses within 1e-5 of the single device and of eager mode over 6 SGD steps, and the last step's
+gradients within 1e-5 (fp32: sharded matmuls and collectives sum in another order, and a static step
+reduces some gradients at module boundaries where eager mode reduces their sum once, which moves the
+loss by about 1e-6).
 """
 
 from __future__ import annotations
@@ -20,17 +27,30 @@ import logging
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 import vescale
-from vescale.testing import run_on_ranks, train_losses
+from vescale.testing import run_on_ranks
 from vescale.zoo import moe_plan, synthetic_batches, tiny_hf_mixtral
 
-STEPS, LR = 6, 0.05
+STEPS, LR, TOL = 6, 0.05, 1e-5
+BATCH, SEQ = 4, 16
 EXPERTS = ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts")
 
 
-def _train(model) -> list[float]:
-    return train_losses(model, synthetic_batches(STEPS, 4, 16, 128, seed=1), torch.optim.SGD(model.parameters(), lr=LR))
+def _train(model) -> tuple[list[float], dict]:
+    """Losses of every step and the gradients of the last one (gathered)."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for step, (input_ids, labels) in enumerate(synthetic_batches(STEPS, BATCH, SEQ, 128, seed=1)):
+        loss = model(input_ids=input_ids, labels=labels).loss
+        loss.backward()
+        if step == STEPS - 1:
+            grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, grads
 
 
 def _run(shape, names, zero3: bool) -> dict:
@@ -42,8 +62,10 @@ def _run(shape, names, zero3: bool) -> dict:
     for mode in ("eager", "static"):
         torch.manual_seed(0)
         model = tiny_hf_mixtral()
-        plan = moe_plan(mesh, model.config, sequence_parallel=True, zero3=zero3)
+        plan = moe_plan(mesh, model.config, sequence_parallel="TP" in names, zero3=zero3)
         vescale.parallelize(model, plan, mesh, mode=mode)
+        rows = out[f"{mode}_rows"] = set()  # tokens the experts get, as local tensors in static steps
+        model.get_submodule(EXPERTS[0]).register_forward_pre_hook(lambda m, a: rows.add(tuple(a[0].shape)))
         out[mode] = _train(model)
         if mode == "static":
             rt = vescale.static.static_runtime(model)
@@ -52,23 +74,35 @@ def _run(shape, names, zero3: bool) -> dict:
     return out
 
 
+CONFIGS = {  # id: (ranks, mesh shape, mesh names, ZeRO-3)
+    "TP=2+SP": (2, (2,), ("TP",), False),
+    "DP=2+ZeRO-3": (2, (2,), ("DP",), True),
+    "DP=2xTP=2+SP+ZeRO-3": (4, (2, 2), ("DP", "TP"), True),
+}
+
+
 @functools.cache
-def _results(ranks: int):
-    if ranks == 2:
-        return run_on_ranks(_run, 2, (2,), ("TP",), False)[0]
-    return run_on_ranks(_run, 4, (2, 2), ("DP", "TP"), True)[0]
+def _results(config: str):
+    ranks, shape, names, zero3 = CONFIGS[config]
+    return run_on_ranks(_run, ranks, shape, names, zero3)[0]
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("ranks", [2, 4], ids=["TP=2+SP", "DP=2xTP=2+SP+ZeRO-3"])
-def test_static_moe_matches_eager_and_single_device(ranks):
-    r = _results(ranks)
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_static_moe_matches_eager_and_single_device(config):
+    r = _results(config)
     assert r["static_steps"] >= STEPS - 2, r["static_steps"]
-    for step, (s, e, one) in enumerate(zip(r["static"], r["eager"], r["single"])):
-        assert abs(s - one) <= 1e-5, f"step {step}: static {s} vs single device {one}"
-        assert abs(s - e) <= 1e-5, f"step {step}: static {s} vs eager {e}"
+    (single, single_grads), (eager, eager_grads), (static, static_grads) = r["single"], r["eager"], r["static"]
+    for step, (s, e, one) in enumerate(zip(static, eager, single)):
+        assert abs(s - one) <= TOL, f"step {step}: static {s} vs single device {one}"
+        assert abs(s - e) <= TOL, f"step {step}: static {s} vs eager {e}"
+    for mode, grads in (("eager", eager_grads), ("static", static_grads)):
+        diff, where = max(((grads[n] - g).abs().max().item(), n) for n, g in single_grads.items())
+        assert diff <= TOL, f"{mode}: last step's gradient of {where} differs from single device by {diff:.3g}"
     kept = set(r["eager_modules"])
-    if ranks == 2:
-        assert not kept & set(EXPERTS), f"experts kept eager under TP: {r['eager_modules']}"
-    else:
-        assert {"model.layers.0.mlp", "model.layers.1.mlp"} <= kept, r["eager_modules"]
+    assert not kept & set(EXPERTS), f"experts kept eager: {r['eager_modules']}"
+    dp = 2 if "DP" in config else 1
+    for mode in ("eager", "static"):  # each DP rank's experts see its own tokens only
+        assert r[f"{mode}_rows"] == {(BATCH * SEQ // dp, 32)}, (mode, r[f"{mode}_rows"])
+    if "TP" not in config:  # under TP moe_plan keeps the blocks' own ops (view, reshape) on DTensors
+        assert not kept & {"model.layers.0.mlp", "model.layers.1.mlp"}, f"MoE blocks kept eager: {r['eager_modules']}"

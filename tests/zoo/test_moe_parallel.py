@@ -9,10 +9,12 @@ batches and must match the single-device run of the same model and experts kerne
 * local shapes *and values* of the expert tensors: tensor-parallel ``gate_up_proj`` holds this rank's
   slice of the gate half and of the up half (``InterleavedShard(1, 2)``), ``down_proj`` its columns;
   expert-parallel ranks hold whole experts E/EP at a time; ZeRO-3 stores 1/DP of the experts (with
-  EP: 1/DP of the rank's E/EP experts).
+  EP: 1/DP of the rank's E/EP experts);
+* without EP, the experts module of each rank gets that DP rank's tokens only (``plan.batch_local``,
+  which ``moe_plan`` states for the MoE blocks under DP): batch x sequence / DP rows.
 
 Kernels: the models' default (``grouped_mm``) everywhere, plus ``eager`` and ``batched_mm`` on the
-2-rank meshes. Attention is the models' default too (SDPA, run head-parallel by vescale.dispatch).
+2-rank TP / EP meshes and ``eager`` on DP=2. Attention is the models' default too (SDPA, run head-parallel by vescale.dispatch).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from vescale.testing import run_on_ranks
 from vescale.zoo import moe_plan, synthetic_batches, tiny_hf_mixtral, tiny_hf_qwen3_moe
 
 STEPS, LR, TOL = 10, 1e-3, 1e-5
+BATCH, SEQ = 4, 8
 MODELS = {"mixtral": tiny_hf_mixtral, "qwen3_moe": tiny_hf_qwen3_moe}
 EXPERTS = "model.layers.0.mlp.experts"
 
@@ -43,6 +46,8 @@ CONFIGS_2 = [
     ("mixtral", "eager", "EP=2", (2,), ("EP",), False),
     ("mixtral", "batched_mm", "EP=2", (2,), ("EP",), False),
     ("qwen3_moe", None, "EP=2", (2,), ("EP",), False),
+    ("mixtral", None, "DP=2+ZeRO-3", (2,), ("DP",), True),
+    ("mixtral", "eager", "DP=2+ZeRO-3", (2,), ("DP",), True),
 ]
 CONFIGS_4 = [
     ("mixtral", None, "DP=2xTP=2+SP+ZeRO-3", (2, 2), ("DP", "TP"), True),
@@ -66,7 +71,7 @@ def _value(t: torch.Tensor) -> torch.Tensor:
 def _train(model) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, first_grads = [], None
-    for input_ids, labels in synthetic_batches(STEPS, 4, 8, 128, seed=1):
+    for input_ids, labels in synthetic_batches(STEPS, BATCH, SEQ, 128, seed=1):
         loss = model(input_ids=input_ids, labels=labels).loss
         loss.backward()
         if first_grads is None:
@@ -95,13 +100,20 @@ def _distributed(configs):
         vescale.parallelize(model, plan, mesh)
         experts = model.get_submodule(EXPERTS)
         local = {n: p._local_tensor.detach().clone() for n, p in experts.named_parameters()}
+        rows = []  # tokens the experts module gets per call, as it sees them (global on its mesh, and local)
+        experts.register_forward_pre_hook(lambda m, a: rows.append((a[0].shape[0], _local_rows(a[0]))))
         out = _train(model)
         results[(model_name, kernel, name)] = {
             "local": local,
+            "rows": rows,
             "coord": dict(zip(names, mesh.get_coordinate())),
             **(out if dist.get_rank() == 0 else {}),
         }
     return results
+
+
+def _local_rows(t: torch.Tensor) -> int:
+    return (t._local_tensor if isinstance(t, DTensor) else t).shape[0]
 
 
 def _expected_local(full: torch.Tensor, tensor: str, coord: dict, sizes: dict) -> torch.Tensor:
@@ -135,6 +147,11 @@ def _check(per_rank: list, configs) -> None:
         sizes = dict(zip(names, shape))
         for rank_results in per_rank:
             r = rank_results[(model_name, kernel, name)]
+            if "EP" not in sizes:
+                # The experts run on this DP rank's tokens only (plan.batch_local): batch x sequence / DP
+                # rows, on DTensors (tensor-parallel experts) as on the local tensors.
+                want = BATCH * SEQ // sizes.get("DP", 1)
+                assert set(r["rows"]) == {(want, want)}, f"{label}: experts saw (rows, local rows) {set(r['rows'])}, want {want}"
             for tensor, local in r["local"].items():
                 want = _expected_local(ref["init"][f"{EXPERTS}.{tensor}"], tensor, r["coord"], sizes)
                 assert local.shape == want.shape, f"{label}: {tensor} local shape {tuple(local.shape)}, want {tuple(want.shape)}"

@@ -22,6 +22,7 @@ from ..plan import PlanError, PlanIR, VescalePlan, lower
 from ..plan.lower import forward_arg_names
 from .contract import InputContract, checksum
 from .hooks import enable_implicit_replication, install_module_hooks, root_hooks
+from .batch_local import install_batch_local
 from .experts import install_expert_parallel
 from .zero import GatherScheduler
 from .placing import place
@@ -178,6 +179,7 @@ def parallelize(
     for mpath, hook_entries in per_module.items():
         handles += install_module_hooks(modules[mpath], mpath, hook_entries, mesh, scheduler)
     handles += install_expert_parallel(model, plan, mesh)  # after the gathers: it sees RUN params
+    handles += install_batch_local(model, plan, mesh)  # after the gathers too
     handles += attach_grad_reduction(model.parameters(), reducer)
     handles += attach_state_dict_hooks(model)  # DCP-describable layouts for InterleavedShard tensors
     if mode == "static":

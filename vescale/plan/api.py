@@ -60,7 +60,7 @@ _GRAD_SUFFIXES = (r"\.grad", ".grad")  # a parameter's gradient: `<parameter pat
 class Statement:
     """One call on a plan, kept verbatim so errors can quote it."""
 
-    kind: str  # "shard", "factory", "eager", "experts", "redistribute" or "annotate"
+    kind: str  # "shard", "factory", "eager", "experts", "batch_local", "redistribute" or "annotate"
     path: str
     placements: tuple[Placement, ...]
     mesh_dim: str | None
@@ -101,6 +101,8 @@ class Statement:
 
         if self.source:  # src, dst: one placement or a list each
             what = f", {fmt(self.source)}, {fmt(self.placements)}"
+        elif self.kind == "batch_local":
+            what = ""
         else:
             what = "".join(", " + placement_str(p) for p in self.placements)
         grads = "".join(f", {k}={fmt(v)}" for k, v in (("grad_src", self.grad_src), ("grad_dst", self.grad_dst)) if v)
@@ -230,6 +232,20 @@ class VescalePlan:
         unchanged forward (``vescale.parallel.experts``, which says what an experts module is)."""
         self.shard(rf"(?:{path})\.[^.]+", Shard(0), mesh=mesh)
         self._add("experts", path, Shard(0), mesh, None)
+        return self
+
+    def batch_local(self, path: str, mesh: str = "DP") -> "VescalePlan":
+        """The modules matching ``path`` (a module path regex) compute on this rank's share of the batch
+        along mesh dim ``mesh`` only, as on one device per ``mesh`` rank: per-token modules (an MoE
+        block's router and experts), whose data-dependent ops DTensor would otherwise run on every
+        rank's tokens. While such a module runs, its inputs (``Shard(0)`` on ``mesh``: split by batch;
+        or replicated there) and its parameters (replicated there; ZeRO-3 gathers them for the RUN
+        phase) are DTensors on the sub-mesh of the other dims, so their other placements (TP) work
+        as before; parameter gradients leave as ``Partial`` over ``mesh`` (vescale's DP / ZeRO-3
+        reduction sums them) and outputs go back ``Shard(0)`` on ``mesh``. Random ops inside are
+        refused (they would not draw the single-device numbers). ``vescale.parallel.batch_local``
+        says more; works in eager and static mode."""
+        self._add("batch_local", path, Replicate(), mesh, None)
         return self
 
     def _add(self, kind, path, placement, mesh, phase, **extra) -> Statement:

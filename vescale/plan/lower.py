@@ -155,7 +155,7 @@ def lower(plan: VescalePlan, model: nn.Module, mesh: DeviceMesh) -> PlanIR:
     raw: list[RawEntry] = []
     planned_buffers: set[str] = set()
     for st in plan.statements:
-        if st.kind in ("eager", "experts"):  # resolved by vescale.static / vescale.parallel.experts
+        if st.kind in ("eager", "experts", "batch_local"):  # resolved by vescale.static / vescale.parallel
             continue
         dims = _mesh_dims(st, mesh)
         if st.kind == "factory" or st.activation:

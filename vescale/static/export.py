@@ -65,7 +65,7 @@ def export_plan(model: nn.Module) -> str:
     lines = ["# Static Eager plan recorded by vescale: placements per mesh dim " + str(tuple(_mesh_names(rec)))]
     for path in sorted(rt.forced_eager | set(rec.unsafe)):
         lines.append(f"plan.eager({re.escape(path)!r})  # {rec.unsafe.get(path, 'plan.eager')}")
-    lines += _boundary_lines(rec)
+    lines += _boundary_lines(rec, model._vescale_mesh)
     lines += _grad_lines(model, rec)
     return "\n".join(lines)
 
@@ -77,8 +77,8 @@ def _mesh_names(rec) -> tuple:
     return ()
 
 
-def _boundary_lines(rec) -> list[str]:
-    lines, skipped = [], 0
+def _boundary_lines(rec, mesh) -> list[str]:
+    lines, skipped, local = [], 0, 0
     done = set()
     for (module, where, i) in list(rec.crossings):
         direction = "in" if where in ("in", "body") else "out"
@@ -91,6 +91,9 @@ def _boundary_lines(rec) -> list[str]:
         specs = [c.spec for c in (before, after) if c is not None and c.spec is not None]
         if not specs:
             continue  # plain tensors: nothing to say
+        if any(spec.mesh != mesh for spec in specs):
+            local += 1  # at or inside a plan.batch_local module: on the sub-mesh, which that statement sets up
+            continue
         if key is None or before is None or after is None or before.spec is None:
             skipped += 1  # inside a container, or made a DTensor by the plan from a plain tensor
             continue
@@ -107,6 +110,8 @@ def _boundary_lines(rec) -> list[str]:
         lines.append(f"plan.redistribute({path!r}, {_codes(src)}, {_codes(dst)}{grads})")
     if skipped:
         lines.append(f"# {skipped} more DTensor crossing(s) inside containers or made by the plan from plain tensors: not expressible as one statement")
+    if local:
+        lines.append(f"# {local} more DTensor crossing(s) at or inside plan.batch_local modules (on the sub-mesh that statement sets up)")
     return lines
 
 
@@ -116,6 +121,8 @@ def _grad_lines(model: nn.Module, rec) -> list[str]:
     for (path, name), g in rec.param_grads.items():
         full = f"{path}.{name}" if path else name
         p = params.get(full)
+        if p is not None and len(g) != len(getattr(p, "placements", g)):
+            continue  # used inside a plan.batch_local module: its gradient there is on the sub-mesh
         if p is not None and tuple(getattr(p, "placements", ())) != tuple(g):
             lines.append(f"plan.annotate({re.escape(full) + re.escape('.grad')!r}, {_codes(g)})")
     return lines

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from ..plan import PlanIR, VescalePlan
+from ..parallel.batch_local import batch_local_paths
 from ..plan.lower import runs_forward
 from .runtime import StaticRuntime, resolve_eager_paths
 
@@ -33,6 +34,9 @@ def install_static(model: nn.Module, plan: VescalePlan, ir: PlanIR) -> list:
     # module (each Linear's Partial input gradient reduced on its own, not summed first).
     planned_pre = {m for (m, h), entries in hooks.items() if h == "forward_pre" and any(e.action == "redist" for e in entries)}
     planned_post = {m for (m, h), entries in hooks.items() if h == "forward" and any(e.action == "redist" for e in entries)}
+    # A batch-local module's hooks move its inputs and outputs between meshes (DTensors in, DTensors out).
+    batch_local = set(batch_local_paths(plan, model))
+    planned_pre, planned_post = planned_pre | batch_local, planned_post | batch_local
     annotated = tuple({m for (m, h), entries in hooks.items() if h == hook and any(e.action == "annotate" for e in entries)}
                       for hook in ("forward_pre", "forward"))
     # Tensors made by planned factories are DTensors: the module that makes them stays eager.

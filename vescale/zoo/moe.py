@@ -16,6 +16,10 @@ by the experts' ones:
 * **expert parallelism** (``ep``): each rank of the ``EP`` mesh dim holds experts/EP whole experts and
   the tokens are routed to them with all-to-all (``vescale.parallel.experts``); the EP dim also splits
   the batch, like DP, for everything outside the experts.
+* **data parallelism** (``dp``, without ``ep``): the MoE blocks are batch-local
+  (``plan.batch_local``, ``vescale.parallel.batch_local``): each DP rank's router and experts run on
+  its own tokens, on the sub-mesh of the other dims (the routing's data-dependent ops would
+  otherwise gather the tokens over DP and every rank would run the experts on all of them).
 * **ZeRO-3** (``zero3``, on ``dp``): ``.*weight`` does not name HF's expert tensors
   (``gate_up_proj``, ``down_proj``), so the plan adds them: stored ``Shard(0)`` (by expert) on DP,
   gathered while their module runs.
@@ -31,7 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
 from ..placement import InterleavedShard
-from ..plan import INIT, RUN, VescalePlan
+from ..plan import INIT, RUN, PlanError, VescalePlan
 from .hf import _transformers
 from .plans import _mesh_has, llama_plan
 
@@ -99,15 +103,38 @@ def moe_plan(
         if not use_ep:
             plan.shard(rf"{_EXPERTS}\.gate_up_proj", InterleavedShard(1, 2), mesh=tp)  # gate | up
             plan.shard(rf"{_EXPERTS}\.down_proj", Shard(2), mesh=tp)  # row-parallel
+            # Static Eager: the block's tokens feed the router (eager: its backward scatters a Partial
+            # gradient) and the tensor-parallel experts (static, whose input gradient is a local
+            # Partial sum over TP). In a static block body the two gradients would be added as local
+            # tensors of different layouts (DTensor all-reduces the Partial one first), which gives
+            # wrong gradients upstream; the block's own ops (view, reshape) stay on DTensors so that
+            # both gradients come back as DTensors, and the experts still run static.
+            if mesh is None or mesh[tp].size() > 1:
+                plan.eager(r"model\.layers\.\d+\.mlp")
     if use_ep:
         plan.shard(r"<in>\[input_ids\]", Shard(0), mesh=ep)  # EP ranks split the batch ...
         plan.shard(r"<in>\[labels\]", Shard(0), mesh=ep)
         plan.experts(_EXPERTS, mesh=ep)  # ... and own experts/EP experts each
     if use_dp and not use_ep and (mesh is None or mesh[dp].size() > 1):
-        # DTensor's rules for the routing's data-dependent ops replicate the tokens over DP, so the
-        # MoE block mixes them with its DP-sharded input: sizes it reads from one do not fit the
-        # other's local shards. In Static Eager mode the block stays on DTensors (no effect in eager).
-        plan.eager(r"model\.layers\.\d+\.mlp")
+        if getattr(config, "output_router_logits", False):
+            # HF collects the router logits of every layer for its load-balancing loss outside the
+            # blocks, where they would be this DP rank's tokens taken for the whole batch.
+            raise PlanError(
+                f"moe_plan: config.output_router_logits=True (the load-balancing auxiliary loss) is not supported "
+                f"with batch-local MoE blocks under {dp!r}; set output_router_logits=False, or split the experts "
+                f"with an EP mesh dim instead"
+            )
+        # The router and the experts are per-token: each DP rank runs the MoE block on its own
+        # tokens (on the other dims' sub-mesh). Without this, DTensor's rules for the routing's
+        # data-dependent ops would replicate the tokens over DP: every rank would run the experts
+        # on every rank's tokens.
+        plan.batch_local(r"model\.layers\.\d+\.mlp", mesh=dp)
+        # HF's mask code (transformers.masking_utils._preprocess_mask_arguments) expands the position
+        # ids to the batch size it reads from the embeddings: the global batch on DTensors, the local
+        # one on local shards. The result only tells packed sequences apart and is not used for
+        # unpacked batches, but Static Eager refuses the size mismatch: the model body stays on
+        # DTensors (under TP the plan's factory statement keeps it there anyway).
+        plan.eager(r"model")
     if zero3 and use_dp:
         # `.*weight` in llama_plan does not match HF's expert tensors.
         plan.shard(rf"{_EXPERTS}\.(gate_up_proj|down_proj)", Shard(0), mesh=dp, phase=INIT)
