@@ -167,16 +167,8 @@ def _launches_reference(numel, itemsize, unroll, offset, profile):
     increment = kernel._grid_stride_increment(numel, unroll, profile)
     if kernel._fits_32bit_indexing(numel, itemsize):
         return [kernel.Launch(0, numel, profile.num_threads(numel), offset // 4)], increment
-    pieces, stack = [], [(0, numel)]
-    while stack:
-        start, size = stack.pop()
-        if kernel._fits_32bit_indexing(size, itemsize):
-            pieces.append((start, size))
-        else:
-            half = size // 2
-            stack += [(start + half, size - half), (start, half)]
     launches = []
-    for start, size in pieces:
+    for start, size in kernel.split_for_32bit_indexing(numel, itemsize):
         launches.append(kernel.Launch(start, size, profile.num_threads(size), (offset + increment) // 4))
         increment += kernel._grid_stride_increment(size, unroll, profile)
     return launches, increment

@@ -345,12 +345,10 @@ def _launches(numel: int, itemsize: int, unroll: int, offset: int, profile: Devi
     return [Launch(launch.start, launch.numel, launch.threads, launch.counter + shift) for launch in at_zero], increment
 
 
-@functools.lru_cache(maxsize=1024)  # depends only on the op's global size, dtype width and profile: recurs every step
-def _launches_at_offset_zero(numel: int, itemsize: int, unroll: int, profile: DeviceProfile):
-    increment = _grid_stride_increment(numel, unroll, profile)
-    if _fits_32bit_indexing(numel, itemsize):
-        return (Launch(0, numel, profile.num_threads(numel), 0),), increment
-    pieces, stack = [], [(0, numel)]  # SplitUntil32Bit: depth first, first half (numel // 2) first
+def split_for_32bit_indexing(numel: int, itemsize: int) -> list[tuple[int, int]]:
+    """(start, size) pieces of an op too large for 32-bit indexing, as PyTorch's SplitUntil32Bit
+    makes them: halved depth first, the first half (numel // 2) first."""
+    pieces, stack = [], [(0, numel)]
     while stack:
         start, size = stack.pop()
         if _fits_32bit_indexing(size, itemsize):
@@ -358,8 +356,16 @@ def _launches_at_offset_zero(numel: int, itemsize: int, unroll: int, profile: De
         else:
             half = size // 2
             stack += [(start + half, size - half), (start, half)]
+    return pieces
+
+
+@functools.lru_cache(maxsize=1024)  # depends only on the op's global size, dtype width and profile: recurs every step
+def _launches_at_offset_zero(numel: int, itemsize: int, unroll: int, profile: DeviceProfile):
+    increment = _grid_stride_increment(numel, unroll, profile)
+    if _fits_32bit_indexing(numel, itemsize):
+        return (Launch(0, numel, profile.num_threads(numel), 0),), increment
     launches = []
-    for start, size in pieces:
+    for start, size in split_for_32bit_indexing(numel, itemsize):
         launches.append(Launch(start, size, profile.num_threads(size), increment // 4))
         increment += _grid_stride_increment(size, unroll, profile)
     return tuple(launches), increment
