@@ -13,18 +13,36 @@ import os
 import pickle
 import socket
 import traceback
+from contextlib import contextmanager
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["run_on_ranks", "forget_dtensor_caches", "train_losses", "error_of"]
+__all__ = ["run_on_ranks", "fake_world", "forget_dtensor_caches", "train_losses", "error_of"]
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextmanager
+def fake_world(world_size: int, rank: int = 0):
+    """This process as ``rank`` of a ``world_size``-rank world over PyTorch's ``fake`` process group
+    (collectives return at once), for single-process tests and CPU-overhead benchmarks. A process
+    group left over by an earlier test is torn down first; this one is torn down on exit."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def forget_dtensor_caches() -> None:

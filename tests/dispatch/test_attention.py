@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 import torch.testing._internal.distributed.fake_pg  # noqa: F401
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -20,7 +19,7 @@ import vescale
 from vescale import dispatch
 from vescale.dispatch.attention import FusedDropoutError
 from vescale.dispatch.errors import MissingShardingRule
-from vescale.testing import forget_dtensor_caches
+from vescale.testing import fake_world, forget_dtensor_caches
 
 TOL = 1e-6
 aten = torch.ops.aten
@@ -28,18 +27,15 @@ aten = torch.ops.aten
 
 @pytest.fixture(scope="module")
 def mesh():
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", rank=0, world_size=4)
-    try:
-        forget_dtensor_caches()
-        dispatch.install()
-        torch._C._set_dtensor_allow_implicit_replication(True)
-        yield vescale.init_mesh((2, 2), ("DP", "TP"))
-    finally:
-        torch._C._set_dtensor_allow_implicit_replication(False)
-        forget_dtensor_caches()
-        dist.destroy_process_group()
+    with fake_world(4):
+        try:
+            forget_dtensor_caches()
+            dispatch.install()
+            torch._C._set_dtensor_allow_implicit_replication(True)
+            yield vescale.init_mesh((2, 2), ("DP", "TP"))
+        finally:
+            torch._C._set_dtensor_allow_implicit_replication(False)
+            forget_dtensor_caches()
 
 
 def _block(t: torch.Tensor, placements) -> torch.Tensor:

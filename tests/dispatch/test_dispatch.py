@@ -20,19 +20,16 @@ from torch.distributed.tensor._ops import utils as dtensor_op_utils
 import vescale
 from vescale import dispatch
 from vescale.dispatch.cache import _key
-from vescale.testing import forget_dtensor_caches
+from vescale.testing import fake_world, forget_dtensor_caches
 
 
 @pytest.fixture(scope="module")
 def mesh():
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", rank=0, world_size=4)
-    try:
-        yield vescale.init_mesh((2, 2), ("DP", "TP"))
-    finally:
-        dispatch.install()
-        dist.destroy_process_group()
+    with fake_world(4):
+        try:
+            yield vescale.init_mesh((2, 2), ("DP", "TP"))
+        finally:
+            dispatch.install()
 
 
 def _fresh(installed: bool) -> None:

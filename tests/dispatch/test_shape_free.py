@@ -14,7 +14,6 @@ import itertools
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 import torch.testing._internal.distributed.fake_pg  # noqa: F401
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -27,22 +26,19 @@ import vescale
 from vescale import dispatch
 from vescale.dispatch.cache import _key
 from vescale.dispatch.metas import fast_outputs, miss_outputs
-from vescale.testing import forget_dtensor_caches
+from vescale.testing import fake_world, forget_dtensor_caches
 
 aten = torch.ops.aten
 
 
 @pytest.fixture(scope="module")
 def mesh():
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", rank=0, world_size=4)
-    dispatch.install()  # every test here runs with the shape-free cache unless it says otherwise
-    try:
-        yield vescale.init_mesh((2, 2), ("DP", "TP"))
-    finally:
-        dispatch.install()
-        dist.destroy_process_group()
+    with fake_world(4):
+        dispatch.install()  # every test here runs with the shape-free cache unless it says otherwise
+        try:
+            yield vescale.init_mesh((2, 2), ("DP", "TP"))
+        finally:
+            dispatch.install()
 
 
 def _dt(mesh, shape, placements, seed=0, dtype=torch.float32):

@@ -7,21 +7,16 @@ be inherited by the ranks that ``vescale.testing.run_on_ranks`` forks in other t
 """
 
 import pytest
-import torch.distributed as dist
-import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
 from torch.distributed.device_mesh import init_device_mesh
+
+from vescale import testing
 
 
 @pytest.fixture(scope="module")
 def fake_world():
     """This process as rank 0 of a fake 4-rank world, torn down after the module."""
-    if dist.is_initialized():
-        dist.destroy_process_group()  # left over by a test elsewhere in this process
-    dist.init_process_group("fake", rank=0, world_size=4)
-    try:
+    with testing.fake_world(4):
         yield 4
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 import vescale
 from vescale import PlanError, Replicate, Shard, VescalePlan
-from vescale.testing import error_of, run_on_ranks
+from vescale.testing import error_of, fake_world, run_on_ranks
 
 
 class GlobalHeads(nn.Module):
@@ -118,15 +117,8 @@ def test_bad_mode_and_bad_eager_path_are_refused(fake_world_2):
 
 @pytest.fixture
 def fake_world_2():
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", rank=0, world_size=2)
-    try:
+    with fake_world(2):
         yield
-    finally:
-        dist.destroy_process_group()
 
 
 class _Mix(nn.Module):
