@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, ReduceScatterOptions
 
-__all__ = ["all_gather", "reduce_scatter", "all_reduce", "wait"]
+__all__ = ["all_gather", "all_gather_pieces", "reduce_scatter", "reduce_scatter_pieces", "all_reduce", "wait"]
 
 
 def _options(kind, async_op: bool, **fields):
@@ -50,6 +50,18 @@ def reduce_scatter(out: torch.Tensor, t: torch.Tensor, group, async_op: bool = F
     if t.is_complex():
         return dist.reduce_scatter_single(out, t, group=group, async_op=async_op)
     return _settle(group.reduce_scatter_single(out, t, _OPTIONS["reduce_scatter", async_op]), async_op)
+
+
+def all_gather_pieces(pieces: list[torch.Tensor], t: torch.Tensor, group) -> None:
+    """``pieces[i]`` gets member i's ``t`` (real tensors). The pieces may be strided views of one
+    tensor (the chunks of a non-leading dim): the backend copies into them where they lie."""
+    wait(group.allgather([pieces], [t], _OPTIONS["all_gather", False]))
+
+
+def reduce_scatter_pieces(out: torch.Tensor, pieces: list[torch.Tensor], group) -> None:
+    """``out`` gets the sum over members of their ``pieces[rank]`` (real tensors; the pieces may be
+    strided views, which the backend reads where they lie)."""
+    wait(group.reduce_scatter([out], [pieces], _OPTIONS["reduce_scatter", False]))
 
 
 def all_reduce(t: torch.Tensor, group, async_op: bool = False):

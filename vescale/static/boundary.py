@@ -25,13 +25,12 @@ import weakref
 from typing import Callable, Optional
 
 import torch
-import torch.distributed as dist
-from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, ReduceScatterOptions
 from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
 
+from ..comm import direct
 from ..parallel.placing import grad_layout
 
 __all__ = ["Move", "ParamShadow", "accumulate_grad", "compile_move", "grad_layout", "grad_spec", "local_of", "dtensor_of"]
@@ -70,72 +69,41 @@ def _single_dim_move(src: DTensorSpec, dst: DTensorSpec, i: int) -> Optional[Loc
     return None
 
 
-# The process group's own calls, synchronous, with options made once: torch.distributed's wrappers
-# around them (torch-function dispatch, argument checks, coalescing and logging decorators) cost
-# more than the call itself on small tensors, and none applies here: contiguous real tensors of a
-# mesh group this rank belongs to, outside any coalescing block. Complex tensors take the wrappers
-# (they view them as real).
-def _options(kind, **fields):
-    opts = kind()
-    opts.asyncOp = False
-    for name, value in fields.items():
-        setattr(opts, name, value)
-    return opts
-
-
-_GATHER = _options(AllgatherOptions)
-_REDUCE_SCATTER = _options(ReduceScatterOptions, reduceOp=dist.ReduceOp.SUM)
-_ALL_REDUCE = _options(AllreduceOptions, reduceOp=dist.ReduceOp.SUM)
-
-
-def _wait(work) -> None:
-    if work is not None:  # backends that synchronise in C++ return None
-        work.wait()
+# The collectives are the process group's own calls (vescale.comm.direct): torch.distributed's
+# wrappers cost more than the call itself on small tensors. Complex tensors and shard dim 0 use the
+# contiguous single-buffer forms; another shard dim the list forms on strided views of the full
+# tensor, so there is no stacking copy of our own.
 
 
 def _gather(t: torch.Tensor, d: int, n: int, group) -> torch.Tensor:
     t = t.contiguous()
-    if t.is_complex():
+    if d == 0 or t.is_complex():
         out = t.new_empty((n * t.shape[0], *t.shape[1:]))
-        dist.all_gather_single(out, t, group=group)
+        direct.all_gather(out, t, group)
         return out if d == 0 else torch.cat(out.chunk(n, 0), dim=d)
     shape = list(t.shape)
     shape[d] *= n
     out = t.new_empty(shape)
-    if d == 0:
-        _wait(group.all_gather_single(out, t, _GATHER))
-    else:
-        # Each rank's piece lands straight in its slot of the result (a strided view): the
-        # backend copies it there from its receive buffer, with no stacking copy of our own.
-        _wait(group.allgather([list(out.chunk(n, d))], [t], _GATHER))
+    direct.all_gather_pieces(list(out.chunk(n, d)), t, group)
     return out
 
 
 def _reduce_scatter(t: torch.Tensor, d: int, n: int, group) -> torch.Tensor:
-    if t.is_complex():
-        # The collective scatters dim 0: stack the n pieces of dim d along it.
+    if d == 0 or t.is_complex():
+        # The single-buffer collective scatters dim 0: stack the n pieces of dim d along it.
         t = torch.cat(t.chunk(n, d), dim=0) if d != 0 else t.contiguous()
         out = t.new_empty((t.shape[0] // n, *t.shape[1:]))
-        dist.reduce_scatter_single(out, t, group=group)
+        direct.reduce_scatter(out, t, group)
         return out
-    if d == 0:
-        t = t.contiguous()
-        out = t.new_empty((t.shape[0] // n, *t.shape[1:]))
-        _wait(group.reduce_scatter_single(out, t, _REDUCE_SCATTER))
-        return out
-    # The n pieces of dim d go in as strided views: the backend reads them where they lie.
     pieces = list(t.chunk(n, d))
     out = torch.empty_like(pieces[0], memory_format=torch.contiguous_format)
-    _wait(group.reduce_scatter([out], [pieces], _REDUCE_SCATTER))
+    direct.reduce_scatter_pieces(out, pieces, group)
     return out
 
 
 def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
     out = t.clone(memory_format=torch.contiguous_format)  # the input may be saved for backward
-    if t.is_complex():
-        dist.all_reduce(out, group=group)
-    else:
-        _wait(group.allreduce([out], _ALL_REDUCE))
+    direct.all_reduce(out, group)
     return out
 
 
