@@ -31,7 +31,7 @@ from ..plan.lower import KeyPattern, forward_arg_names
 # Set on a module (in its __dict__) by Static Eager mode while its planned inputs or outputs have
 # already been moved to their planned placements as local tensors: the plan's hooks leave them be.
 IO_PLACED = "_vescale_io_placed"
-from .placing import _fmt, agrees, place, place_entry
+from .placing import _fmt, agrees, moves_nothing, place, place_entry, relabel
 from .faults import FaultReporter
 from .zero import GatheredParam
 
@@ -364,5 +364,8 @@ def root_hooks(root: nn.Module, scheduler=None, contract=None) -> list:
 
 def _resolve_partial(t: torch.Tensor) -> torch.Tensor:
     if isinstance(t, DTensor) and any(p.is_partial() for p in t.placements):
-        return t.redistribute(t.device_mesh, [Replicate() if p.is_partial() else p for p in t.placements])
+        whole = tuple(Replicate() if p.is_partial() else p for p in t.placements)
+        if moves_nothing(t.device_mesh, t.placements, whole):  # averaged over a DP of 1, say
+            return relabel(t, whole)
+        return t.redistribute(t.device_mesh, whole)
     return t

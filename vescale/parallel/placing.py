@@ -13,13 +13,14 @@ from typing import Optional, Sequence
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from torch.distributed.tensor.placement_types import _is_shard_like
 
 from ..placement import InterleavedShard, interleave_of, is_interleaved
 from ..plan.ir import PlanError
 
-__all__ = ["as_dtensor", "place", "place_entry", "grad_layout"]
+__all__ = ["as_dtensor", "place", "place_entry", "grad_layout", "relabel", "moves_nothing"]
 
 
 def as_dtensor(t: torch.Tensor, mesh: DeviceMesh) -> DTensor:
@@ -51,7 +52,49 @@ def place(t, mesh: DeviceMesh, targets: Sequence[Optional[Placement]], what: str
     want = tuple(InterleavedShard(p.dim % d.ndim, interleave_of(p)) if is_interleaved(p) else p for p in want)
     if want == tuple(d.placements):
         return d
+    if moves_nothing(mesh, d.placements, want):
+        return relabel(d, want)
     return d.redistribute(mesh, want)
+
+
+def moves_nothing(mesh: DeviceMesh, src, dst) -> bool:
+    """Whether ``src`` and ``dst`` differ only on mesh dims of one rank. There every placement holds
+    the same local tensor (a Partial over one rank is its own sum, a Shard the whole dim), so going
+    from one to the other moves no data: the batch split over a DP of 1 (a ``(1, TP)`` mesh), or a
+    loss averaged over it."""
+    return all(a == b or mesh.size(i) == 1 for i, (a, b) in enumerate(zip(src, dst)))
+
+
+def relabel(d: DTensor, placements: tuple) -> DTensor:
+    """``d`` laid out as ``placements`` where ``moves_nothing`` holds: the same local tensor under
+    the new placements, with ``redistribute``'s gradient. DTensor's own ``redistribute`` gets the same
+    result through its planner and, for a Partial, a collective over the one rank, forward and
+    backward: about 0.15 ms a call on the CPU, which a static step pays for each root input and
+    its loss."""
+    return _Relabel.apply(d, tuple(placements))
+
+
+class _Relabel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: DTensor, placements: tuple):
+        ctx.src = x._spec
+        local = x._local_tensor
+        spec = DTensorSpec(x.device_mesh, placements, tensor_meta=x._spec.tensor_meta)
+        return DTensor(local.view_as(local), spec, requires_grad=x.requires_grad)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):
+        # What Redistribute's backward hands back: the source placements, except that a Partial
+        # source takes a gradient that arrives Shard or Replicate as Replicate.
+        src, mesh = ctx.src, ctx.src.mesh
+        want = tuple(Replicate() if s.is_partial() and (_is_shard_like(g) or g.is_replicate()) else s
+                     for g, s in zip(grad.placements, src.placements))
+        if tuple(grad.placements) == want:
+            return grad, None
+        if not moves_nothing(mesh, grad.placements, want):
+            return grad.redistribute(mesh, want), None
+        spec = DTensorSpec(mesh, want, tensor_meta=grad._spec.tensor_meta)
+        return DTensor(grad._local_tensor, spec, requires_grad=False), None
 
 
 # ---------------------------------------------------------------------------------------------

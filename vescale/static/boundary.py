@@ -33,7 +33,10 @@ from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from ..comm import direct
 from ..parallel.placing import grad_layout
 
-__all__ = ["Move", "ParamShadow", "accumulate_grad", "compile_move", "grad_layout", "grad_spec", "local_of", "dtensor_of"]
+__all__ = [
+    "Move", "ParamShadow", "accumulate_grad", "compile_move", "grad_layout", "grad_spec", "local_of", "dtensor_of",
+    "settled_on_unit_dims",
+]
 
 LocalFn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -166,6 +169,20 @@ def grad_spec(spec: DTensorSpec, placements: tuple | None) -> DTensorSpec:
     (None: ``from_local``'s default, the forward placements with Partial as Replicate)."""
     meta = TensorMeta(spec.shape, tuple(make_contiguous_strides_for(spec.shape)), spec.tensor_meta.dtype)
     return DTensorSpec(spec.mesh, tuple(placements or grad_layout(spec.placements)), tensor_meta=meta)
+
+
+def settled_on_unit_dims(placements: tuple | None, spec: DTensorSpec) -> tuple | None:
+    """A parameter's gradient placements with the parameter's own on every mesh dim of size 1.
+
+    On a dim of one rank every placement holds the same local tensor (a Partial over one rank is
+    its own sum, a Shard the whole dim), so such a gradient is already laid out like its parameter
+    there. Handed over as recorded, a gradient ``Partial`` only over a DP of 1 (a ``(1, TP)`` mesh)
+    would go into vescale.comm's all-reduce bucket: a packing copy of every such gradient, a
+    collective over one rank and the unpacking, for nothing. ``None`` (DTensor's default) stays."""
+    if placements is None:
+        return None
+    mesh, own = spec.mesh, spec.placements
+    return tuple(mine if mesh.size(i) == 1 else p for i, (p, mine) in enumerate(zip(placements, own)))
 
 
 class _LocalOf(torch.autograd.Function):

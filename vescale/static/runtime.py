@@ -46,7 +46,7 @@ from ..parallel.hooks import IO_PLACED
 from ..plan.ir import PlanError
 from ..parallel.placing import grad_layout
 from . import averaged
-from .boundary import Move, ParamShadow, dtensor_of, grad_spec, local_of
+from .boundary import Move, ParamShadow, dtensor_of, grad_spec, local_of, settled_on_unit_dims
 from .local_ops import LocalLookups, check_lookup, grad_placements, is_masked, masked_lookup, unmasked, unmasked_inputs
 
 __all__ = ["StaticRuntime", "State"]
@@ -723,7 +723,7 @@ class StaticRuntime:
         spec = rec.param_grad_specs.get((path, name))
         if spec is None:
             placements = grad_placements(rec.lookups, path, name, p, rec.param_grads.get((path, name)))
-            spec = rec.param_grad_specs[(path, name)] = grad_spec(p._spec, placements)
+            spec = rec.param_grad_specs[(path, name)] = grad_spec(p._spec, settled_on_unit_dims(placements, p._spec))
         return spec
 
     def _body_starts(self, path: str) -> None:
