@@ -49,6 +49,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..dispatch.local import moves_data
 from ..plan.ir import PlanError
+from .random_gate import exit_function_mode
 
 __all__ = ["MaskedLookup", "LocalLookups", "masked_lookup", "grad_placements", "is_masked", "unmasked", "unmasked_inputs", "check_lookup"]
 
@@ -182,7 +183,8 @@ class LocalLookups(TorchFunctionMode):
 
     def exit(self) -> None:
         self.module = None
-        self.__exit__(None, None, None)
+        # Wherever it is on the stack: the random gate of the same body may sit above it.
+        exit_function_mode(self)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

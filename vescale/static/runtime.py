@@ -32,6 +32,7 @@ import bisect
 import dataclasses
 import enum
 import re
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -47,6 +48,7 @@ from ..plan.ir import PlanError
 from ..parallel.placing import grad_layout
 from . import averaged
 from .boundary import Move, ParamShadow, dtensor_of, grad_spec, local_of, settled_on_unit_dims
+from .random_gate import CallTracker, RandomGate
 from .local_ops import LocalLookups, check_lookup, grad_placements, is_masked, masked_lookup, unmasked, unmasked_inputs
 
 __all__ = ["StaticRuntime", "State"]
@@ -100,6 +102,10 @@ class Record:
     # masked on local tensors in static steps (local_ops.py)
     lookups: dict = field(default_factory=dict)
     masked: set = field(default_factory=set)  # crossing keys that held a masked Partial (local_ops.unmasked_inputs)
+    # The torch functions its drawing bodies' random ops come from (random_gate.py): None until the
+    # first static step has learnt them; empty where they cannot be told (the replay then watches
+    # whole drawing bodies).
+    random_funcs: frozenset | None = None
 
 
 @dataclass
@@ -327,7 +333,8 @@ class _RandomReplay(TorchDispatchMode):
     """Active in static steps of a model whose static modules draw random numbers: the k-th random
     op of a module's body gets its tensors back as the DTensors recorded for it (same placements and
     global shape), so vescale.random draws exactly the single-device numbers for this shard; every
-    other op passes straight through."""
+    other op passes straight through. Once the record knows which torch functions draw
+    (``random_gate.py``), the mode is on around those calls only."""
 
     def __init__(self, record: Record, stack: list):
         super().__init__()
@@ -335,8 +342,36 @@ class _RandomReplay(TorchDispatchMode):
         self.random_ops = DTensor._op_dispatcher._random_ops
         self.drawn: dict[str, int] = {}
         self.on = False
+        funcs = record.random_funcs
+        self.tracker = CallTracker() if funcs is None else None  # this step learns them
+        self.gate = RandomGate(funcs, self._switch) if funcs else None
 
     def turn(self, on: bool) -> None:
+        """On while the body of a module that draws runs: the gate, or the dispatch mode itself."""
+        if self.gate is not None:
+            self.gate.turn(on)
+            return
+        if self.tracker is not None:
+            self.tracker.turn(on)
+        self._switch(on)
+
+    def finish(self) -> None:
+        """End of a forward that ran to the end: keep what this step learnt; in a gated step, check
+        that every module drew what it drew when recorded (a call the gate let through unreplayed
+        would have drawn fewer)."""
+        rec = self.record
+        complete = all(self.drawn.get(m, 0) == len(specs) for m, specs in rec.random.items())
+        if self.tracker is not None and complete:
+            rec.random_funcs = frozenset() if self.tracker.untracked else frozenset(self.tracker.drawing)
+        elif self.gate is not None and not complete:
+            module = next(m for m, specs in rec.random.items() if self.drawn.get(m, 0) != len(specs))
+            raise PlanError(
+                f"module {module!r} drew {self.drawn.get(module, 0)} times in a static step but "
+                f"{len(rec.random[module])} times when recorded (through {sorted(map(_name, self.gate.funcs))}): "
+                f"its random calls changed; keep it on DTensors with plan.eager({module!r})"
+            )
+
+    def _switch(self, on: bool) -> None:
         """Enter (on) or leave the dispatch mode stack."""
         if on == self.on:
             return
@@ -351,6 +386,8 @@ class _RandomReplay(TorchDispatchMode):
         module = self.stack[-1] if self.stack else None
         if func not in self.random_ops or module is None or any(issubclass(t, DTensor) for t in types):
             return func(*args, **kwargs)
+        if self.tracker is not None:
+            self.tracker.note_draw()
         recorded = self.record.random.get(module, [])
         k = self.drawn[module] = self.drawn.get(module, 0) + 1
         if k > len(recorded):
@@ -404,6 +441,10 @@ def _pop_modes_above(mode) -> list:
 # ---------------------------------------------------------------------------------------------
 # The runtime
 # ---------------------------------------------------------------------------------------------
+
+
+def _name(func) -> str:
+    return getattr(func, "__qualname__", None) or str(func)
 
 
 def _spec_of(t) -> object | None:
@@ -567,13 +608,17 @@ class StaticRuntime:
         (closed when backward finishes, or at the next step); a check is done."""
         if self.watcher is not None and (self.state is State.STATIC or not torch.is_grad_enabled()):
             self._close_watcher()
+        replay = self.replay
         self._close_replay()
         self._restore_at_root()
+        if replay is not None and sys.exc_info()[0] is None:  # not while forward's exception unwinds
+            replay.finish()
 
     def _close_replay(self) -> None:
         if self.replay is not None:
             replay, self.replay = self.replay, None
             replay.turn(False)
+            replay._switch(False)
             self.stack.clear()
 
     def _close_watcher(self) -> None:
