@@ -122,14 +122,18 @@ class GradReducer:
     def plan(self, param: DTensor, grad: DTensor) -> Transfer | None:
         """The collective for this gradient; ``NOTHING`` if none is needed, ``None`` if it has no
         bucketed form (the caller then redistributes it itself)."""
+        return self.plan_of(param, grad._spec)
+
+    def plan_of(self, param: DTensor, spec) -> Transfer | None:
+        """``plan`` for a gradient laid out as ``spec`` (a DTensorSpec)."""
         cached = self._plans.get(id(param))
-        if cached is not None and cached[0] is param._spec and cached[1] is grad._spec:
+        if cached is not None and cached[0] is param._spec and cached[1] is spec:
             return cached[2]
-        if grad.device_mesh is not self.mesh and grad.device_mesh != self.mesh:
+        if spec.mesh is not self.mesh and spec.mesh != self.mesh:
             plan = None
         else:
-            plan = reduce_plan(grad.shape, self.mesh, grad.placements, param.placements)
-        self._plans[id(param)] = (param._spec, grad._spec, plan)
+            plan = reduce_plan(spec.shape, self.mesh, spec.placements, param.placements)
+        self._plans[id(param)] = (param._spec, spec, plan)
         return plan
 
     def add(self, param: DTensor, grad: DTensor, plan: Transfer) -> None:
@@ -237,6 +241,9 @@ def _bucketed_hooks(param: DTensor, reducer: GradReducer) -> list:
             state.update(taken=False, kept=None, plan=None)
             reducer.add(p, grad, plan)
 
+    # Both hooks do nothing with a gradient that needs no reduction: Static Eager's parameter
+    # hand-over may then wait for the end of backward (vescale.static.boundary.HandOvers).
+    pre.idle_for = post.idle_for = lambda spec: reducer.plan_of(param, spec) is NOTHING
     return [param.register_hook(pre), param.register_post_accumulate_grad_hook(post)]
 
 

@@ -47,7 +47,7 @@ from ..parallel.hooks import IO_PLACED
 from ..plan.ir import PlanError
 from ..parallel.placing import grad_layout
 from . import averaged
-from .boundary import Move, ParamShadow, dtensor_of, grad_spec, local_of, settled_on_unit_dims
+from .boundary import HandOvers, Move, ParamShadow, dtensor_of, grad_spec, local_of, settled_on_unit_dims
 from .random_gate import CallTracker, RandomGate
 from .local_ops import LocalLookups, check_lookup, grad_placements, is_masked, masked_lookup, unmasked, unmasked_inputs
 
@@ -529,6 +529,7 @@ class StaticRuntime:
         # False: every parameter goes through ``local_of`` (an autograd node per use, a DTensor
         # gradient per use), the path ParamShadow replaces; tests compare the two bit for bit.
         self.param_leaves = True
+        self.hand_overs = HandOvers()  # shadows' hand-overs that wait for the end of backward
 
     # -- which representation each module uses in the current step ---------------------------
 
@@ -550,6 +551,7 @@ class StaticRuntime:
 
     def begin_step(self, args, kwargs) -> None:
         """Root pre-hook: pick this step's state from the root inputs' shapes."""
+        self.hand_overs.discard()  # left over only by a backward that failed before its end
         self._begin(args, kwargs)
         # Hooks come off the modules with nothing to do in this step, back on every other module.
         quiet = self._quiet_now()
@@ -758,7 +760,7 @@ class StaticRuntime:
                 per_spec = self.shadows[p] = {}
             shadow = per_spec.get(id(spec))
             if shadow is None or shadow.spec is not spec or not shadow.fits(p):
-                shadow = per_spec[id(spec)] = ParamShadow(p, spec)
+                shadow = per_spec[id(spec)] = ParamShadow(p, spec, self.hand_overs)
             if isinstance(p, nn.Parameter):  # not ZeRO-3's gathered copies: new each call, freed after
                 steps.shadows[name] = shadow
         return shadow.leaf
