@@ -510,7 +510,11 @@ class StaticRuntime:
         self._swap_at_root(quiet)
 
     def _begin(self, args, kwargs) -> None:
-        key = tuple((tuple(t.shape), t.dtype) for t in _tensors(args, kwargs))
+        # The modules' training flags are part of the key: a record made in evaluation mode saw no
+        # dropout draw, and a training step run static from it would draw on local shards as if
+        # they were whole tensors (nothing replays them).
+        key = (tuple((tuple(t.shape), t.dtype) for t in _tensors(args, kwargs)),
+               tuple(m.training for m in self.modules.values()))
         if self.watcher is not None:  # the last recording's (closed only here), or one whose forward raised
             self._close_watcher()
         self._close_replay()
