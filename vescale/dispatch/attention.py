@@ -31,7 +31,9 @@ replicated mask (the usual case: masks are made from plain tensors) would reach 
 kernel whole. The handler (in DTensor's ``_custom_op_handlers``) applies the rule itself:
 :func:`sdpa_layout` picks the layout from q, every tensor is redistributed to it (a no-op when it
 already is), the kernel runs on local shards, and the outputs are wrapped with the global shapes
-the op's meta kernel gives. The CUDA kernels keep PyTorch's strategies (their bias is positional),
+the op's meta kernel gives. That decision (layout and global output sizes) is kept per call signature
+(the argument specs and scalars), so a repeated call only moves what is off the layout, runs the
+kernel and wraps its outputs: no meta-kernel run per call. The CUDA kernels keep PyTorch's strategies (their bias is positional),
 wrapped by the dropout refusal; the cuDNN ones are fixed first (2.13 crashes on a forward with
 ``attn_bias`` and replicates a backward whose bias broadcasts). Installed by ``install()``, never at
 import.
@@ -48,7 +50,7 @@ from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
 
 __all__ = [
     "install_attention_rules", "sdpa_layout", "CPU_SDPA_OPS", "FUSED_DROPOUT_ARG", "FusedDropoutError",
-    "refuse_fused_dropout",
+    "refuse_fused_dropout", "clear_sdpa_decisions",
 ]
 
 aten = torch.ops.aten
@@ -122,6 +124,10 @@ def _decision_key(op, args, kwargs):
 # (global shapes are part of the key, as in PyTorch's own sharding cache).
 _SDPA_DECISIONS: dict = {}
 _SDPA_DECISIONS_LIMIT = 1024
+
+
+def clear_sdpa_decisions() -> None:
+    _SDPA_DECISIONS.clear()
 
 
 def _cpu_sdpa_handler(op, args, kwargs):

@@ -37,11 +37,13 @@ from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from .local import why_rule_not_local
 
-__all__ = ["sized_op_handler", "install_sized_ops", "uninstall_sized_ops", "SIZED_OPS_TABLE_LIMIT"]
+__all__ = ["sized_op_handler", "install_sized_ops", "uninstall_sized_ops", "clear_sized_ops_table", "SIZED_OPS_TABLE_LIMIT"]
 
 _SLOW = object()  # a key whose decision moves an input: PyTorch's own path each time
 # Entries are a few hundred bytes; a run with many sequence lengths makes new keys (global sizes are
-# part of them, as in PyTorch's own cache). The table is emptied when it reaches this size.
+# part of them, as in PyTorch's own cache). The table is emptied when it reaches this size. Like
+# PyTorch's caches, entries hold this rank's local sizes (uneven shards differ by rank) and the key
+# does not name the rank: ``vescale.testing.forget_dtensor_caches`` empties it with theirs.
 SIZED_OPS_TABLE_LIMIT = 8192
 _TABLE: dict = {}
 _LOCK = threading.Lock()
@@ -172,6 +174,11 @@ def install_sized_ops() -> None:
             if op not in dispatcher._custom_op_handlers:
                 dispatcher._custom_op_handlers[op] = sized_op_handler
                 _INSTALLED.append(op)
+
+
+def clear_sized_ops_table() -> None:
+    with _LOCK:
+        _TABLE.clear()
 
 
 def uninstall_sized_ops() -> None:
