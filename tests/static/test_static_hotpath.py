@@ -132,8 +132,8 @@ def test_static_hot_path_matches_eager(shape):
     want = {k: n - fewer.get(k, 0) for k, n in eager["collectives"].items()}
     assert static["collectives"] == want, (static["collectives"], eager["collectives"])
     # llama_plan gathers the logits at lm_head, so the causal-LM root (its loss) runs static under TP.
-    # Under DP the recording's backward check finds nll_loss_backward all-reducing the loss's total
-    # weight (the global count of labels not ignored): the root stays eager.
+    # Under DP the loss divides this rank's sum by the count of labels over all ranks (an all-reduce:
+    # vescale.dispatch.semantics), which local code does not do: the root stays eager.
     assert ("" in static["eager_modules"]) == (len(shape) == 2), static["eager_modules"]
     # The last step ran static: every module body outside the eager ones saw plain tensors.
     eager_modules = set(static["eager_modules"])

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, ReduceScatterOptions
 
-__all__ = ["all_gather", "all_gather_pieces", "reduce_scatter", "reduce_scatter_pieces", "all_reduce", "wait"]
+__all__ = ["all_gather", "all_gather_pieces", "reduce_scatter", "reduce_scatter_dim", "all_reduce", "wait"]
 
 
 def _options(kind, async_op: bool, **fields):
@@ -58,10 +58,25 @@ def all_gather_pieces(pieces: list[torch.Tensor], t: torch.Tensor, group) -> Non
     wait(group.allgather([pieces], [t], _OPTIONS["all_gather", False]))
 
 
-def reduce_scatter_pieces(out: torch.Tensor, pieces: list[torch.Tensor], group) -> None:
-    """``out`` gets the sum over members of their ``pieces[rank]`` (real tensors; the pieces may be
-    strided views, which the backend reads where they lie)."""
-    wait(group.reduce_scatter([out], [pieces], _OPTIONS["reduce_scatter", False]))
+def reduce_scatter_dim(t: torch.Tensor, d: int, group) -> torch.Tensor:
+    """This rank's chunk along dim ``d`` (one of ``group.size()`` equal ones) of the sum over
+    members of ``t``, as a new contiguous tensor.
+
+    A non-leading dim goes through the backend's list form, which reads the chunks where they lie
+    (strided views): no stacking copy. Not on gloo, nor for complex tensors: gloo's list form sums
+    the members in another order than its single-buffer form (the one DTensor's redistribution
+    calls), so from 4 ranks on the bits differ, and it is slower on CPU than stacking the chunks
+    along dim 0 and calling the single-buffer form (``tests/static/test_boundary.py``)."""
+    n = group.size()
+    if d != 0 and not t.is_complex() and dist.get_backend(group) != "gloo":
+        pieces = list(t.chunk(n, d))
+        out = torch.empty_like(pieces[0], memory_format=torch.contiguous_format)
+        wait(group.reduce_scatter([out], [pieces], _OPTIONS["reduce_scatter", False]))
+        return out
+    stacked = torch.cat(t.chunk(n, d), dim=0) if d != 0 else t.contiguous()
+    out = stacked.new_empty((stacked.shape[0] // n, *stacked.shape[1:]))
+    reduce_scatter(out, stacked, group)
+    return out
 
 
 def all_reduce(t: torch.Tensor, group, async_op: bool = False):

@@ -42,6 +42,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from .local import why_rule_not_local
 from .metas import miss_outputs
+from .semantics import DTensorRule
 
 __all__ = ["install_datadep_handlers", "uninstall_datadep_handlers", "DATADEP_OPS"]
 
@@ -136,28 +137,11 @@ def _long_indices(indices):
     return out
 
 
-class _Bypass:
-    """Call ``op`` with vescale's handler for it taken out of DTensor's table (so DTensor's own rule
-    runs), and put the handler back afterwards."""
-
-    def __init__(self, op):
-        self.op = op
-
-    def __call__(self, *args, **kwargs):
-        table = DTensor._op_dispatcher._custom_op_handlers
-        handler = table.pop(self.op, None)
-        try:
-            return self.op(*args, **kwargs)
-        finally:
-            if handler is not None:
-                table[self.op] = handler
-
-
 def _masked_index(op, args, kwargs):
     self, indices, *rest = args
     if any(_is_mask(i) for i in indices):
         indices = _long_indices(indices)
-    return _Bypass(op)(self, indices, *rest, **kwargs)
+    return DTensorRule(op)(self, indices, *rest, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,12 +1,11 @@
 """Averaged Partial values leaving Static Eager code: the gradient rule at the boundary.
 
-A mean over a dimension sharded by data parallelism (the loss: ``cross_entropy`` over a
-batch-sharded batch) gives DTensor a ``Partial("avg")`` value: each rank holds the mean of its own
+A mean over a dimension sharded by data parallelism (``x.mean()`` of a batch-sharded tensor, a
+loss reduced that way) gives DTensor a ``Partial("avg")`` value: each rank holds the mean of its own
 shard, and the value is the average of the ranks' means. Its gradient in eager DTensor is
 ``Replicate`` (the whole gradient ``G`` on every rank), and the backward of the op that made it runs
-with *global* sizes (``mean``'s backward divides by the global element count, ``nll_loss``'s by the
-all-reduced total weight). In a static module the same op runs on the local shard and its backward
-divides by the *local* count, n times smaller. Chain rule: the averaged value is
+with *global* sizes (``mean``'s backward divides by the global element count). In a static module
+the same op runs on the local shard and its backward divides by the *local* count, n times smaller. Chain rule: the averaged value is
 ``(1/n) * sum(local_r)``, so the gradient of rank r's local value is ``G / n``; with that, the local
 backward gives ``G / (n * N_local) = G / N``, what eager DTensor computes (bit for bit when n is a
 power of two: the scaling is exact).
@@ -23,9 +22,10 @@ plan states a gradient layout for it other than ``Replicate`` on the averaged di
 (``wrap_refusal``).
 
 The caveat DTensor itself has: its mean over ranks is the single-device mean only when every rank
-averages the same number of elements. With ``ignore_index`` positions spread unevenly over the DP
-ranks, eager DTensor's loss is the average of the ranks' means while its backward uses the global
-count; a static step gives the gradient of the averaged loss it computes (as DDP does).
+averages the same number of elements (true of a plain ``mean`` over an evenly split batch). The
+loss with ignored labels is not such a value: ``vescale.dispatch.semantics`` divides each rank's sum
+by the global label count there, a ``Partial("sum")`` loss, and a module computing it stays eager
+(its count is all-reduced in forward).
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ def _single_dim_move(src: DTensorSpec, dst: DTensorSpec, i: int) -> Optional[Loc
     if _is_sum(a) and type(b) is Replicate:
         return lambda t: _all_reduce(t, group)
     if _is_sum(a) and type(b) is Shard:
-        return lambda t, d=b.dim: _reduce_scatter(t, d, n, group)
+        return lambda t, d=b.dim: direct.reduce_scatter_dim(t, d, group)
     if type(a) is Replicate and type(b) is Shard:
         return lambda t, d=b.dim: t.chunk(n, d)[rank].contiguous()
     return None
@@ -72,7 +72,8 @@ def _single_dim_move(src: DTensorSpec, dst: DTensorSpec, i: int) -> Optional[Loc
 # The collectives are the process group's own calls (vescale.comm.direct): torch.distributed's
 # wrappers cost more than the call itself on small tensors. Complex tensors and shard dim 0 use the
 # contiguous single-buffer forms; another shard dim the list forms on strided views of the full
-# tensor, so there is no stacking copy of our own.
+# tensor, so there is no stacking copy of our own (but for a reduce-scatter on gloo:
+# direct.reduce_scatter_dim).
 
 
 def _gather(t: torch.Tensor, d: int, n: int, group) -> torch.Tensor:
@@ -85,19 +86,6 @@ def _gather(t: torch.Tensor, d: int, n: int, group) -> torch.Tensor:
     shape[d] *= n
     out = t.new_empty(shape)
     direct.all_gather_pieces(list(out.chunk(n, d)), t, group)
-    return out
-
-
-def _reduce_scatter(t: torch.Tensor, d: int, n: int, group) -> torch.Tensor:
-    if d == 0 or t.is_complex():
-        # The single-buffer collective scatters dim 0: stack the n pieces of dim d along it.
-        t = torch.cat(t.chunk(n, d), dim=0) if d != 0 else t.contiguous()
-        out = t.new_empty((t.shape[0] // n, *t.shape[1:]))
-        direct.reduce_scatter(out, t, group)
-        return out
-    pieces = list(t.chunk(n, d))
-    out = torch.empty_like(pieces[0], memory_format=torch.contiguous_format)
-    direct.reduce_scatter_pieces(out, pieces, group)
     return out
 
 

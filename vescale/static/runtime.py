@@ -187,12 +187,6 @@ def _why_not_local(func, args, kwargs) -> str | None:
     return why_rule_not_local(func, args, kwargs)
 
 
-# Backward ops that divide by a total weight DTensor all-reduces over the ranks (the count of labels
-# not ignored): a rank's local share of an averaged loss is not 1/n of the gradient when the ranks
-# ignore different numbers of labels, so a module running them stays eager.
-_GLOBAL_COUNT_BACKWARDS = frozenset({torch.ops.aten.nll_loss_backward.default, torch.ops.aten.nll_loss2d_backward.default})
-
-
 def _sized_ops() -> set:
     """Ops whose size arguments DTensor rewrites from global to local sizes."""
     prop = DTensor._op_dispatcher.sharding_propagator
@@ -288,11 +282,11 @@ class _OpWatcher(TorchDispatchMode):
         node = torch._C._current_autograd_node()
         module = self._module_of(node) if node is not None else None
         if module is not None and module not in self.record.unsafe:
-            if func not in _GLOBAL_COUNT_BACKWARDS and self._returns_average(module):
+            if self._returns_average(module):
                 # The backward of a value averaged over ranks (a mean over a DP-sharded batch): static
                 # code gets its 1/n share where the value leaves the module (vescale.static.averaged),
-                # which is what DTensor's redistributions along this chain compute. Not a loss whose
-                # backward divides by a count all-reduced over ranks (ignored labels differ per rank).
+                # which is what DTensor's redistributions along this chain compute. (A mean nll_loss
+                # is no such value: vescale.dispatch.semantics makes it a sum over the global count.)
                 return
             why = _why_not_local(func, args, kwargs)
             if why:

@@ -64,7 +64,16 @@ def llama_plan(
     if use_tp:
         kv_heads = getattr(config, "num_key_value_heads", None)
         split_kv = kv_heads is None or mesh is None or kv_heads % mesh[tp].size() == 0
-        _tensor_parallel(plan, tp, sequence_parallel, split_kv, mlp, zoo_model=_is_zoo_config(config))
+        _tensor_parallel(plan, tp, sequence_parallel, split_kv, mlp)
+    if (sequence_parallel or use_dp) and not _is_zoo_config(config):
+        # Static Eager: HF's LlamaModel reads the batch size and sequence length for its position
+        # ids and causal mask from the embeddings, whose batch DP splits and whose sequence SP
+        # splits, so its own few ops stay on DTensors; the decoder layers inside it still run
+        # static. The zoo's LlamaModel reads the length from input_ids (whole along the sequence)
+        # and broadcasts over the batch, so its own ops run static too and its layers meet a static
+        # caller (no DTensor wrapping around each layer). Without a config,
+        # keep it eager: the static step's shape check would otherwise reject HF's model.
+        plan.eager(r"model")
     if use_dp:
         plan.shard(r"<in>\[input_ids\]", Shard(0), mesh=dp)
         plan.shard(r"<in>\[labels\]", Shard(0), mesh=dp)
@@ -74,8 +83,7 @@ def llama_plan(
     return plan
 
 
-def _tensor_parallel(plan: VescalePlan, tp: str, sequence_parallel: bool, split_kv: bool, mlp: bool = True,
-                     zoo_model: bool = False) -> None:
+def _tensor_parallel(plan: VescalePlan, tp: str, sequence_parallel: bool, split_kv: bool, mlp: bool = True) -> None:
     # Between blocks: sequence-sharded with SP, replicated without.
     between = Shard(1) if sequence_parallel else Replicate()
     # Vocabulary-parallel embedding with SP (its Partial output is reduce-scattered along the sequence).
@@ -92,14 +100,6 @@ def _tensor_parallel(plan: VescalePlan, tp: str, sequence_parallel: bool, split_
         plan.shard(rf"{_LAYER}\.{block}\.{col}\.weight", Shard(0), mesh=tp)
         plan.shard(rf"{_LAYER}\.{block}\.{row}\.weight", Shard(1), mesh=tp)
         plan.shard(rf"{_LAYER}\.{block}\.<out>", between, mesh=tp)
-    if sequence_parallel and not zoo_model:
-        # Static Eager: HF's LlamaModel reads the sequence length for position ids and the causal
-        # mask from the (sequence-sharded) embeddings, so its own few ops stay on DTensors; the
-        # decoder layers inside it still run static. The zoo's LlamaModel reads it from input_ids
-        # (whole along the sequence), so its own ops run static too and its layers meet a static
-        # caller (no DTensor wrapping around each layer). Without a config, keep it eager: the
-        # static step's shape check would otherwise reject HF's model.
-        plan.eager(r"model")
     plan.shard(r"lm_head\.<in>", Replicate(), mesh=tp)
     plan.shard(r"lm_head\.weight", Shard(0), mesh=tp)  # vocabulary-parallel matmul
     # The logits are gathered as they leave the head. The loss's log_softmax needs them whole
