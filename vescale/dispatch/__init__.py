@@ -48,8 +48,8 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    """Give DTensor back PyTorch's own sharding search, miss path and optimiser steps (the
-    semantic, SDPA and convolution handlers stay: without them those ops fail outright)."""
+    """Give DTensor back PyTorch's own sharding search, miss path, sized-op path and optimiser steps
+    (the semantic, SDPA and convolution handlers stay: without them those ops fail outright)."""
     uninstall_sized_ops()
     uninstall_interleaved_rules()
     uninstall_local_optimizer_step()
