@@ -136,7 +136,10 @@ def _cpu_sdpa_handler(op, args, kwargs):
     on local shards, the outputs take that layout."""
     kwargs = dict(kwargs or {})
     key = _decision_key(op, args, kwargs)
-    entry = _SDPA_DECISIONS.get(key) if key is not None else None
+    try:
+        entry = _SDPA_DECISIONS.get(key) if key is not None else None
+    except TypeError:  # symbolic sizes (tracing) do not hash: decide every call
+        key, entry = None, None
     if entry is None:
         entry = _sdpa_decision(op, args, kwargs) + ({},)  # the last: output specs by local strides
         if key is not None:
