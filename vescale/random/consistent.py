@@ -26,6 +26,11 @@ class _ConsistentMode(ops.RandomOpMode):
     def on_dtensor(self, func, args, kwargs):
         if func in ops.UNSUPPORTED:
             raise ops.unsupported_error(func)
+        if dtensor.is_installed():
+            # DTensor's dispatch reaches the same handler; passing the op down also lets the
+            # dispatch modes beneath this one see it (Static Eager's recording notes which modules
+            # draw random numbers there, and replays their draws on local shards in static steps).
+            return func(*args, **kwargs)
         return dtensor.handle_random_op(func, args, kwargs)
 
 

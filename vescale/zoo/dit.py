@@ -95,6 +95,10 @@ def dit_plan(
             plan.shard(rf"{_BLOCK}\.{block}\.{col}\.(weight|bias)", Shard(0), mesh=tp)
             plan.shard(rf"{_BLOCK}\.{block}\.{row}\.weight", Shard(1), mesh=tp)
             plan.shard(rf"{_BLOCK}\.{block}\.<out>", Replicate(), mesh=tp)
+        # Static Eager: diffusers' attention processors view q, k and v with the global head count
+        # (``attn.heads``), which the local, head-split projections do not have: attention's own
+        # ops stay on DTensors; its projections and the feed-forward run static.
+        plan.eager(rf"{_BLOCK}\.attn1")
     if use_dp:
         for name in ("hidden_states", "timestep", "class_labels"):
             plan.shard(rf"<in>[{name}]", Shard(0), mesh=dp)
