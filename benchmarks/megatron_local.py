@@ -285,6 +285,9 @@ class MegatronLlama:
         return [unit.shard for unit in self.layers + [self.root]]
 
     def __call__(self, input_ids, labels=None) -> CausalLMOutput:
+        if input_ids.shape[1] % self.tp_group.size():
+            raise ValueError(f"MegatronLlama: sequence parallelism splits the sequence over TP ({self.tp_group.size()}), "
+                             f"but input_ids has {input_ids.shape[1]} positions; pad it to a multiple")
         for unit in self.layers + [self.root]:
             unit.grad.zero_()  # the last step's gradients were handed to the optimiser
         self.root.gather()
