@@ -5,8 +5,9 @@ once), so what is timed is the CPU work one rank does per step: the DTensor mach
 same model's own arithmetic. Variants, interleaved round by round in one run:
 
 * ``local``: the per-rank work on plain tensors, hand-written Megatron style: the same model with
-  this rank's share of every projection, of the vocabulary and of the batch, and plain-tensor
-  stand-ins for the sequence-parallel collectives (see ``_megatron_rank``);
+  this rank's share of every projection, of the vocabulary and of the batch; on the fake group with
+  plain-tensor stand-ins for the sequence-parallel collectives (see ``_megatron_rank``), on gloo
+  ranks (LLaMA only) with real ones and hand-written ZeRO-3 (``benchmarks/megatron_local.py``);
 * ``torch``: PyTorch's own stack used the TorchTitan way (``_torchtitan``): parallelize_module,
   loss_parallel, fully_shard for ZeRO-3;
 * ``torch-dispatch``: vescale eager with PyTorch's own sharding search, miss path and optimiser on
@@ -18,10 +19,11 @@ same model's own arithmetic. Variants, interleaved round by round in one run:
 Printed: steady step time (median and the 25-75% spread over rounds) and its ratio to ``local``
 and to ``torch``; the first step of a fresh model with cold sharding caches; a step with a new
 sequence length against a repeated one (static mode records again for new shapes). ``--gloo``
-runs the same on real gloo ranks (one process each; ``local`` left out: its stand-in collectives
-do not communicate; 4 ranks oversubscribe 2 cores, so read ratios, not absolutes). Run:
+runs the same on real gloo ranks (one process each; ``local`` is ``megatron_local.MegatronLlama``
+there, left out for ``--model moe``; 4 ranks oversubscribe 2 cores, so read ratios, not
+absolutes). Run:
 
-    .venv/bin/python benchmarks/bench_dispatch.py [--rounds 7] [--configs tp8,dp2tp4] [--gloo tp2,dp2tp2] [--model llama|moe] [--clock wall|cpu|thread] [--dropout 0.1]
+    .venv/bin/python benchmarks/bench_dispatch.py [--rounds 7] [--configs tp8,dp2tp4] [--gloo tp2,dp2tp2] [--model llama|moe] [--clock wall|cpu|thread] [--gloo-clock wall|cpu] [--dropout 0.1]
 
 ``--model moe``: HF's unchanged ``MixtralForCausalLM`` with many small experts (16 experts of
 intermediate 64, 2 per token) under ``vescale.zoo.moe_plan`` (tensor-parallel experts, SP, ZeRO-3),
@@ -63,7 +65,8 @@ MODEL = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_
 BATCH, SEQ = 8, 64
 # What times a step on the fake group: wall time, or (``--clock cpu`` / ``thread``) this process's /
 # this thread's CPU time, which other processes on a shared machine disturb far less (the fake
-# group never waits, so on an idle machine they agree). Runs on gloo ranks use wall time.
+# group never waits, so on an idle machine they agree). Gloo ranks use wall time, or with
+# ``--gloo-clock cpu`` their process CPU time.
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time, "thread": time.thread_time}
 CLOCK = [time.perf_counter]
 # Many small experts: a step is hundreds of small ops, so per-op overhead dominates.
@@ -167,7 +170,8 @@ def _torchtitan(model: LlamaForCausalLM, mesh, sp: bool, zero3: bool) -> None:
 class Runner:
     """One variant: a model, its optimiser and a step function."""
 
-    def __init__(self, variant: str, mesh, dp: int, tp: int, sp: bool, zero3: bool, kind: str = "llama"):
+    def __init__(self, variant: str, mesh, dp: int, tp: int, sp: bool, zero3: bool, kind: str = "llama",
+                 real_collectives: bool = False):
         torch.manual_seed(0)
         self.variant, self.batch, self.kind = variant, BATCH, kind
         vocab = MODEL.vocab_size if kind == "llama" else MOE_SIZES["vocab_size"]
@@ -181,6 +185,13 @@ class Runner:
 
                 torchtitan_moe(self.model, mesh, zero3=zero3)  # TP experts + SP (+ FSDP)
             self.batch = BATCH // dp  # each DP rank loads its own part of the batch
+        elif variant == "local" and real_collectives:  # gloo ranks: real TP / SP / ZeRO-3 collectives
+            from megatron_local import MegatronLlama
+
+            if not sp:
+                raise ValueError("bench_dispatch: the gloo `local` variant is written for sequence parallelism; use an SP config")
+            self.model = MegatronLlama(LlamaForCausalLM(MODEL), mesh, zero3=zero3)
+            self.batch = BATCH // dp  # ids over the whole vocabulary: the embedding masks the others
         elif variant == "local":
             self.model = _megatron_rank(dp, tp, sp) if kind == "llama" else _megatron_moe_rank(dp, tp, sp)
             self.batch = BATCH // dp
@@ -327,13 +338,13 @@ def _local_twin(name: str, out):
     return lambda: a @ a.transpose(2, 3)
 
 
-def _measure(mesh, shape, sp, zero3, rounds, variants, kind) -> dict:
+def _measure(mesh, shape, sp, zero3, rounds, variants, kind, real_collectives: bool = False) -> dict:
     """First step, steady steps (interleaved rounds) and new-length ratios of every variant."""
     dp, tp = shape
     first, runners = {}, {}
     for v in variants:  # first step: fresh model, cold sharding caches
         _fresh_caches()
-        runners[v] = Runner(v, mesh, dp, tp, sp, zero3, kind)
+        runners[v] = Runner(v, mesh, dp, tp, sp, zero3, kind, real_collectives)
         first[v] = runners[v].step()
     for v in variants:  # warm up (static: until recorded)
         for _ in range(3):
@@ -386,25 +397,30 @@ def bench(config: str, rounds: int, variants: list[str], kind: str) -> None:
             f"{math.prod(shape)} (fake group)", r, "local")
 
 
-def _on_gloo_rank(config: str, rounds: int, variants: list[str], kind: str, dropout: float):
-    CLOCK[0] = time.perf_counter  # ranks wait for each other: CPU time would not count it
+def _on_gloo_rank(config: str, rounds: int, variants: list[str], kind: str, dropout: float, clock: str):
+    # Wall time counts the waits for the other ranks (and for the cores they share); the process's
+    # CPU time (``--gloo-clock cpu``) is this rank's own work, gloo's threads included, which
+    # other sessions on a shared machine disturb far less.
+    CLOCK[0] = CLOCKS[clock]
     _set_dropout(dropout)  # a fresh process: the parent's setting does not carry over
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     shape, names, sp, zero3 = CONFIGS[config]
     mesh = vescale.init_mesh(shape, names)
     vescale.manual_seed(0)
-    r = _measure(mesh, shape, sp, zero3, rounds, variants, kind)
+    r = _measure(mesh, shape, sp, zero3, rounds, variants, kind, real_collectives=True)
     return r if dist.get_rank() == 0 else None
 
 
-def bench_gloo(config: str, rounds: int, variants: list[str], kind: str) -> None:
+def bench_gloo(config: str, rounds: int, variants: list[str], kind: str, clock: str = "wall") -> None:
     from vescale.testing import run_on_ranks
 
     shape, names, sp, zero3 = CONFIGS[config]
-    variants = [v for v in variants if v != "local"]  # its stand-in collectives do not communicate
-    r = run_on_ranks(_on_gloo_rank, math.prod(shape), config, rounds, variants, kind, MODEL.attention_dropout, timeout=1800)[0]
+    if kind != "llama":  # megatron_local writes out the zoo LLaMA only
+        variants = [v for v in variants if v != "local"]
+    r = run_on_ranks(_on_gloo_rank, math.prod(shape), config, rounds, variants, kind, MODEL.attention_dropout, clock,
+                     timeout=1800)[0]
     _report(f"\n## {kind} {config} on {math.prod(shape)} gloo ranks (processes): mesh {dict(zip(names, shape))}, "
-            f"SP={sp}, ZeRO-3={zero3}; rank 0's times", r, "torch")
+            f"SP={sp}, ZeRO-3={zero3}; rank 0's times ({clock} clock)", r, "local" if "local" in variants else "torch")
 
 
 def main() -> None:
@@ -420,8 +436,10 @@ def main() -> None:
                          "vescale.random in eager and static mode; 0: none, as in the issue's model)")
     ap.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
                     help="fake-group step times: wall clock, or this process's (cpu) / thread's (thread) CPU "
-                         "time, steadier on a shared machine (gloo ranks always use the wall clock: they wait "
-                         "in collectives)")
+                         "time, steadier on a shared machine")
+    ap.add_argument("--gloo-clock", choices=("wall", "cpu"), default="wall",
+                    help="gloo-rank step times: wall clock (waits for the other ranks included), or the "
+                         "rank's process CPU time (its own work, gloo's threads included)")
     args = ap.parse_args()
     CLOCK[0] = CLOCKS[args.clock]
     _set_dropout(args.dropout)
@@ -439,7 +457,7 @@ def main() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     for config in filter(None, args.gloo.split(",")):
-        bench_gloo(config, args.rounds, args.variants.split(","), args.model)
+        bench_gloo(config, args.rounds, args.variants.split(","), args.model, args.gloo_clock)
 
 
 if __name__ == "__main__":

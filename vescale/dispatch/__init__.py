@@ -5,6 +5,9 @@
 * ``search``: cheap sharding-propagation misses on N-D meshes (match the inputs as they are before
   any search; PyTorch's priority-queue search before its exhaustive expansion).
 * ``cache``: a sharding cache keyed without sizes, so a new sequence length is a hit.
+* ``sized``: a repeated call of an op with size arguments (``view``, ``_unsafe_view``, ``expand``,
+  ``slice_backward``, ...) replays PyTorch's decision from a table instead of DTensor's Python slow
+  path, when the decision moves no input.
 * ``metas``: output metadata by arithmetic where certain, for cache hits and for misses of ``mm`` /
   ``embedding`` (no FakeTensor run).
 * ``interleaved``: ``split`` of an ``InterleavedShard`` tensor into its sections (and the reverse
@@ -27,6 +30,7 @@ from .conv import install_conv_handlers
 from .cache import ShapeFreeCache, install_shape_free_cache, shape_free_cache, uninstall_shape_free_cache
 from .optim import ELEMENTWISE_OPTIMIZERS, install_local_optimizer_step, uninstall_local_optimizer_step
 from .search import install_fast_search, uninstall_fast_search
+from .sized import install_sized_ops, uninstall_sized_ops
 from .semantics import install_semantic_handlers
 
 
@@ -40,11 +44,13 @@ def install() -> None:
     install_shape_free_cache()
     install_local_optimizer_step()
     install_interleaved_rules()
+    install_sized_ops()
 
 
 def uninstall() -> None:
-    """Give DTensor back PyTorch's own sharding search, miss path and optimiser steps (the
-    semantic, SDPA and convolution handlers stay: without them those ops fail outright)."""
+    """Give DTensor back PyTorch's own sharding search, miss path, sized-op path and optimiser steps
+    (the semantic, SDPA and convolution handlers stay: without them those ops fail outright)."""
+    uninstall_sized_ops()
     uninstall_interleaved_rules()
     uninstall_local_optimizer_step()
     uninstall_shape_free_cache()
@@ -55,5 +61,5 @@ __all__ = [
     "install", "uninstall", "ELEMENTWISE_OPTIMIZERS", "ShapeFreeCache", "install_shape_free_cache",
     "uninstall_shape_free_cache", "shape_free_cache", "install_semantic_handlers", "install_attention_rules",
     "install_datadep_handlers", "uninstall_datadep_handlers", "DATADEP_OPS",
-    "install_interleaved_rules", "uninstall_interleaved_rules", "install_fast_search", "uninstall_fast_search",
+    "install_interleaved_rules", "uninstall_interleaved_rules", "install_sized_ops", "uninstall_sized_ops", "install_fast_search", "uninstall_fast_search",
 ]

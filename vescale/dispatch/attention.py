@@ -31,7 +31,9 @@ replicated mask (the usual case: masks are made from plain tensors) would reach 
 kernel whole. The handler (in DTensor's ``_custom_op_handlers``) applies the rule itself:
 :func:`sdpa_layout` picks the layout from q, every tensor is redistributed to it (a no-op when it
 already is), the kernel runs on local shards, and the outputs are wrapped with the global shapes
-the op's meta kernel gives. The CUDA kernels keep PyTorch's strategies (their bias is positional),
+the op's meta kernel gives. That decision (layout and global output sizes) is kept per call signature
+(the argument specs and scalars), so a repeated call only moves what is off the layout, runs the
+kernel and wraps its outputs: no meta-kernel run per call. The CUDA kernels keep PyTorch's strategies (their bias is positional),
 wrapped by the dropout refusal; the cuDNN ones are fixed first (2.13 crashes on a forward with
 ``attn_bias`` and replicates a backward whose bias broadcasts). Installed by ``install()``, never at
 import.
@@ -48,7 +50,7 @@ from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
 
 __all__ = [
     "install_attention_rules", "sdpa_layout", "CPU_SDPA_OPS", "FUSED_DROPOUT_ARG", "FusedDropoutError",
-    "refuse_fused_dropout",
+    "refuse_fused_dropout", "clear_sdpa_decisions",
 ]
 
 aten = torch.ops.aten
@@ -84,40 +86,86 @@ def _meta(t):
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta") if isinstance(t, torch.Tensor) else t
 
 
+def _sdpa_decision(op, args, kwargs):
+    """(layout, mask layout or None, global output (shape, dtype)s) of a call: the rule applied to q's
+    placements and the head counts, the output sizes from the op's meta kernel on the global inputs."""
+    first = 0 if op is aten._scaled_dot_product_flash_attention_for_cpu.default else 1  # q's position
+    q = args[first]
+    if not isinstance(q, DTensor):
+        q = next(a for a in args if isinstance(a, DTensor))
+    heads = [a.shape[_HEADS] for a in args[first:first + 3] if isinstance(a, torch.Tensor)]
+    layout = sdpa_layout(q, tuple(heads))
+    index = 3 if first == 0 else 6  # dropout_p
+    dropout_p = args[index] if len(args) > index else kwargs.get("dropout_p", 0.0)
+    if dropout_p:
+        raise FusedDropoutError(_dropout_message(op, dropout_p))
+    mask = kwargs.get("attn_mask")
+    mask_layout = _mask_layout(mask, layout, q.ndim) if isinstance(mask, torch.Tensor) else None
+    metas = op(*[_meta(a) for a in args], **{k: _meta(v) for k, v in kwargs.items()})
+    return q.device_mesh, layout, mask_layout, tuple((m.shape, m.dtype) for m in metas)
+
+
+def _decision_key(op, args, kwargs):
+    """The decision depends on the DTensor specs (global shapes, strides, placements), the scalar
+    arguments and the mask's spec; None (not kept) when a plain tensor is an argument."""
+    parts = [op]
+    for name, value in [(None, a) for a in args] + list(kwargs.items()):
+        if isinstance(value, DTensor):
+            parts.append((name, value._spec))
+        elif isinstance(value, torch.Tensor):
+            return None
+        else:
+            parts.append((name, type(value), value))
+    return tuple(parts)
+
+
+# Decisions of repeated calls: per call the handler then only moves what is off the layout (nothing,
+# in a model whose q/k/v follow the rule), runs the kernel and wraps its outputs. Emptied at the limit
+# (global shapes are part of the key, as in PyTorch's own sharding cache).
+_SDPA_DECISIONS: dict = {}
+_SDPA_DECISIONS_LIMIT = 1024
+
+
+def clear_sdpa_decisions() -> None:
+    _SDPA_DECISIONS.clear()
+
+
 def _cpu_sdpa_handler(op, args, kwargs):
     """CPU flash SDPA, forward or backward, on DTensors (see module doc): every tensor argument is
     brought to one layout (no communication when the inputs already follow the rule), the kernel runs
     on local shards, the outputs take that layout."""
     kwargs = dict(kwargs or {})
-    first = 0 if op is aten._scaled_dot_product_flash_attention_for_cpu.default else 1  # q's position
-    q = args[first]
-    if not isinstance(q, DTensor):
-        q = next(a for a in args if isinstance(a, DTensor))
-    mesh = q.device_mesh
-    heads = [a.shape[_HEADS] for a in args[first:first + 3] if isinstance(a, torch.Tensor)]
-    layout = sdpa_layout(q, tuple(heads))
+    key = _decision_key(op, args, kwargs)
+    try:
+        entry = _SDPA_DECISIONS.get(key) if key is not None else None
+    except TypeError:  # symbolic sizes (tracing) do not hash: decide every call
+        key, entry = None, None
+    if entry is None:
+        entry = _sdpa_decision(op, args, kwargs) + ({},)  # the last: output specs by local strides
+        if key is not None:
+            if len(_SDPA_DECISIONS) >= _SDPA_DECISIONS_LIMIT:
+                _SDPA_DECISIONS.clear()
+            _SDPA_DECISIONS[key] = entry
+    mesh, layout, mask_layout, metas, specs = entry
 
     def place(t, placements):
         if not isinstance(t, DTensor):  # a plain tensor is the global tensor: every rank slices its block
             t = DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
         return t.redistribute(mesh, placements)._local_tensor if t.placements != placements else t._local_tensor
 
-    index = 3 if first == 0 else 6  # dropout_p
-    dropout_p = args[index] if len(args) > index else kwargs.get("dropout_p", 0.0)
-    if dropout_p:
-        raise FusedDropoutError(_dropout_message(op, dropout_p))
-    # Global output shapes and strides from the op's meta kernel on the global inputs.
-    metas = op(*[_meta(a) for a in args], **{k: _meta(v) for k, v in kwargs.items()})
     local_args = [place(a, layout) if isinstance(a, torch.Tensor) else a for a in args]
     mask = kwargs.get("attn_mask")
     if isinstance(mask, torch.Tensor):
-        kwargs["attn_mask"] = place(mask, _mask_layout(mask, layout, q.ndim))
+        kwargs["attn_mask"] = place(mask, mask_layout)
     results = op(*local_args, **kwargs)
-    return tuple(
-        DTensor(r, DTensorSpec(mesh, layout, tensor_meta=TensorMeta(m.shape, _stride_like(r, m.shape), m.dtype)),
-                requires_grad=False)
-        for r, m in zip(results, metas)
-    )
+    strides = tuple(r.stride() for r in results)
+    out_specs = specs.get(strides)
+    if out_specs is None:  # the kernel's local layouts (see _stride_like) are few: kept per entry
+        out_specs = specs[strides] = tuple(
+            DTensorSpec(mesh, layout, tensor_meta=TensorMeta(shape, _stride_like(r, shape), dtype))
+            for r, (shape, dtype) in zip(results, metas)
+        )
+    return tuple(DTensor(r, spec, requires_grad=False) for r, spec in zip(results, out_specs))
 
 
 def _runs_locally(op, args, kwargs) -> bool:

@@ -23,12 +23,14 @@ import torch
 
 from vescale.random.consistent import consistent
 from vescale.random.dtensor import install, is_installed, uninstall
+from vescale.random.checkpointing import checkpoint_context
 from vescale.random.generator import device_profile, get_state, set_device_profile, set_state
 from vescale.random.kernel import DeviceProfile
 from vescale.random import generator as _generator
 
 __all__ = [
     "DeviceProfile",
+    "checkpoint_context",
     "consistent",
     "device_profile",
     "get_state",

@@ -6,7 +6,8 @@ and the :class:`DeviceProfile` whose thread count decides which Philox counter e
 Every random op reads the state, then advances ``offset`` by an amount that depends only on the op's
 *global* shape, so the state moves identically on every rank and in the single-device run.
 
-This module holds the state and its checkpoint form; ``dtensor.py`` and ``consistent.py`` draw from it.
+This module holds the state and its checkpoint form; ``dtensor.py`` and ``consistent.py`` draw from
+it, ``checkpointing.py`` replays it for activation checkpointing.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class _GeneratorState:
     seed: int | None = None  # None until manual_seed: random ops then refuse to run
     offset: int = 0
     profile: DeviceProfile | None = None  # None: resolved to the default profile on first use
+    replaying: int = 0  # checkpointed regions being recomputed now (checkpointing.py)
 
 
 _state = _GeneratorState()
@@ -133,6 +135,15 @@ class reserve:
                 "seed on every rank (and in the single-device reference run) before random ops on DTensors "
                 "or inside vescale.random.consistent()."
             )
+        if _state.replaying == 0 and torch._C._current_graph_task_id() != -1:
+            raise RuntimeError(
+                "vescale.random: a random op ran during backward, which is where activation checkpointing "
+                "recomputes a region's forward. PyTorch's checkpoint restores only its own generators, so "
+                "the recomputation would draw other numbers than the forward did (wrong gradients). Pass "
+                "context_fn=vescale.random.checkpoint_context with use_reentrant=False, e.g. "
+                "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False, "
+                "'context_fn': vescale.random.checkpoint_context}) for a HuggingFace model."
+            )
         profile = device_profile()
         self._draw = Draw(_state.seed, _state.offset, profile)
         # 0 for an empty tensor: CUDA returns early without touching the generator.
@@ -171,3 +182,4 @@ def set_state(state: torch.Tensor) -> None:
         raise ValueError(f"vescale.random.set_state: offset must be a non-negative multiple of 4, got {offset}")
     set_device_profile(sm_count, max_threads)
     _state.seed, _state.offset = seed_bits % _UINT64_LIMIT, offset
+

@@ -553,7 +553,11 @@ class StaticRuntime:
         self._swap_at_root(quiet)
 
     def _begin(self, args, kwargs) -> None:
-        key = tuple((tuple(t.shape), t.dtype) for t in _tensors(args, kwargs))
+        # The modules' training flags are part of the key: a record made in evaluation mode saw no
+        # dropout draw, and a training step run static from it would draw on local shards as if
+        # they were whole tensors (nothing replays them).
+        key = (tuple((tuple(t.shape), t.dtype) for t in _tensors(args, kwargs)),
+               tuple(m.training for m in self.modules.values()))
         if self.watcher is not None:  # the last recording's (closed only here), or one whose forward raised
             self._close_watcher()
         self._close_replay()
@@ -650,6 +654,15 @@ class StaticRuntime:
     def enter(self, mod, path: str, args, kwargs):
         """Before the plan's pre-hook: local inputs become the DTensors they stand for, if the plan
         redistributes them here or this module runs eagerly."""
+        if torch._C._current_graph_task_id() != -1:
+            # A forward inside backward: activation checkpointing recomputing the module. The
+            # recorded boundaries, moves and random replay describe the forward pass only.
+            raise PlanError(
+                f"module {path!r} runs its forward during backward: activation checkpointing recomputes "
+                f"it. Static Eager mode does not support recomputation; train a checkpointed model with "
+                f"mode='eager' (with context_fn=vescale.random.checkpoint_context if it draws random "
+                f"numbers), or turn gradient checkpointing off for mode='static'"
+            )
         if self._tracking():
             self.stack.append(None)  # this module's hooks run now, not its body
             self._follow_body()

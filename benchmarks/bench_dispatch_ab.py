@@ -1,0 +1,125 @@
+"""In-process A/B of eager-dispatch extensions: the same model and plan with an extension on and off.
+
+``bench_dispatch.py``'s runners (fake process group, rank 0, one intra-op thread, thread-CPU clock),
+interleaved round by round in one process, so the arms see the same machine load. Arms:
+
+* ``torch``: ``bench_dispatch``'s TorchTitan-style variant;
+* ``eager``: vescale eager mode as installed;
+* ``eager-off``: vescale eager mode with ``vescale.dispatch.sized``'s handler taken out of DTensor's
+  per-op table and the CPU SDPA handler deciding afresh on every call (what they cost before these
+  extensions);
+* ``eager-gradR`` (an experiment, not a plan vescale has): eager mode with a hook that all-reduces the
+  routing weights' Partial gradient where it leaves each MoE router (``mlp.gate``), so the router's
+  backward runs replicated instead of DTensor's reduce-scatter choice.
+
+    .venv/bin/python benchmarks/bench_dispatch_ab.py [--config dp2tp4] [--model moe] [--rounds 15] [--arms torch,eager-off,eager]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+
+import bench_dispatch as B
+import vescale
+from vescale import dispatch
+from vescale.dispatch import attention, sized
+
+_HANDLERS = DTensor._op_dispatcher._custom_op_handlers
+_INSTALL = dispatch.install
+
+
+def _sdpa_forgetting(op, args, kwargs):
+    """The SDPA handler deciding afresh (an empty table of its own: the other arms keep theirs)."""
+    kept = attention._SDPA_DECISIONS
+    attention._SDPA_DECISIONS = {}
+    try:
+        return attention._cpu_sdpa_handler(op, args, kwargs)
+    finally:
+        attention._SDPA_DECISIONS = kept
+
+
+def _installer(off: bool):
+    """``dispatch.install`` as the runners call it each step, with the extensions on or off."""
+
+    def install():
+        _INSTALL()
+        for op in sized._INSTALLED:
+            if off:
+                _HANDLERS.pop(op, None)
+            else:
+                _HANDLERS[op] = sized.sized_op_handler
+        for op in attention.CPU_SDPA_OPS:
+            _HANDLERS[op] = _sdpa_forgetting if off else attention._cpu_sdpa_handler
+
+    return install
+
+
+class _GradReplicate(torch.autograd.Function):
+    """Identity forward; a Partial gradient is all-reduced to Replicate."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if any(p.is_partial() for p in grad.placements):
+            grad = grad.redistribute(grad.device_mesh, [Replicate() if p.is_partial() else p for p in grad.placements])
+        return grad
+
+
+def _replicate_routing_grads(model) -> None:
+    for name, module in model.named_modules():
+        if name.endswith("mlp.gate"):
+            module.register_forward_hook(lambda mod, args, out: (out[0], _GradReplicate.apply(out[1]), out[2]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default="dp2tp4", choices=tuple(B.CONFIGS))
+    ap.add_argument("--model", default="moe", choices=("llama", "moe"))
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--arms", default="torch,eager-off,eager")
+    args = ap.parse_args()
+    arms = args.arms.split(",")
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    torch.set_num_threads(1)
+    B.CLOCK[0] = time.thread_time
+    shape, names, sp, zero3 = B.CONFIGS[args.config]
+    dist.init_process_group("fake", rank=0, world_size=math.prod(shape))
+    mesh = vescale.init_mesh(shape, names)
+    vescale.manual_seed(0)
+    runners = {}
+    for arm in arms:
+        dispatch.install = _installer(arm.endswith("-off"))
+        dispatch.install()
+        runners[arm] = B.Runner("torch" if arm == "torch" else "eager", mesh, *shape, sp, zero3, args.model)
+        if arm == "eager-gradR":
+            _replicate_routing_grads(runners[arm].model)
+    times = {arm: [] for arm in arms}
+    for i in range(args.rounds + 3):  # 3 warm-up rounds
+        for arm in arms:
+            dispatch.install = _installer(arm.endswith("-off"))
+            t = runners[arm].step()
+            if i >= 3:
+                times[arm].append(t)
+    dispatch.install = _INSTALL
+    base = statistics.median(times[arms[0]])
+    print(f"## {args.model} {args.config} (fake group, thread clock), {args.rounds} interleaved rounds")
+    for arm in arms:
+        q = statistics.quantiles(times[arm], n=4)
+        med = statistics.median(times[arm])
+        print(f"{arm:12s} {med * 1e3:7.1f} ms ({q[0] * 1e3:.1f}-{q[2] * 1e3:.1f})  x {arms[0]} {med / base:.3f}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
