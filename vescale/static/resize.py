@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from fractions import Fraction
+import math
 
 import torch
 from torch._prims_common import make_contiguous_strides_for
@@ -61,10 +61,10 @@ class ResizeMismatch(PlanError):
 # ---------------------------------------------------------------------------------------------
 
 
-def size_factors(old_key: tuple, new_key: tuple) -> tuple[Fraction, ...] | None:
-    """The factors (new / old) a recorded size of ``old_key`` may change by for ``new_key``, or None
-    if the keys differ in more than sizes (tensor count, dtype, rank, training flags) or a changed
-    dim is or becomes 1."""
+def size_factors(old_key: tuple, new_key: tuple) -> tuple[tuple[int, int], ...] | None:
+    """How sizes recorded for ``old_key`` may change for ``new_key``: ``(old, new)`` products of the
+    changed dims of one root input; None if the keys differ in more than sizes (tensor count, dtype,
+    rank, training flags) or a changed dim is or becomes 1."""
     (old_tensors, old_flags), (new_tensors, new_flags) = old_key, new_key
     if old_flags != new_flags or len(old_tensors) != len(new_tensors):
         return None
@@ -78,21 +78,31 @@ def size_factors(old_key: tuple, new_key: tuple) -> tuple[Fraction, ...] | None:
         # Every product of this input's changed dims (batch, seq, batch * seq).
         for n in range(1, len(changed) + 1):
             for subset in itertools.combinations(changed, n):
-                f = Fraction(1)
-                for a, b in subset:
-                    f *= Fraction(b, a)
-                if f != 1:
-                    factors.add(f)
+                old, new = math.prod(a for a, _ in subset), math.prod(b for _, b in subset)
+                if old != new:
+                    factors.add((old, new))
     return tuple(sorted(factors)) if factors else None
 
 
 def _candidates(v: int, factors) -> tuple[int, ...]:
-    """``v`` itself first, then every whole ``v * factor``."""
+    """The global sizes a dim recorded as ``v`` may have now: ``v`` itself first, then ``k * new`` for
+    every ``v == k * old``: a dim derived from the inputs is a whole multiple of the dims it comes
+    from (seq, batch * seq, heads * seq), not a fraction of them. (A fraction would also make
+    intrinsic sizes smaller than the inputs, such as a head count, look derived, and often uneven.)"""
     out = [v]
-    for f in factors:
-        w = v * f
-        if w.denominator == 1 and int(w) not in out:
-            out.append(int(w))
+    for old, new in factors:
+        if v % old == 0 and v // old * new not in out:
+            out.append(v // old * new)
+    return tuple(out)
+
+
+def _local_candidates(v: int, factors) -> tuple[int, ...]:
+    """The local sizes a sized op's output dim recorded as ``v`` may have now: ``v`` and every whole
+    ``v * new / old`` (a shard of a derived dim is a fraction of the input's dims)."""
+    out = [v]
+    for old, new in factors:
+        if v * new % old == 0 and v * new // old not in out:
+            out.append(v * new // old)
     return tuple(out)
 
 
@@ -167,6 +177,16 @@ def _restride(old_shape, old_stride, new_shape) -> tuple:
 
 
 @dataclasses.dataclass
+class _Shared:
+    """What the open sizes of one derived record share: the specs and moves made so far, so that the
+    many spots recorded with one spec get one new spec (and one move) for the same sizes."""
+
+    specs: dict = dataclasses.field(default_factory=dict)  # (recorded spec, new shape) -> spec
+    moves: dict = dataclasses.field(default_factory=dict)  # (src spec, dst spec, grad placements) -> Move
+    opened: dict = dataclasses.field(default_factory=dict)  # (recorded spec, grad placements) -> (candidates, counts)
+
+
+@dataclasses.dataclass
 class Pending:
     """A recorded spec whose global sizes are open: per dim its candidates (the recorded size first)."""
 
@@ -174,6 +194,7 @@ class Pending:
     candidates: tuple  # per dim, a tuple of ints
     counts: list  # per dim, the ranks splitting it (None: not a plain Shard)
     where: str  # for messages
+    shared: _Shared
     settled: DTensorSpec | None = None
 
     def settle(self, local_shape) -> DTensorSpec:
@@ -204,10 +225,15 @@ class Pending:
 
     def _spec_for(self, shape: tuple) -> DTensorSpec:
         meta = self.spec.tensor_meta
-        if shape == tuple(self.spec.shape):
+        if shape == tuple(meta.shape):
             return self.spec
-        stride = _restride(tuple(meta.shape), tuple(meta.stride), shape)
-        return DTensorSpec(self.spec.mesh, self.spec.placements, tensor_meta=TensorMeta(torch.Size(shape), stride, meta.dtype))
+        key = (self.spec, shape)
+        spec = self.shared.specs.get(key)
+        if spec is None:
+            stride = _restride(tuple(meta.shape), tuple(meta.stride), shape)
+            meta = TensorMeta(torch.Size(shape), stride, meta.dtype)
+            spec = self.shared.specs[key] = DTensorSpec(self.spec.mesh, self.spec.placements, tensor_meta=meta)
+        return spec
 
     def _mismatch(self, local_shape) -> ResizeMismatch:
         return ResizeMismatch(
@@ -260,6 +286,7 @@ class LazyMove:
 
     def __init__(self, src, dst, make_move):
         self.src, self.dst, self.make_move = src, dst, make_move
+        self.shared = (src.pending or dst.pending).shared
         self.move = None
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
@@ -269,7 +296,10 @@ class LazyMove:
             if self.dst.pending is not None:
                 self.dst.spec = self.dst.pending.settle_global(tuple(self.src.spec.shape))
                 self.dst.pending = None
-            self.move = self.make_move(self.src, self.dst)
+            src, dst = self.src, self.dst
+            key = (src.spec, dst.spec, dst.grad_placements, src.leave_grad)
+            moves = self.shared.moves
+            self.move = moves[key] if key in moves else moves.setdefault(key, self.make_move(src, dst))
         return self.move(t)
 
 
@@ -282,10 +312,19 @@ class _Refused(Exception):
     pass
 
 
-def _pending(spec: DTensorSpec | None, factors, where: str, grad_placements=()) -> Pending | None:
+def _pending(spec: DTensorSpec | None, factors, shared: _Shared, where: str, grad_placements=()) -> Pending | None:
     """``spec`` with its sizes open; refuses (``_Refused``) where a candidate would shard unevenly."""
     if spec is None:
         return None
+    key = (spec, grad_placements)
+    opened = shared.opened.get(key)
+    if opened is None:
+        opened = shared.opened[key] = _open(spec, factors, where, grad_placements)
+    return Pending(spec, *opened, where, shared)
+
+
+def _open(spec: DTensorSpec, factors, where: str, grad_placements) -> tuple:
+    """Per dim of ``spec``, its candidate sizes and the ranks splitting it."""
     meta = spec.tensor_meta
     if meta is None:
         raise _Refused(f"{where}: recorded without tensor metadata")
@@ -304,7 +343,7 @@ def _pending(spec: DTensorSpec | None, factors, where: str, grad_placements=()) 
             uneven = [c for c in candidates[d] if c % n]
             if uneven:
                 raise _Refused(f"{where}: dim {d} may become {uneven[0]}, which {n} ranks do not split evenly")
-    return Pending(spec, candidates, counts, where)
+    return candidates, counts
 
 
 def derive(source, factors, record_cls, crossing_cls) -> tuple[object | None, str]:
@@ -313,29 +352,44 @@ def derive(source, factors, record_cls, crossing_cls) -> tuple[object | None, st
     if source.data_dependent:
         module, op = next(iter(source.data_dependent.items()))
         return None, f"module {module!r} runs {op}, whose output size depends on values"
+    shared = _Shared()
     try:
         crossings = {}
         for key, c in source.crossings.items():
             where = f"module {key[0]!r} {key[1]} #{key[2]}"
-            pending = _pending(c.spec, factors, where, (c.grad_placements, c.leave_grad))
+            pending = _pending(c.spec, factors, shared, where, (c.grad_placements, c.leave_grad))
             crossings[key] = crossing_cls(c.spec, c.grad_placements, c.leave_grad, pending=pending)
         random = {
-            module: [[_pending(s, factors, f"module {module!r} random op #{k}") for s in specs] for k, specs in enumerate(ops)]
+            module: [[_pending(s, factors, shared, f"module {module!r} random op #{k}") for s in specs] for k, specs in enumerate(ops)]
             for module, ops in source.random.items()
         }
     except _Refused as e:
         return None, str(e)
     shapes = {
-        module: [None if s is None else ShapeCandidates(tuple(_candidates(v, factors) for v in s)) for s in found]
+        module: [None if s is None else ShapeCandidates(tuple(_local_candidates(v, factors) for v in s)) for s in found]
         for module, found in source.shapes.items()
     }
+    # Quiet modules (runtime._find_quiet) are quiet whatever the sizes: nothing crosses their
+    # boundaries. Their decided steps carry over, so the first step runs them quiet already.
+    quiet = dict(source.quiet) if source.quiet is not None else None
+    steps = {path: source.steps[path] for path in quiet or ()}
     rec = record_cls(
-        crossings=crossings, param_grads=dict(source.param_grads), unsafe=dict(source.unsafe), shapes=shapes,
+        crossings=crossings, quiet=quiet, steps=steps, param_grads=dict(source.param_grads), unsafe=dict(source.unsafe), shapes=shapes,
         random=random, assumed_eager=source.assumed_eager, complete=True, checked=False,
         param_grad_specs=dict(source.param_grad_specs), keys=dict(source.keys), lookups=source.lookups,
         masked=set(source.masked), random_funcs=source.random_funcs, resized_from=source,
     )
     return rec, ""
+
+
+def checked_before(rec) -> bool:
+    """Whether ``rec``'s first static step can run without the op watcher: a record derived from one
+    whose own first static step checked the local shapes of its sized ops. That check catches code
+    that computes a global size where sharding needs a local one (a head count from the config), which
+    the sizes do not change; what they change, the specs at the crossings and of the random ops, the
+    first step settles and checks from the tensors themselves. The watcher would cost that step a
+    Python call per op."""
+    return rec.resized_from is not None and rec.resized_from.verified
 
 
 def replay_spec(specs: list, j: int, a: torch.Tensor):

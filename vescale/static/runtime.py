@@ -609,7 +609,8 @@ class StaticRuntime:
             if not rec.checked:
                 rec.checked = True
                 self.verifying = rec
-                self._open_watcher(checking=True)
+                if not resize.checked_before(rec):  # see resize.py: a derived record checks at its crossings
+                    self._open_watcher(checking=True)
             elif rec.quiet is None:
                 rec.quiet = self._find_quiet(rec)
             return
