@@ -20,7 +20,10 @@ vocabulary-parallel lookup into the module's own table, which static steps run m
 rows (``local_ops.py``). Ops whose size arguments DTensor rewrites to local
 sizes (view, reshape, expand, new_zeros, ...) are fine when the model derives sizes from its tensors;
 their local shapes are recorded and the first static step checks them. Once that step's backward
-has finished, later steps with the same input shapes run ``STATIC``; a new shape records again.
+has finished, later steps with the same input shapes run ``STATIC``. New input shapes that differ
+from a recorded record's only in sizes (a new sequence length) derive their record from it instead
+of recording (``resize.py``: sizes left open, settled by the first step's tensors); other new
+shapes, and those it refuses, record again.
 
 Every static step computes what the eager step computes: the same local ops on the same local
 values, and the same DTensor operations at the same boundaries.
