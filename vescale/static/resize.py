@@ -111,7 +111,7 @@ def _local_candidates(v: int, factors) -> tuple[int, ...]:
 # ---------------------------------------------------------------------------------------------
 
 _DATA_DEPENDENT = {
-    aten.nonzero.default, aten._local_scalar_dense.default, aten.masked_select.default, aten._unique2.default,
+    aten.nonzero.default, aten.masked_select.default, aten._unique2.default,
     aten.unique_dim.default, aten.unique_consecutive.default, aten.repeat_interleave.Tensor, aten.bincount.default,
 }
 
@@ -120,6 +120,10 @@ def data_dependent_op(func, args) -> bool:
     """Whether ``func`` makes sizes from values: a record containing one is not derived."""
     if func in _DATA_DEPENDENT:
         return True
+    if func is aten._local_scalar_dense.default:
+        # ``.item()`` / ``.tolist()``: a number that may become a size. A bool cannot: it steers control
+        # flow (HF's mask code asks ``(...).all()``), which static mode assumes the same every step anyway.
+        return not (isinstance(args[0], torch.Tensor) and args[0].dtype == torch.bool)
     if func is aten.index.Tensor and len(args) > 1:
         return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] or ())
     return False
