@@ -163,11 +163,22 @@ def _dense_order(shape, stride) -> list | None:
     return dims
 
 
+def _outer_only(shape, stride, open_dims: list) -> bool:
+    """Whether a view with gaps (a slice of a wider tensor: gate of a fused gate|up) may change size
+    keeping its strides: only its outermost dim may change."""
+    if len(open_dims) != 1:
+        return False
+    d = open_dims[0]
+    return all(stride[d] >= stride[e] * shape[e] for e in range(len(shape)) if e != d and stride[e] != 0)
+
+
 def _restride(old_shape, old_stride, new_shape) -> tuple:
     """The stride a tensor laid out like the old one has at ``new_shape``."""
     if tuple(old_stride) == tuple(make_contiguous_strides_for(old_shape)):
         return tuple(make_contiguous_strides_for(new_shape))
     order = _dense_order(old_shape, old_stride)
+    if order is None:  # a view with gaps whose outermost dim changed (``_outer_only``)
+        return tuple(old_stride)
     stride = [0] * len(new_shape)
     expect = 1
     for d in reversed(order):
@@ -334,9 +345,15 @@ def _open(spec: DTensorSpec, factors, where: str, grad_placements) -> tuple:
         raise _Refused(f"{where}: recorded without tensor metadata")
     shape, ndim = tuple(meta.shape), len(meta.shape)
     candidates = tuple(_candidates(v, factors) for v in shape)
-    opened = any(len(c) > 1 for c in candidates)
-    if opened and _dense_order(shape, tuple(meta.stride)) is None:
-        raise _Refused(f"{where}: stride {tuple(meta.stride)} is not a dense layout of {shape}")
+    stride = tuple(meta.stride)
+    if any(len(c) > 1 for c in candidates) and _dense_order(shape, stride) is None:
+        # A view with gaps (gate of a fused gate|up): the pitch between its rows is some wider
+        # tensor's, so only its outermost dim can follow the inputs with the strides kept; the
+        # others stay as recorded (and the first step checks that they do).
+        outer = max(range(len(shape)), key=lambda d: stride[d])
+        candidates = tuple(c if d == outer else c[:1] for d, c in enumerate(candidates))
+        if not _outer_only(shape, stride, [outer]):
+            raise _Refused(f"{where}: stride {stride} is not a dense layout of {shape}")
     counts = _shard_counts(spec.placements, spec.mesh, ndim)
     for placements in [spec.placements, *[g for g in grad_placements if g is not None]]:
         for d, n in enumerate(_shard_counts(placements, spec.mesh, ndim)):
