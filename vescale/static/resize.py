@@ -134,10 +134,9 @@ def data_dependent_op(func, args) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
-def _shard_counts(spec_or_placements, mesh, ndim: int) -> list | None:
+def _shard_counts(placements, mesh, ndim: int) -> list:
     """Per tensor dim, how many ranks split it (plain ``Shard`` placements); None for a dim another
     Shard-like placement (strided, interleaved) splits."""
-    placements = spec_or_placements
     counts: list = [1] * ndim
     for i, p in enumerate(placements):
         if isinstance(p, Shard):
