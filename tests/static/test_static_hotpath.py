@@ -131,10 +131,9 @@ def test_static_hot_path_matches_eager(shape):
     fewer = {} if len(shape) == 2 else {"reduce_scatter": 1}
     want = {k: n - fewer.get(k, 0) for k, n in eager["collectives"].items()}
     assert static["collectives"] == want, (static["collectives"], eager["collectives"])
-    # llama_plan gathers the logits at lm_head, so the causal-LM root (its loss) runs static under TP.
-    # Under DP the loss divides this rank's sum by the count of labels over all ranks (an all-reduce:
-    # vescale.dispatch.semantics), which local code does not do: the root stays eager.
-    assert ("" in static["eager_modules"]) == (len(shape) == 2), static["eager_modules"]
+    # The causal-LM root runs static, its loss too: vocabulary-parallel under TP, and under DP each
+    # rank's sum over the label count all-reduced over the DP ranks (vescale/static/local_loss.py).
+    assert "" not in static["eager_modules"], static["eager_modules"]
     # The last step ran static: every module body outside the eager ones saw plain tensors.
     eager_modules = set(static["eager_modules"])
     for path, types in static["param_types"].items():

@@ -49,12 +49,21 @@ def place(t, mesh: DeviceMesh, targets: Sequence[Optional[Placement]], what: str
                 f"{what}: {p!r} needs dim {p.dim} of a tensor of shape {tuple(d.shape)} to split into "
                 f"{interleave_of(p)} equal sections"
             )
-    want = tuple(InterleavedShard(p.dim % d.ndim, interleave_of(p)) if is_interleaved(p) else p for p in want)
+    # Negative dims counted from the end, as DTensor's layouts hold them (Shard(-1) is Shard(ndim - 1)).
+    want = tuple(_counted_from_start(p, d.ndim) for p in want)
     if want == tuple(d.placements):
         return d
     if moves_nothing(mesh, d.placements, want):
         return relabel(d, want)
     return d.redistribute(mesh, want)
+
+
+def _counted_from_start(p: Placement, ndim: int) -> Placement:
+    if is_interleaved(p):
+        return InterleavedShard(p.dim % ndim, interleave_of(p))
+    if type(p) is Shard and p.dim < 0:
+        return Shard(p.dim % ndim)
+    return p
 
 
 def moves_nothing(mesh: DeviceMesh, src, dst) -> bool:

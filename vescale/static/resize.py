@@ -30,8 +30,9 @@ decisions), a sharded dim with a placement other than ``Shard`` whose size would
 that are not a dense layout of the shape, or ops with data-dependent output sizes in the recording
 (``nonzero``, ``.item()``, boolean indexing: MoE routing), whose sizes no factor describes.
 
-Parameters keep their shapes: parameter gradient specs, ``ParamShadow``s and masked vocabulary
-lookups carry over unchanged.
+Parameters keep their shapes: parameter gradient specs, ``ParamShadow``s, masked vocabulary
+lookups and local cross-entropy kernels (their class counts are the vocabulary's; rows are not
+recorded) carry over unchanged.
 """
 
 from __future__ import annotations
@@ -397,7 +398,7 @@ def derive(source, factors, record_cls, crossing_cls) -> tuple[object | None, st
         crossings=crossings, quiet=quiet, steps=steps, param_grads=dict(source.param_grads), unsafe=dict(source.unsafe), shapes=shapes,
         random=random, assumed_eager=source.assumed_eager, complete=True, checked=False,
         param_grad_specs=dict(source.param_grad_specs), keys=dict(source.keys), lookups=source.lookups,
-        masked=set(source.masked), random_funcs=source.random_funcs, resized_from=source,
+        masked=set(source.masked), random_funcs=source.random_funcs, losses=source.losses, resized_from=source,
     )
     return rec, ""
 

@@ -32,6 +32,7 @@ values, and the same DTensor operations at the same boundaries.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import enum
 import re
@@ -52,6 +53,7 @@ from ..parallel.placing import grad_layout
 from . import averaged, resize
 from .boundary import HandOvers, Move, ParamShadow, dtensor_of, grad_spec, local_of, settled_on_unit_dims
 from .random_gate import CallTracker, RandomGate
+from .local_loss import LocalLosses, LossWatch
 from .local_ops import LocalLookups, check_lookup, grad_placements, is_masked, masked_lookup, unmasked, unmasked_inputs
 
 __all__ = ["StaticRuntime", "State"]
@@ -108,6 +110,9 @@ class Record:
     # masked on local tensors in static steps (local_ops.py)
     lookups: dict = field(default_factory=dict)
     masked: set = field(default_factory=set)  # crossing keys that held a masked Partial (local_ops.unmasked_inputs)
+    # module path -> per F.cross_entropy call of its body, the LocalLoss its static steps run (None:
+    # the call as it is; local_loss.py)
+    losses: dict = field(default_factory=dict)
     # The torch functions its drawing bodies' random ops come from (random_gate.py): None until the
     # first static step has learnt them; empty where they cannot be told (the replay then watches
     # whole drawing bodies).
@@ -530,6 +535,8 @@ class StaticRuntime:
         self.stack: list[str] = []
         self.watcher: _OpWatcher | None = None
         self.replay: _RandomReplay | None = None
+        self.loss_watch: LossWatch | None = None  # a recording forward's (local_loss.py)
+        self.local_losses: LocalLosses | None = None  # a static forward's, with losses to run locally
         self.static_steps = self.recorded_steps = 0
         # New input sizes derive their record from a recorded one where only sizes differ (resize.py);
         # False: every new key records (tests compare the two bit for bit).
@@ -588,6 +595,7 @@ class StaticRuntime:
         if self.watcher is not None:  # the last recording's (closed only here), or one whose forward raised
             self._close_watcher()
         self._close_replay()
+        self._close_losses()
         self._restore_at_root()  # left over only if the last forward's cleanup did not run
         if self.verifying is not None:  # the same: its first step did not run through
             self._verified(False)
@@ -609,6 +617,9 @@ class StaticRuntime:
             if rec.random:
                 # Entered only while the body of a module that draws runs (see _follow_body).
                 self.replay = _RandomReplay(rec, self.stack)
+            losses = {p: kernels for p, kernels in rec.losses.items() if any(kernels) and self.is_static(p)}
+            if losses:  # on only while those modules' own bodies run (see _follow_body)
+                self.local_losses = LocalLosses(losses, self.own_ops_off)
             if not rec.checked:
                 rec.checked = True
                 self.verifying = rec
@@ -660,7 +671,10 @@ class StaticRuntime:
         self.records[key] = self.record
         self.recorded_steps += 1
         self._open_watcher(checking=False)
-        return self.record
+        rec = self.record
+        self.loss_watch = LossWatch(lambda: self.stack[-1] if self.stack else None, rec.losses, self.own_ops_off)
+        self.loss_watch.__enter__()
+        return rec
 
     def _open_watcher(self, checking: bool) -> None:
         self.watcher = _OpWatcher(self.record, self.stack, checking, self.modules)
@@ -676,6 +690,7 @@ class StaticRuntime:
             self._close_watcher()
         replay = self.replay
         self._close_replay()
+        self._close_losses()
         self._restore_at_root()
         ok = sys.exc_info()[0] is None  # not while forward's exception unwinds
         try:
@@ -694,6 +709,31 @@ class StaticRuntime:
             replay.turn(False)
             replay._switch(False)
             self.stack.clear()
+
+    def _close_losses(self) -> None:
+        if self.loss_watch is not None:
+            self.loss_watch.close()
+            self.loss_watch = None
+        if self.local_losses is not None:
+            self.local_losses.turn(None)
+            self.local_losses = None
+
+    @contextlib.contextmanager
+    def own_ops_off(self):
+        """A local kernel's ops (and, while recording, the DTensor ops of the call it stands for)
+        are not the running module's own: the op watcher neither judges nor shape-checks them."""
+        if not (self.watcher is not None and self.stack):
+            yield
+            return
+        # Only the watcher hears of it: the modes that follow bodies stay as they are (this may run
+        # inside one of their handlers, where switching them would push them twice).
+        running, self.stack[-1] = self.stack[-1], None
+        self.watcher.body_changed()
+        try:
+            yield
+        finally:
+            self.stack[-1] = running
+            self.watcher.body_changed()
 
     def _close_watcher(self) -> None:
         watcher, self.watcher = self.watcher, None
@@ -865,11 +905,13 @@ class StaticRuntime:
         step's ops belong to modules that draw nothing."""
         if self.replay is not None:
             self.replay.turn(bool(self.stack) and self.stack[-1] in self.record.random)
+        if self.local_losses is not None:
+            self.local_losses.turn(self.stack[-1] if self.stack else None)
         if self.watcher is not None:
             self.watcher.body_changed()
 
     def _tracking(self) -> bool:
-        return self.watcher is not None or self.replay is not None
+        return self.watcher is not None or self.replay is not None or self.local_losses is not None
 
     def restore(self, mod, path: str) -> None:
         """Always called after forward: the module gets its own parameters back."""
@@ -1018,6 +1060,10 @@ class StaticRuntime:
                 continue
             if steps.lookups is not None:
                 continue  # its hooks open the masked lookups' mode around its body (local_ops.py)
+            if path in rec.losses or self.parent.get(path) in rec.losses:
+                # Its hooks (or its callees' hooks) turn the local losses' mode on and off around its
+                # body: without them the mode would stay on through everything the body calls.
+                continue
             if steps.wrap_in or steps.wrap_out or steps.placed_in or steps.placed_out:
                 continue
             if set(mod._forward_pre_hooks) | set(mod._forward_hooks) != own:

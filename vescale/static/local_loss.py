@@ -1,0 +1,245 @@
+"""Local kernel for the cross-entropy loss: a static module computes its loss on local shards.
+
+Two layouts of a ``cross_entropy(logits, target)`` call make DTensor leave the local shards: the
+logits' *classes* sharded on a mesh dim (a vocabulary-parallel LM head whose output stays split),
+where DTensor gathers the whole vocabulary for ``log_softmax``; and their *rows* sharded by data
+parallelism with ``reduction="mean"``, where ``vescale.dispatch.semantics`` divides each rank's sum
+by the label count all-reduced over the ranks. Either kept the module computing the loss (the model's
+root, usually) eager in Static Eager mode, and with it every boundary around its children.
+
+The recorded facts fix both, so static steps run the loss on the local shards instead:
+
+* **Recording** (``LossWatch``): while the recording step's forward runs, calls of
+  ``F.cross_entropy`` on a DTensor are classified (``loss_kernel``). One the kernel can run is
+  recorded for the calling module (its k-th call), and the recording runs the kernel itself on the
+  DTensors' local shards (``LocalLoss.on_dtensors``), with the op watcher looking away: its ops are
+  the kernel's, not the module's own, and the gradient reaches the logits in their own layout, as
+  in static steps (DTensor's gather would hand it back whole). Any other call is left to the op
+  watcher.
+* **Static steps** (``LocalLosses``, on while such a module's own body runs): the k-th call runs
+  ``LocalLoss``. Sharded classes: each rank's log-sum-exp and target logit of every row are gathered
+  over the class dim (one all-gather of two numbers a row, where DTensor gathers the logits), the
+  rows' losses follow; backward is ``softmax - one_hot`` on the local classes, no communication.
+  Sharded rows: the sum over local rows divided by the label count all-reduced over the row dims
+  (the collective eager mode issues): a ``Partial`` sum, as recorded. Values match the eager step
+  up to the order of floating-point sums (log-sum-exp per shard, then over shards).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.overrides import TorchFunctionMode
+
+from ..comm import direct
+from ..plan.ir import PlanError
+from .random_gate import exit_function_mode
+
+__all__ = ["LocalLoss", "loss_kernel", "LossWatch", "LocalLosses"]
+
+_ARGS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
+_DEFAULTS = (None, None, None, None, -100, None, "mean", 0.0)
+
+
+def _cross_entropy_args(args, kwargs) -> dict:
+    values = dict(zip(_ARGS, _DEFAULTS))
+    values.update(zip(_ARGS, args))
+    values.update(kwargs)
+    return values
+
+
+@dataclass(frozen=True)
+class LocalLoss:
+    """A recorded cross entropy: classes sharded on ``class_dim`` (None: whole), this rank holding
+    classes ``offset .. offset + classes`` of ``total``; rows sharded on ``row_dims``."""
+
+    mesh: object
+    class_dim: int | None
+    offset: int
+    classes: int
+    total: int
+    row_dims: tuple
+    reduction: str
+    ignore_index: int
+
+    def __call__(self, logits: torch.Tensor, target: torch.Tensor, call: dict) -> torch.Tensor:
+        self._check(logits, target, call)
+        if self.class_dim is None:
+            total = F.cross_entropy(logits, target, ignore_index=self.ignore_index, reduction="sum")
+        else:
+            total = _ClassParallelLoss.apply(logits, target, self).sum()
+        if self.reduction == "sum":
+            return total
+        count = (target != self.ignore_index).sum()
+        for d in self.row_dims:  # the labels every rank of the batch counts, as eager mode all-reduces them
+            direct.all_reduce(count, self.mesh.get_group(d))
+        return total / count
+
+    def on_dtensors(self, call: dict) -> DTensor:
+        """The recording step's loss: this kernel on the local shards, the result a DTensor laid out
+        as eager mode's (a sum Partial over the row dims, whole elsewhere). So the recording sees the
+        gradient arrive in the logits' own layout, as static steps will."""
+        logits, target = call["input"], call["target"]
+        local = logits.to_local(grad_placements=logits.placements)
+        out = self(local, target.to_local() if isinstance(target, DTensor) else target, call)
+        placements = tuple(Partial("sum") if d in self.row_dims else Replicate() for d in range(self.mesh.ndim))
+        return DTensor.from_local(out, self.mesh, placements, run_check=False)
+
+    def _check(self, logits, target, call: dict) -> None:
+        if (call["reduction"], call["ignore_index"]) != (self.reduction, self.ignore_index):
+            raise PlanError(
+                f"cross_entropy(reduction={call['reduction']!r}, ignore_index={call['ignore_index']}) in a static step "
+                f"was recorded as reduction={self.reduction!r}, ignore_index={self.ignore_index}; a module must call "
+                f"its loss the same way every step (or stay on DTensors with plan.eager)"
+            )
+        if logits.ndim != 2 or logits.shape[1] != self.classes or target.shape != logits.shape[:1]:
+            raise PlanError(
+                f"cross_entropy on local logits {tuple(logits.shape)} and targets {tuple(target.shape)} in a static "
+                f"step; recorded: (rows, {self.classes}) logits with one target a row. Keep the module on DTensors "
+                f"with plan.eager(...)"
+            )
+
+
+class _ClassParallelLoss(torch.autograd.Function):
+    """Per-row cross entropy of logits whose classes are split over a mesh dim (0 on ignored rows)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, kernel: LocalLoss):
+        x = logits.float()
+        valid = target != kernel.ignore_index
+        local = target - kernel.offset
+        mine = valid & (local >= 0) & (local < kernel.classes)
+        index = torch.where(mine, local, 0).unsqueeze(1)
+        top = x.amax(1, keepdim=True)
+        own_lse = (x - top).exp().sum(1).log() + top.squeeze(1)
+        own_pick = torch.where(mine, x.gather(1, index).squeeze(1), 0.0)
+        group = kernel.mesh.get_group(kernel.class_dim)
+        both = torch.stack((own_lse, own_pick))
+        gathered = both.new_empty((group.size() * 2, both.shape[1]))  # members' pairs of rows, in rank order
+        direct.all_gather(gathered, both, group)
+        gathered = gathered.view(group.size(), 2, -1)
+        lse = torch.logsumexp(gathered[:, 0], 0)
+        picked = gathered[:, 1].sum(0)  # one rank holds each row's target; the others add zeros
+        in_range = ~valid | ((target >= 0) & (target < kernel.total))
+        torch._assert_async(in_range.all(), "cross_entropy: a target is outside the classes (as single device reports)")
+        ctx.save_for_backward(x, lse, index, mine, valid)
+        ctx.dtype = logits.dtype
+        return torch.where(valid, lse - picked, 0.0).to(logits.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, lse, index, mine, valid = ctx.saved_tensors
+        probs = (x - lse.unsqueeze(1)).exp()
+        probs.scatter_add_(1, index, -mine.to(probs.dtype).unsqueeze(1))
+        scale = torch.where(valid, grad.float(), 0.0).unsqueeze(1)
+        return (probs * scale).to(ctx.dtype), None, None
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Recording
+# ---------------------------------------------------------------------------------------------
+
+
+def loss_kernel(call: dict) -> LocalLoss | None:
+    """The ``LocalLoss`` for a ``cross_entropy`` call on DTensor logits (``call``: its arguments by
+    name), or None where the kernel does not apply (the op watcher then judges its ops)."""
+    logits, target = call["input"], call["target"]
+    if not isinstance(logits, DTensor) or logits.ndim != 2 or not isinstance(target, torch.Tensor):
+        return None
+    if target.ndim != 1 or target.is_floating_point() or call["weight"] is not None:
+        return None  # class probabilities or class weights: not written here
+    if call["size_average"] is not None or call["reduce"] is not None or call["label_smoothing"] != 0.0:
+        return None
+    if call["reduction"] not in ("mean", "sum"):
+        return None
+    mesh, placements = logits.device_mesh, logits.placements
+    target_placements = target.placements if isinstance(target, DTensor) else (Replicate(),) * mesh.ndim
+    if isinstance(target, DTensor) and target.device_mesh != mesh:
+        return None
+    class_dims, row_dims = [], []
+    for d, (p, t) in enumerate(zip(placements, target_placements)):
+        if mesh.size(d) == 1:
+            continue
+        if p == Shard(0) and t == Shard(0):
+            row_dims.append(d)
+        elif p in (Shard(1), Shard(-1)) and t.is_replicate():
+            class_dims.append(d)
+        elif not (p.is_replicate() and t.is_replicate()):
+            return None
+    if len(class_dims) > 1 or not (class_dims or row_dims):
+        return None  # nothing to do (the ops run locally as they are), or classes split twice
+    shape, offset = compute_local_shape_and_global_offset(logits.shape, mesh, placements)
+    return LocalLoss(mesh, class_dims[0] if class_dims else None, int(offset[1]), int(shape[1]), int(logits.shape[1]),
+                     tuple(row_dims), call["reduction"], int(call["ignore_index"]))
+
+
+class LossWatch(TorchFunctionMode):
+    """Recording forward: notes each ``F.cross_entropy`` call of the running module's own body
+    (``module()``), a ``LocalLoss`` or None (left to the op watcher), into ``losses`` (module path ->
+    list by call), and runs the kernels on the DTensors' local shards; ``own_ops_off()`` is a
+    context in which the op watcher does not see the module's ops."""
+
+    def __init__(self, module, losses: dict, own_ops_off):
+        super().__init__()
+        self.module, self.losses, self.own_ops_off = module, losses, own_ops_off
+
+    def close(self) -> None:
+        exit_function_mode(self)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        path = self.module() if func is F.cross_entropy else None
+        if path is None:
+            return func(*args, **kwargs)
+        kernel = loss_kernel(_cross_entropy_args(args, kwargs))
+        self.losses.setdefault(path, []).append(kernel)
+        if kernel is None:
+            return func(*args, **kwargs)
+        with self.own_ops_off():
+            return kernel.on_dtensors(_cross_entropy_args(args, kwargs))
+
+
+# ---------------------------------------------------------------------------------------------
+# Static steps
+# ---------------------------------------------------------------------------------------------
+
+
+class LocalLosses(TorchFunctionMode):
+    """On while the body of a module with recorded losses runs (``turn``): in each step, its k-th
+    ``F.cross_entropy`` call runs its k-th recorded kernel (None: the call as it is)."""
+
+    def __init__(self, losses: dict, own_ops_off):
+        super().__init__()
+        self.losses, self.own_ops_off = losses, own_ops_off  # module path -> [LocalLoss | None] by call
+        self.path = None
+        self.calls: dict = {}  # module path -> its calls so far in this step
+        self.on = False
+
+    def turn(self, path: str | None) -> None:
+        """On for the running body ``path`` if it has recorded losses, else off."""
+        on = path in self.losses
+        self.path = path if on else None
+        if on != self.on:
+            self.on = on
+            if on:
+                self.__enter__()
+            else:
+                exit_function_mode(self)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.cross_entropy:
+            return func(*args, **kwargs)
+        kernels = self.losses[self.path]
+        k = self.calls[self.path] = self.calls.get(self.path, -1) + 1
+        kernel = kernels[k] if k < len(kernels) else None
+        if kernel is None:
+            return func(*args, **kwargs)
+        call = _cross_entropy_args(args, kwargs)
+        with self.own_ops_off():
+            return kernel(call["input"], call["target"], call)
