@@ -9,26 +9,29 @@ specs (and the gradient specs, moves and random replays made from them) and the 
 sized ops. So when a new key differs from a recorded one only in tensor sizes (same tensors,
 dtypes, ranks and training flags), ``derive`` copies the record with every size left open.
 
-How a size is settled. Each root input dim that changed gives a factor new/old (and each product of
-the changed dims of one input: a ``(batch, seq)`` input flattened to ``batch * seq`` rows in the loss
-changes by both). A recorded global dim of size ``v`` becomes the set of *candidates* ``v`` (a dim
-not derived from the input: hidden, heads, vocab) and ``v * factor`` (one derived from it). Which
+How a size is settled. Each root input dim that changed gives a pair old -> new (and so does each
+product of the changed dims of one input: a ``(batch, seq)`` input flattened to ``batch * seq`` rows
+in the loss changes by both). A recorded global dim of size ``v`` becomes the set of *candidates*
+``v`` (a dim not derived from the input: hidden, heads, vocab) and, where ``v = k * old``, ``k * new``
+(one derived from it: seq, batch * seq, 4 * seq). Which
 one it is cannot be told from the record (``head_dim == seq``: the zoo LLaMA's rotary (1, 16, 16)),
 so the first static step of the derived record settles each spec from the tensor that actually
 crosses there: its local size picks the candidate whose shard has that size. Every candidate of a
 sharded dim must divide evenly by the ranks sharding it, checked before the step from the root
 shapes alone, so every rank settles the same way and the local size identifies one candidate.
-That step runs with the op watcher checking, as a recorded record's first static step does: a
-crossing or a sized op whose local size fits no candidate, or a DTensor arriving from an eager
-module with other placements than recorded, raises ``ResizeMismatch`` naming the spot; the runtime
-then forgets the derived record and the step, run again, records (nothing of the failed step is
-kept).
+A crossing whose local size fits no candidate, or a DTensor arriving from an eager module with
+other placements or shape than derived, raises ``ResizeMismatch`` naming the spot; the runtime then
+forgets the derived record and the step, run again, records (nothing of the failed step is kept but
+its random draws). Where the source record's own first static step has not run yet, the derived
+one's first step also runs the op watcher, checking each sized op's local shape against its
+candidates (``ShapeCandidates``); otherwise it runs without (``checked_before``).
 
 When it does not derive (and the step records as before): an uneven shard for some candidate
 (the mesh does not divide the new length), a changed dim of size 1 (unit dims change DTensor's
-decisions), a sharded dim with a placement other than ``Shard`` whose size would change, strides
-that are not a dense layout of the shape, or ops with data-dependent output sizes in the recording
-(``nonzero``, ``.item()``, boolean indexing: MoE routing), whose sizes no factor describes.
+decisions), a sharded dim with a placement other than ``Shard`` whose size would change, a view with
+gaps whose outermost dim is not the one that may change (its strides for other sizes are unknown),
+or ops with data-dependent output sizes in the recording (``nonzero``, ``.item()`` of a number,
+boolean indexing, ``bincount``: routing by token lists), whose sizes no pair describes.
 
 Parameters keep their shapes: parameter gradient specs, ``ParamShadow``s, masked vocabulary
 lookups and local cross-entropy kernels (their class counts are the vocabulary's; rows are not

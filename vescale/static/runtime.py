@@ -634,7 +634,7 @@ class StaticRuntime:
         self._new_record(key, frozenset(last.assumed_eager | set(last.unsafe)) if last is not None else frozenset())
 
     def _derive(self, key) -> Record | None:
-        """A record for ``key`` derived from the latest verified recorded one that differs from it in
+        """A record for ``key`` derived from the latest complete recorded one that differs from it in
         sizes only (``resize.py``), or None (the step records)."""
         if key in self.refused:
             return None
