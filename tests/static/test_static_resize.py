@@ -81,11 +81,13 @@ def _counters(rt) -> tuple:
 
 def _fixed_steps(model, lengths) -> list:
     """(length, loss, gradients, counters) of each step; no update, so every step at one length
-    computes the same thing (its masks are drawn from a seed of the length)."""
+    computes the same thing (its masks are drawn from a seed of the length). A length is a sequence
+    length (batch 4) or a (batch, sequence length) pair."""
     rt, out = model._vescale_static, []
     for seq in lengths:
-        (x, y), = synthetic_batches(1, 4, seq, 128, seed=seq)
-        vescale.manual_seed(seq)
+        batch, length = seq if isinstance(seq, tuple) else (4, seq)
+        (x, y), = synthetic_batches(1, batch, length, 128, seed=length)
+        vescale.manual_seed(batch * length)
         with consistent():
             loss = model(input_ids=x, labels=y).loss
         loss.backward()
@@ -95,20 +97,26 @@ def _fixed_steps(model, lengths) -> list:
     return out
 
 
-def _bitwise(name: str, config: str):
+BITWISE_LENGTHS = ((16, 16, 24, 16, 40, 40), (16, 16, 24, 24, 16, 40, 40))  # reuse on, reuse off
+# Batch and length at once: dims of batch * length (the loss's rows) change by both.
+BATCH_AND_LENGTH = (((4, 16), (4, 16), (6, 24), (4, 16), (8, 40), (8, 40)),
+                    ((4, 16), (4, 16), (6, 24), (6, 24), (4, 16), (8, 40), (8, 40)))
+
+
+def _bitwise(name: str, config: str, lengths=BITWISE_LENGTHS):
     _quiet_logs()
-    reused = _fixed_steps(_parallel(name, config, True), [16, 16, 24, 16, 40, 40])
-    recorded = _fixed_steps(_parallel(name, config, False), [16, 16, 24, 24, 16, 40, 40])
+    reused = _fixed_steps(_parallel(name, config, True), lengths[0])
+    recorded = _fixed_steps(_parallel(name, config, False), lengths[1])
     return reused, recorded
 
 
 @functools.cache
-def _bitwise_results(name: str, config: str):
-    return run_on_ranks(_bitwise, CONFIGS[config][0], name, config)[0]
+def _bitwise_results(name: str, config: str, lengths=BITWISE_LENGTHS):
+    return run_on_ranks(_bitwise, CONFIGS[config][0], name, config, lengths)[0]
 
 
-def _check_bitwise(name: str, config: str) -> None:
-    reused, recorded = _bitwise_results(name, config)
+def _check_bitwise(name: str, config: str, lengths=BITWISE_LENGTHS) -> None:
+    reused, recorded = _bitwise_results(name, config, lengths)
     static_at = {seq: (loss, grads) for seq, loss, grads, _ in recorded}  # the last step per length: static
     first_recorded = reused[1][3][0]
     for i, (seq, loss, grads, counters) in enumerate(reused[2:], start=2):
@@ -117,7 +125,7 @@ def _check_bitwise(name: str, config: str) -> None:
         differ = [n for n in grads if not torch.equal(grads[n], ref_grads[n])]
         assert not differ, f"{name} {config}: step {i} (length {seq}) gradients differ from a recorded record's: {differ[:4]}"
         assert counters[0] == first_recorded, f"{name} {config}: step {i} recorded: {counters}"
-    assert reused[-1][3][2] == 2, f"{name} {config}: derived {reused[-1][3][2]} records, want 2 (24 and 40)"
+    assert reused[-1][3][2] == 2, f"{name} {config}: derived {reused[-1][3][2]} records, want 2 (the two new lengths)"
     assert recorded[-1][3][2] == 0, "reuse_records=False derived a record"
 
 
@@ -129,6 +137,11 @@ def test_derived_record_is_bit_for_bit_a_recorded_one_tp2():
 @pytest.mark.multiproc
 def test_derived_record_is_bit_for_bit_a_recorded_one_dp2tp2_zero3():
     _check_bitwise("ours", "DP=2xTP=2+SP+ZeRO-3")
+
+
+@pytest.mark.multiproc
+def test_new_batch_and_length_together_dp2tp2_zero3():
+    _check_bitwise("ours", "DP=2xTP=2+SP+ZeRO-3", BATCH_AND_LENGTH)
 
 
 # ---------------------------------------------------------------------------------------------
