@@ -48,6 +48,7 @@ import torch
 from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..plan.ir import PlanError
 
@@ -223,15 +224,19 @@ class Pending:
             raise self._mismatch(local_shape)
         shape = []
         for size, options, n in zip(local_shape, self.candidates, self.counts):
-            if len(options) == 1 and (n is None or options[0] % n):
-                shape.append(options[0])  # unchanged, and split unevenly or Shard-like: DTensor's business
-                continue
-            fit = [c for c in options if c // n == size]  # every candidate of an open dim divides by n
+            # An open dim is split by plain Shards only, and every candidate evenly (``_open``).
+            fit = [c for c in options if c // n == size] if len(options) > 1 else list(options)
             if not fit:
                 raise self._mismatch(local_shape)
             shape.append(fit[0])
-        self.settled = self._spec_for(tuple(shape))
-        return self.settled
+        # Every dim, open or not, must give this rank's shard its size (DTensor's own arithmetic:
+        # uneven and Shard-like dims too), or the tensor is not the one derived for this spot.
+        spec = self._spec_for(tuple(shape))
+        local, _ = compute_local_shape_and_global_offset(spec.shape, spec.mesh, spec.placements, skip_offset=True)
+        if tuple(local) != tuple(local_shape):
+            raise self._mismatch(local_shape)
+        self.settled = spec
+        return spec
 
     def settle_global(self, shape: tuple) -> DTensorSpec:
         """The spec with global ``shape`` (a move's target: the same global tensor as its source)."""
