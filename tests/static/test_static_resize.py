@@ -351,3 +351,45 @@ def test_moe_new_length_stays_right(config):
     assert recorded == out["counters"][1][0] and derived == 1, f"(recorded, static, derived) {out['counters']} ({why})"
     for step, (a, b) in enumerate(zip(out["losses"], one["losses"])):
         assert abs(a - b) <= TOL, f"step {step} loss {a} vs single device {b}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The size arithmetic (no ranks)
+# ---------------------------------------------------------------------------------------------
+
+
+def _key(*shapes, dtype=torch.int64, training=(True,)):
+    return tuple((s, dtype) for s in shapes), training
+
+
+def test_size_factors_pair_each_changed_dim_and_their_products():
+    from vescale.static.resize import size_factors
+
+    assert size_factors(_key((4, 16), (4, 16)), _key((4, 24), (4, 24))) == ((16, 24),)
+    assert set(size_factors(_key((4, 16)), _key((6, 24)))) == {(4, 6), (16, 24), (64, 144)}
+    assert size_factors(_key((4, 16)), _key((4, 16), (4, 16))) is None  # another tensor count
+    assert size_factors(_key((4, 16)), _key((4, 24), dtype=torch.int32)) is None  # another dtype
+    assert size_factors(_key((4, 16)), _key((4, 24), training=(False,))) is None  # another training flag
+    assert size_factors(_key((4, 16)), _key((1, 16))) is None  # a unit dim: DTensor decides otherwise
+    assert size_factors(_key((4, 16)), _key((4, 16, 1))) is None  # another rank
+
+
+def test_candidates_are_whole_multiples_of_the_changed_dims():
+    from vescale.static.resize import _candidates, _local_candidates
+
+    pairs = ((16, 24),)
+    assert _candidates(16, pairs) == (16, 24)  # seq (or a head_dim of 16: the first step tells)
+    assert _candidates(64, pairs) == (64, 96)  # 4 * seq, or hidden
+    assert _candidates(8, pairs) == (8,)  # a head count is no fraction of seq
+    assert _local_candidates(8, pairs) == (8, 12)  # but a shard of seq is
+
+
+def test_only_sizes_from_values_are_data_dependent():
+    from vescale.static.resize import data_dependent_op
+
+    aten = torch.ops.aten
+    assert data_dependent_op(aten._local_scalar_dense.default, (torch.tensor(3),))
+    assert not data_dependent_op(aten._local_scalar_dense.default, (torch.tensor(True),))  # control flow
+    assert data_dependent_op(aten.nonzero.default, (torch.ones(3),))
+    assert data_dependent_op(aten.index.Tensor, (torch.ones(3), [torch.tensor([True, False, True])]))
+    assert not data_dependent_op(aten.index.Tensor, (torch.ones(3), [torch.tensor([0, 2])]))
