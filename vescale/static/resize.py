@@ -321,8 +321,9 @@ class LazyMove:
                 self.dst.pending = None
             src, dst = self.src, self.dst
             key = (src.spec, dst.spec, dst.grad_placements, src.leave_grad)
-            moves = self.shared.moves
-            self.move = moves[key] if key in moves else moves.setdefault(key, self.make_move(src, dst))
+            self.move = self.shared.moves.get(key)
+            if self.move is None:
+                self.move = self.shared.moves[key] = self.make_move(src, dst)
         return self.move(t)
 
 

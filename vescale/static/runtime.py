@@ -661,9 +661,13 @@ class StaticRuntime:
             if rec.resized_from is not None:
                 resize.finish(rec)
         elif rec.resized_from is not None:
-            for key in [k for k, r in self.records.items() if r is rec]:
-                del self.records[key]
-                self.refused.add(key)
+            self._forget(rec)
+
+    def _forget(self, rec: Record) -> None:
+        """Drop the derived record ``rec``: its key records next time."""
+        for key in [k for k, r in self.records.items() if r is rec]:
+            del self.records[key]
+            self.refused.add(key)
             self.resized_records -= 1
 
     def _new_record(self, key, assumed_eager: frozenset) -> Record:
@@ -693,6 +697,8 @@ class StaticRuntime:
         self._close_losses()
         self._restore_at_root()
         ok = sys.exc_info()[0] is None  # not while forward's exception unwinds
+        if isinstance(sys.exc_info()[1], resize.ResizeMismatch) and self.record is not None and self.record.resized_from is not None:
+            self._forget(self.record)  # a spot its first step did not reach (verifying is over)
         try:
             if replay is not None and ok:
                 replay.finish()
