@@ -18,7 +18,8 @@ same model's own arithmetic. Variants, interleaved round by round in one run:
 
 Printed: steady step time (median and the 25-75% spread over rounds) and its ratio to ``local``
 and to ``torch``; the first step of a fresh model with cold sharding caches; a step with a new
-sequence length against a repeated one (static mode records again for new shapes). ``--gloo``
+sequence length against a repeated one (static mode derives the new length's record from a
+recorded one, ``vescale/static/resize.py``; ``reuse_records = False`` on its runtime records again). ``--gloo``
 runs the same on real gloo ranks (one process each; ``local`` is ``megatron_local.MegatronLlama``
 there, left out for ``--model moe``; 4 ranks oversubscribe 2 cores, so read ratios, not
 absolutes). Run:

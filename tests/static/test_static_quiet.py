@@ -38,6 +38,7 @@ def _train(quiet: bool) -> dict:
     vescale.parallelize(model, llama_plan(mesh, model.config, sequence_parallel=True), mesh, mode="static")
     rt = model._vescale_static
     rt.quiet_modules = quiet
+    rt.reuse_records = False  # the new length records (a derived record would run quiet from its first step)
     modules = dict(model.named_modules())
     silenced_seen: list[set] = []
 

@@ -196,7 +196,8 @@ class LossWatch(TorchFunctionMode):
         path = self.module() if func is F.cross_entropy else None
         if path is None:
             return func(*args, **kwargs)
-        kernel = loss_kernel(_cross_entropy_args(args, kwargs))
+        with self.own_ops_off():  # classifying runs ops (DTensor's offset arithmetic) of the runtime's own
+            kernel = loss_kernel(_cross_entropy_args(args, kwargs))
         self.losses.setdefault(path, []).append(kernel)
         if kernel is None:
             return func(*args, **kwargs)

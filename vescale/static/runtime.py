@@ -20,7 +20,10 @@ vocabulary-parallel lookup into the module's own table, which static steps run m
 rows (``local_ops.py``). Ops whose size arguments DTensor rewrites to local
 sizes (view, reshape, expand, new_zeros, ...) are fine when the model derives sizes from its tensors;
 their local shapes are recorded and the first static step checks them. Once that step's backward
-has finished, later steps with the same input shapes run ``STATIC``; a new shape records again.
+has finished, later steps with the same input shapes run ``STATIC``. New input shapes that differ
+from a recorded record's only in sizes (a new sequence length) derive their record from it instead
+of recording (``resize.py``: sizes left open, settled by the first step's tensors); other new
+shapes, and those it refuses, record again.
 
 Every static step computes what the eager step computes: the same local ops on the same local
 values, and the same DTensor operations at the same boundaries.
@@ -47,7 +50,7 @@ from ..parallel.faults import _first_line
 from ..parallel.hooks import IO_PLACED
 from ..plan.ir import PlanError
 from ..parallel.placing import grad_layout
-from . import averaged
+from . import averaged, resize
 from .boundary import HandOvers, Move, ParamShadow, dtensor_of, grad_spec, local_of, settled_on_unit_dims
 from .random_gate import CallTracker, RandomGate
 from .local_loss import LocalLosses, LossWatch
@@ -77,6 +80,9 @@ class Crossing:
     # What the wrap divides the local gradient by: the ranks an averaged Partial averages over
     # (``vescale.static.averaged``), 1 otherwise; set with wrap_grad.
     wrap_divisor: int = 1
+    # In a record derived for new input sizes (resize.py): the recorded spec with its sizes open,
+    # settled (and ``spec`` replaced) by the first tensor crossing here.
+    pending: resize.Pending | None = None
 
 
 @dataclass
@@ -111,6 +117,10 @@ class Record:
     # first static step has learnt them; empty where they cannot be told (the replay then watches
     # whole drawing bodies).
     random_funcs: frozenset | None = None
+    # module path -> an op of its body whose output size depends on values (no record is derived from this one)
+    data_dependent: dict = field(default_factory=dict)
+    verified: bool = False  # its first static step's forward ran through (checked)
+    resized_from: "Record | None" = None  # derived from this recorded record for other input sizes (resize.py)
 
 
 @dataclass
@@ -239,6 +249,8 @@ class _OpWatcher(TorchDispatchMode):
             if is_dtensor_op and not self.checking:
                 self._check_backward(func, args, kwargs)
             return func(*args, **kwargs)
+        if not self.checking and resize.data_dependent_op(func, args):
+            self.record.data_dependent.setdefault(module, str(func))
         if not self.checking and is_dtensor_op and func in DTensor._op_dispatcher._random_ops:
             # Drawn in static steps too, from the specs recorded here (see _RandomReplay).
             specs = [_spec_of(a) for a in args if isinstance(a, torch.Tensor)]
@@ -319,7 +331,10 @@ class _OpWatcher(TorchDispatchMode):
             return
         k = self.seen[module] = self.seen.get(module, 0) + 1
         want = shapes[k - 1] if k <= len(shapes) else None
-        if want is not None and _local_shape(out) != want:
+        if isinstance(want, resize.ShapeCandidates):  # a derived record: sizes open, settled here
+            want.check(module, func, _local_shape(out))
+            shapes[k - 1] = _local_shape(out)
+        elif want is not None and _local_shape(out) != want:
             raise PlanError(
                 f"module {module!r}: {func} gives a local shape {_local_shape(out)} in Static Eager "
                 f"mode but {want} on DTensors: the module computes a size that sharding changes (a "
@@ -394,13 +409,14 @@ class _RandomReplay(TorchDispatchMode):
                 f"module {module!r} drew more random numbers in a static step than when it was recorded; "
                 f"keep it on DTensors with plan.eager({module!r})"
             )
-        specs = iter(recorded[k - 1])
+        specs = recorded[k - 1]
 
-        def as_recorded(a):
-            spec = next(specs) if isinstance(a, torch.Tensor) else None
+        def as_recorded(j, a):
+            spec = resize.replay_spec(specs, j, a) if isinstance(a, torch.Tensor) else None
             return DTensor(a, spec, requires_grad=False) if spec is not None else a
 
-        out = func(*[as_recorded(a) for a in args], **kwargs)
+        tensors = iter(range(len(specs)))  # the specs were recorded for the tensor arguments, in order
+        out = func(*[as_recorded(next(tensors), a) if isinstance(a, torch.Tensor) else a for a in args], **kwargs)
         if isinstance(out, (tuple, list)):
             return type(out)(o._local_tensor if isinstance(o, DTensor) else o for o in out)
         return out._local_tensor if isinstance(out, DTensor) else out
@@ -454,6 +470,8 @@ def _wrap(t: torch.Tensor, c: Crossing | None):
     """A local tensor standing for the DTensor recorded at this spot, as that DTensor."""
     if c is None or c.spec is None or isinstance(t, DTensor):
         return t
+    if c.pending is not None:  # a derived record's first step: the sizes follow this tensor
+        resize.settle(c, t)
     if c.wrap_grad is None:
         c.wrap_grad = grad_spec(c.spec, c.leave_grad)
         c.wrap_divisor = averaged.wrap_divisor(c.spec)
@@ -479,6 +497,8 @@ def _unwrap(t: torch.Tensor, c: Crossing | None):
         return t
     if c is None:
         return t.to_local()
+    if c.pending is not None:  # a derived record's first step: this DTensor must be as derived
+        resize.settle(c, t)
     if c.unwrap_grad is None:
         c.unwrap_grad = grad_spec(t._spec, c.grad_placements)
     return local_of(t, c.unwrap_grad)
@@ -518,6 +538,13 @@ class StaticRuntime:
         self.loss_watch: LossWatch | None = None  # a recording forward's (local_loss.py)
         self.local_losses: LocalLosses | None = None  # a static forward's, with losses to run locally
         self.static_steps = self.recorded_steps = 0
+        # New input sizes derive their record from a recorded one where only sizes differ (resize.py);
+        # False: every new key records (tests compare the two bit for bit).
+        self.reuse_records = True
+        self.resized_records = 0  # records derived so far
+        self.last_refusal: str | None = None  # why the last new key could not derive its record
+        self.verifying: Record | None = None  # the record whose first static step runs now
+        self.refused: set = set()  # keys whose derived record failed its first step: they record
         # Parameter -> {id(gradient spec): ParamShadow}; weak, so a dropped parameter takes its shadows along.
         self.shadows = WeakIdKeyDictionary()
         # Quiet modules (see _find_quiet): the ids of the hooks install_static put on each module,
@@ -570,11 +597,15 @@ class StaticRuntime:
         self._close_replay()
         self._close_losses()
         self._restore_at_root()  # left over only if the last forward's cleanup did not run
+        if self.verifying is not None:  # the same: its first step did not run through
+            self._verified(False)
         if not torch.is_grad_enabled():
             # An evaluation forward: runs eagerly, records nothing, keeps the training records.
             self.state, self.record = None, None
             return
         rec = self.records.get(key)
+        if rec is None and self.reuse_records:
+            rec = self._derive(key)
         if rec is not None and rec.complete and not set(rec.unsafe) <= rec.assumed_eager:
             # It found modules that must be eager: record again, running those eagerly, until the
             # set is stable (the boundaries, and so the gradients' layouts, depend on it).
@@ -591,7 +622,9 @@ class StaticRuntime:
                 self.local_losses = LocalLosses(losses, self.own_ops_off)
             if not rec.checked:
                 rec.checked = True
-                self._open_watcher(checking=True)
+                self.verifying = rec
+                if not resize.checked_before(rec):  # see resize.py: a derived record checks at its crossings
+                    self._open_watcher(checking=True)
             elif rec.quiet is None:
                 rec.quiet = self._find_quiet(rec)
             return
@@ -599,6 +632,43 @@ class StaticRuntime:
         # model code decides them, whatever the sizes), so one recording step usually suffices.
         last = self.latest()
         self._new_record(key, frozenset(last.assumed_eager | set(last.unsafe)) if last is not None else frozenset())
+
+    def _derive(self, key) -> Record | None:
+        """A record for ``key`` derived from the latest complete recorded one that differs from it in
+        sizes only (``resize.py``), or None (the step records)."""
+        if key in self.refused:
+            return None
+        for old_key, old in reversed(list(self.records.items())):
+            if old.resized_from is not None or not old.complete or not set(old.unsafe) <= old.assumed_eager:
+                continue
+            factors = resize.size_factors(old_key, key)
+            if factors is None:
+                continue
+            rec, self.last_refusal = resize.derive(old, factors, Record, Crossing)
+            if rec is not None:
+                self.records[key] = rec
+                self.resized_records += 1
+            return rec
+        self.last_refusal = "no recorded record differs from these inputs in sizes only"
+        return None
+
+    def _verified(self, ok: bool) -> None:
+        """The end of a record's first static forward: ``ok`` if it ran through. A derived record whose
+        first step failed is forgotten, and its key records next time."""
+        rec, self.verifying = self.verifying, None
+        if ok:
+            rec.verified = True
+            if rec.resized_from is not None:
+                resize.finish(rec)
+        elif rec.resized_from is not None:
+            self._forget(rec)
+
+    def _forget(self, rec: Record) -> None:
+        """Drop the derived record ``rec``: its key records next time."""
+        for key in [k for k, r in self.records.items() if r is rec]:
+            del self.records[key]
+            self.refused.add(key)
+            self.resized_records -= 1
 
     def _new_record(self, key, assumed_eager: frozenset) -> Record:
         self.state, self.record = State.RECORD, Record(assumed_eager=assumed_eager)
@@ -626,8 +696,18 @@ class StaticRuntime:
         self._close_replay()
         self._close_losses()
         self._restore_at_root()
-        if replay is not None and sys.exc_info()[0] is None:  # not while forward's exception unwinds
-            replay.finish()
+        ok = sys.exc_info()[0] is None  # not while forward's exception unwinds
+        if isinstance(sys.exc_info()[1], resize.ResizeMismatch) and self.record is not None and self.record.resized_from is not None:
+            self._forget(self.record)  # a spot its first step did not reach (verifying is over)
+        try:
+            if replay is not None and ok:
+                replay.finish()
+        except BaseException:
+            ok = False
+            raise
+        finally:
+            if self.verifying is not None:
+                self._verified(ok)
 
     def _close_replay(self) -> None:
         if self.replay is not None:
@@ -1154,6 +1234,8 @@ def _compile_moves(crossings: dict, path: str, src: str, dst: str) -> list | Non
             return None
         elif averaged.averaged_dims(a.spec) or averaged.averaged_dims(b.spec):
             return None  # wrapped instead: the wrap divides its gradient (vescale.static.averaged)
+        elif a.pending is not None or b.pending is not None:  # sizes settle at the first call
+            moves.append(resize.LazyMove(a, b, lambda a, b: Move(a.spec, b.spec, b.grad_placements, a.leave_grad)))
         else:
             moves.append(Move(a.spec, b.spec, b.grad_placements, a.leave_grad))
     return moves
