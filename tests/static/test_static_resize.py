@@ -14,9 +14,11 @@ On gloo ranks, the zoo LLaMA with attention and residual dropout drawn under
   say so: ``resized_records`` grows, ``recorded_steps`` does not), and losses and the last gradients
   stay within 1e-5 of the single device (fp32 sums in another order) and within 1e-6 of training
   with reuse off (whose new lengths record, eagerly: the same arithmetic, reduced in another order);
-* fallbacks: a length the mesh does not divide under sequence parallelism records; a model whose
-  boundary size does not follow the input (a shifted slice, length - 1) raises ``ResizeMismatch``
-  in the derived step, leaves nothing behind, and the same step run again records and is right;
+* a boundary size that follows no factor of the input (a shifted slice, length - 1) on a dim no rank
+  splits is taken from the tensor: the record is derived and the losses are eager mode's;
+* fallbacks: a length the mesh does not divide under sequence parallelism records; where such a
+  size is split over ranks (the shifted slice sequence-sharded), the derived step raises
+  ``ResizeMismatch``, leaves nothing behind, and the same step run again records and is right;
 * a model that reads a length from values (``.item()``) records its new lengths;
 * HF's LlamaForCausalLM reuses bit for bit as the zoo model does; HF Mixtral (its default experts
   kernel routes with fixed sizes: sort, counts, ``grouped_mm`` offsets) reuses too, under DP=2 +
@@ -264,17 +266,22 @@ class _Counted(_Shifted):
         return self.second(x[:, :n]).pow(2).mean()
 
 
-def _shifted(mode: str, build=_Shifted):
+def _shifted(mode: str, build=_Shifted, split_second: bool = False, lengths=(16, 16, 24, 24)):
     mesh = vescale.init_mesh((2,), ("TP",))
     torch.manual_seed(0)
     model = build()
     plan = vescale.VescalePlan()
-    plan.shard(r"(first|second)\.up\.(weight|bias)", Shard(0), mesh="TP")
-    plan.shard(r"(first|second)\.down\.weight", Shard(1), mesh="TP")
+    # split_second: the second block gets the shifted sequence split over the ranks (its weights
+    # whole, so its body runs static on the local rows), instead of tensor-parallel weights.
+    tp_blocks = "first" if split_second else "(first|second)"
+    plan.shard(rf"{tp_blocks}\.up\.(weight|bias)", Shard(0), mesh="TP")
+    plan.shard(rf"{tp_blocks}\.down\.weight", Shard(1), mesh="TP")
+    if split_second:
+        plan.shard(r"second\.<in>", Shard(1), mesh="TP")
     vescale.parallelize(model, plan, mesh, mode=mode)
     data = torch.Generator().manual_seed(1)
     losses, raised, counters = [], [], []
-    for seq in (16, 16, 24, 24):
+    for seq in lengths:
         x = torch.randn(4, seq, 8, generator=data)
         try:
             loss = model(x)
@@ -293,14 +300,28 @@ def _shifted(mode: str, build=_Shifted):
     return losses, raised, counters, last_refusal
 
 
-def _shifted_both(build=_Shifted):
-    return _shifted("eager", build), _shifted("static", build)
+def _shifted_both(build=_Shifted, split_second: bool = False, lengths=(16, 16, 24, 24)):
+    return _shifted("eager", build, split_second, lengths), _shifted("static", build, split_second, lengths)
 
 
 @pytest.mark.multiproc
-def test_a_size_not_following_the_input_raises_then_records():
-    (eager, *_), (static, raised, counters, _) = run_on_ranks(_shifted_both, 2)[0]
-    assert len(raised) == 2 and "second" in raised[0] and "(4, 23, 8)" in raised[0], raised
+def test_an_unsplit_size_not_following_the_input_is_taken_from_the_tensor():
+    # 16 records (twice: the root stays eager, found by the first recording), then runs static once,
+    # which checks the record's sized ops; 24 is derived from it. (Derived from a record not yet
+    # checked, the first step checks sized ops against the factors, and this model's slice, which
+    # follows none, raises there as in the test below.)
+    lengths = (16, 16, 16, 24, 24)
+    (eager, *_), (static, raised, counters, _) = run_on_ranks(_shifted_both, 2, _Shifted, False, lengths)[0]
+    assert not raised, raised
+    assert counters[-1][0] == counters[2][0] and counters[-1][2] == 1, f"(recorded, static, derived) {counters}"
+    for a, b in zip(static, eager):
+        assert abs(a - b) <= 1e-6, (static, eager)
+
+
+@pytest.mark.multiproc
+def test_a_split_size_not_following_the_input_raises_then_records():
+    (eager, *_), (static, raised, counters, _) = run_on_ranks(_shifted_both, 2, _Shifted, True)[0]
+    assert len(raised) == 2 and "second" in raised[0] and "(4, 12, 8)" in raised[0], raised
     assert raised[1] == (0, True), f"after the mismatch: (dispatch modes left, parameters DTensors) {raised[1]}"
     # The root stays eager (found by the first recording, so 16 records twice); 24 records once.
     assert counters[-1][0] == counters[1][0] + 1 and counters[-1][2] == 0, f"(recorded, static, derived) {counters}"

@@ -16,10 +16,11 @@ in the loss changes by both). A recorded global dim of size ``v`` becomes the se
 (one derived from it: seq, batch * seq, 4 * seq). Which
 one it is cannot be told from the record (``head_dim == seq``: the zoo LLaMA's rotary (1, 16, 16)),
 so the first static step of the derived record settles each spec from the tensor that actually
-crosses there: its local size picks the candidate whose shard has that size. Every candidate of a
+crosses there: its local size picks the candidate whose shard has that size (a dim no rank splits
+takes its local size, candidate or not: a slice one shorter than the sequence). Every candidate of a
 sharded dim must divide evenly by the ranks sharding it, checked before the step from the root
 shapes alone, so every rank settles the same way and the local size identifies one candidate.
-A crossing whose local size fits no candidate, or a DTensor arriving from an eager module with
+A crossing whose local size of a split dim fits no candidate, or a DTensor arriving from an eager module with
 other placements or shape than derived, raises ``ResizeMismatch`` naming the spot; the runtime then
 forgets the derived record and the step, run again, records (nothing of the failed step is kept but
 its random draws). Where the source record's own first static step has not run yet, the derived
@@ -224,6 +225,11 @@ class Pending:
             raise self._mismatch(local_shape)
         shape = []
         for size, options, n in zip(local_shape, self.candidates, self.counts):
+            if n == 1:
+                # No rank splits this dim: its global size is the local one, whatever the record
+                # derived (a slice one shorter than the sequence, say, follows no factor).
+                shape.append(size)
+                continue
             # An open dim is split by plain Shards only, and every candidate evenly (``_open``).
             fit = [c for c in options if c // n == size] if len(options) > 1 else list(options)
             if not fit:
@@ -241,7 +247,7 @@ class Pending:
     def settle_global(self, shape: tuple) -> DTensorSpec:
         """The spec with global ``shape`` (a move's target: the same global tensor as its source)."""
         if self.settled is None:
-            if any(s not in options for s, options in zip(shape, self.candidates)):
+            if any(s not in options and n != 1 for s, options, n in zip(shape, self.candidates, self.counts)):
                 raise ResizeMismatch(f"{self.where}: global shape {shape} fits none of the sizes derived for it")
             self.settled = self._spec_for(tuple(shape))
         return self.settled
