@@ -256,6 +256,10 @@ class ShapeFreeCache:
         self.fallback = type(propagator).propagate_op_sharding_non_cached.__get__(propagator)
         self.entries: dict = {}
         self.hits = self.misses = 0
+        # While a Static Eager recording watches (``remembering``): the decision given for each schema
+        # this step, so that its question "would this op run locally?" (``local.why_rule_not_local``),
+        # asked after the op ran, does not propagate the op a second time.
+        self.recent: dict | None = None
 
     def _kind(self, op_schema: OpSchema, result: OutputSharding) -> str | None:
         """How a decision can be replayed: "plain" (runs on the local shards as they are), "moved"
@@ -316,6 +320,12 @@ class ShapeFreeCache:
         return OutputSharding(spec, suggestion, needs_redistribute=needs, use_val_from_redistribute_schema=local_args)
 
     def __call__(self, op_schema: OpSchema) -> OutputSharding:
+        result = self._decide(op_schema)
+        if self.recent is not None:
+            self.recent[op_schema] = result
+        return result
+
+    def _decide(self, op_schema: OpSchema) -> OutputSharding:
         key = _key(op_schema)
         entry = self.entries.get(key) if key is not None else None
         if entry is not None and entry is not _NEVER:

@@ -10,9 +10,11 @@ by the caller), and placement changes on mesh dims of size 1 (DP=1 in a (DP, TP)
 
 from __future__ import annotations
 
+import contextlib
+
 from torch.distributed.tensor import DTensor
 
-__all__ = ["why_rule_not_local", "moves_data"]
+__all__ = ["why_rule_not_local", "moves_data", "decisions_remembered"]
 
 
 def moves_data(src, dst) -> bool:
@@ -26,7 +28,9 @@ def why_rule_not_local(func, args, kwargs) -> str | None:
     dispatcher = DTensor._op_dispatcher
     try:
         info = dispatcher.unwrap_to_op_info(func, args, kwargs)
-        sharding = dispatcher.sharding_propagator.propagate_op_sharding(info.schema)
+        sharding = _REMEMBERED[0].get(info.schema) if _REMEMBERED else None
+        if sharding is None:
+            sharding = dispatcher.sharding_propagator.propagate_op_sharding(info.schema)
     except Exception as e:  # DTensor itself will report it when the op runs
         return f"{func} has no sharding decision ({type(e).__name__})"
     if not sharding.needs_redistribute:
@@ -35,3 +39,28 @@ def why_rule_not_local(func, args, kwargs) -> str | None:
     if not any(moves_data(a, b) for a, b in pairs if hasattr(a, "placements")):
         return None
     return f"{func} needs its inputs redistributed"
+
+
+_REMEMBERED: list = []  # the decisions dict while decisions_remembered() is open
+
+
+@contextlib.contextmanager
+def decisions_remembered():
+    """While open, DTensor's sharding decisions made below its own caches (``ShapeFreeCache``) are
+    kept, and ``why_rule_not_local`` for an op that already ran takes its decision from there:
+    DTensor's C++ cache and the Python propagator's LRU are separate, so asking the propagator
+    again after the op ran would search the op's strategies a second time (Static Eager's
+    recording asks for every op)."""
+    from .cache import shape_free_cache
+
+    cache = shape_free_cache()
+    if cache is None or _REMEMBERED:
+        yield
+        return
+    cache.recent = {}
+    _REMEMBERED.append(cache.recent)
+    try:
+        yield
+    finally:
+        _REMEMBERED.clear()
+        cache.recent = None

@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..dispatch.local import why_rule_not_local
+from ..dispatch.local import decisions_remembered, why_rule_not_local
 from ..parallel.faults import _first_line
 from ..parallel.hooks import IO_PLACED
 from ..plan.ir import PlanError
@@ -246,22 +246,19 @@ class _OpWatcher(TorchDispatchMode):
         module = self.stack[-1] if self.stack else None
         is_dtensor_op = any(issubclass(t, DTensor) for t in types)
         if module is None:
-            if is_dtensor_op and not self.checking:
+            out = func(*args, **kwargs)
+            if is_dtensor_op and not self.checking:  # after it ran, as _judge
                 self._check_backward(func, args, kwargs)
-            return func(*args, **kwargs)
+            return out
         if not self.checking and resize.data_dependent_op(func, args):
             self.record.data_dependent.setdefault(module, str(func))
+        judge = False
         if not self.checking and is_dtensor_op and func in DTensor._op_dispatcher._random_ops:
             # Drawn in static steps too, from the specs recorded here (see _RandomReplay).
             specs = [_spec_of(a) for a in args if isinstance(a, torch.Tensor)]
             self.record.random.setdefault(module, []).append(specs)
         elif not self.checking and module not in self.record.unsafe and is_dtensor_op:
-            why = _why_not_local(func, args, kwargs)
-            if why and self._masked_lookup(module, func, args, kwargs):
-                why = None  # static steps run it masked on local tensors (local_ops.py)
-            why = why or averaged.consumes_average(func, args, kwargs)
-            if why:
-                self.record.unsafe[module] = why
+            judge = True  # after it ran: its sharding decision is remembered then (decisions_remembered)
         elif self.checking and self.record.lookups and not is_dtensor_op:  # a static body's op
             check_lookup(self.record.lookups, self.record.steps, module, func)
         try:
@@ -276,9 +273,20 @@ class _OpWatcher(TorchDispatchMode):
                 f"its config, or a length read from a tensor laid out differently from the one it "
                 f"reshapes); keep it on DTensors with plan.eager({module!r})"
             ) from e
+        if judge:
+            self._judge(module, func, args, kwargs)
         if func in self.sized:
             self._check_shape(module, func, out)
         return out
+
+    def _judge(self, module: str, func, args, kwargs) -> None:
+        """Keep ``module`` eager if this op of its body cannot run on local shards."""
+        why = _why_not_local(func, args, kwargs)
+        if why and self._masked_lookup(module, func, args, kwargs):
+            why = None  # static steps run it masked on local tensors (local_ops.py)
+        why = why or averaged.consumes_average(func, args, kwargs)
+        if why:
+            self.record.unsafe[module] = why
 
     def body_changed(self) -> None:
         """Called by the runtime whenever the running body changes (``stack[-1]``)."""
@@ -534,6 +542,7 @@ class StaticRuntime:
         self.record: Record | None = None
         self.stack: list[str] = []
         self.watcher: _OpWatcher | None = None
+        self.remembered = None  # a recording's decisions_remembered() context, open with its watcher
         self.replay: _RandomReplay | None = None
         self.loss_watch: LossWatch | None = None  # a recording forward's (local_loss.py)
         self.local_losses: LocalLosses | None = None  # a static forward's, with losses to run locally
@@ -682,6 +691,9 @@ class StaticRuntime:
 
     def _open_watcher(self, checking: bool) -> None:
         self.watcher = _OpWatcher(self.record, self.stack, checking, self.modules)
+        if not checking:  # it asks DTensor's decision for every op: remembered, not searched again
+            self.remembered = decisions_remembered()
+            self.remembered.__enter__()
         # A recording's watcher outlives this forward (it watches backward too, and is closed at the
         # next root forward), so it goes beneath the modes the user has open: a user's mode entered
         # around the step (vescale.debug.CollectiveCounter, say) exits first and must pop itself.
@@ -742,6 +754,9 @@ class StaticRuntime:
             self.watcher.body_changed()
 
     def _close_watcher(self) -> None:
+        if self.remembered is not None:
+            remembered, self.remembered = self.remembered, None
+            remembered.__exit__(None, None, None)
         watcher, self.watcher = self.watcher, None
         _exit_from_anywhere(watcher)
         self.stack.clear()
