@@ -37,7 +37,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..comm import direct
 from ..plan.ir import PlanError
-from .random_gate import exit_function_mode
+from .random_gate import SwitchedMode, exit_function_mode
 
 __all__ = ["LocalLoss", "loss_kernel", "LossWatch", "LocalLosses"]
 
@@ -210,7 +210,7 @@ class LossWatch(TorchFunctionMode):
 # ---------------------------------------------------------------------------------------------
 
 
-class LocalLosses(TorchFunctionMode):
+class LocalLosses(SwitchedMode):
     """On while the body of a module with recorded losses runs (``turn``): in each step, its k-th
     ``F.cross_entropy`` call runs its k-th recorded kernel (None: the call as it is)."""
 
@@ -219,18 +219,12 @@ class LocalLosses(TorchFunctionMode):
         self.losses, self.own_ops_off = losses, own_ops_off  # module path -> [LocalLoss | None] by call
         self.path = None
         self.calls: dict = {}  # module path -> its calls so far in this step
-        self.on = False
 
     def turn(self, path: str | None) -> None:
         """On for the running body ``path`` if it has recorded losses, else off."""
         on = path in self.losses
         self.path = path if on else None
-        if on != self.on:
-            self.on = on
-            if on:
-                self.__enter__()
-            else:
-                exit_function_mode(self)
+        self.switch(on)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -25,10 +25,25 @@ from typing import Callable
 
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack, _pop_mode, _push_mode
 
-__all__ = ["CallTracker", "RandomGate", "exit_function_mode"]
+__all__ = ["SwitchedMode", "CallTracker", "RandomGate", "exit_function_mode"]
 
 
-class CallTracker(TorchFunctionMode):
+class SwitchedMode(TorchFunctionMode):
+    """A torch function mode switched on and off as the running module body changes (``switch``):
+    on the mode stack only while it is on."""
+
+    on = False
+
+    def switch(self, on: bool) -> None:
+        if on != self.on:
+            self.on = on
+            if on:
+                self.__enter__()
+            else:
+                exit_function_mode(self)
+
+
+class CallTracker(SwitchedMode):
     """Learning step: the torch function running now (``current``); ``note_draw`` records it as one
     that draws, or that a draw came from outside any function (``untracked``)."""
 
@@ -37,15 +52,6 @@ class CallTracker(TorchFunctionMode):
         self.current = None
         self.drawing: set = set()
         self.untracked = False
-        self.on = False
-
-    def turn(self, on: bool) -> None:
-        if on != self.on:
-            self.on = on
-            if on:
-                self.__enter__()
-            else:
-                exit_function_mode(self)
 
     def note_draw(self) -> None:
         if self.current is None:
@@ -61,21 +67,12 @@ class CallTracker(TorchFunctionMode):
             self.current = None
 
 
-class RandomGate(TorchFunctionMode):
+class RandomGate(SwitchedMode):
     """Gated steps: on while a drawing body runs; ``replay_on(True/False)`` around calls of ``funcs``."""
 
     def __init__(self, funcs: frozenset, replay_on: Callable[[bool], None]):
         super().__init__()
         self.funcs, self.replay_on = funcs, replay_on
-        self.on = False
-
-    def turn(self, on: bool) -> None:
-        if on != self.on:
-            self.on = on
-            if on:
-                self.__enter__()
-            else:
-                exit_function_mode(self)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

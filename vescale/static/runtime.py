@@ -371,10 +371,10 @@ class _RandomReplay(TorchDispatchMode):
     def turn(self, on: bool) -> None:
         """On while the body of a module that draws runs: the gate, or the dispatch mode itself."""
         if self.gate is not None:
-            self.gate.turn(on)
+            self.gate.switch(on)
             return
         if self.tracker is not None:
-            self.tracker.turn(on)
+            self.tracker.switch(on)
         self._switch(on)
 
     def finish(self) -> None:
