@@ -210,6 +210,49 @@ def test_training_over_new_lengths_reuses_records(config):
     assert diff <= TOL, f"{config}: last gradient of {where} differs from single device by {diff:.3g}"
 
 
+BOUNDED_LENGTHS = [16, 16, 24, 32, 40, 24, 16, 48]
+
+
+def _bounded_records():
+    """At most two records kept: the lengths evicted come back derived again, never recorded."""
+    _quiet_logs()
+    model = _parallel("ours", "TP=2+SP", True)
+    rt = model._vescale_static
+    rt.max_records = 2
+    kept = []
+    vescale.manual_seed(SEED)
+    with consistent():
+        out = _train(_KeptCounter(model, kept), BOUNDED_LENGTHS)
+    return out, kept
+
+
+class _KeptCounter(nn.Module):
+    """The model, noting after each forward how many records its runtime keeps."""
+
+    def __init__(self, model, kept: list):
+        super().__init__()
+        self.model, self.kept = model, kept
+        self._vescale_static = model._vescale_static  # _train reads the counters from here
+
+    def forward(self, **kwargs):
+        out = self.model(**kwargs)
+        self.kept.append(len(self.model._vescale_static.records))
+        return out
+
+
+@pytest.mark.multiproc
+def test_records_beyond_max_records_are_dropped_least_recently_used_first():
+    out, kept = run_on_ranks(_bounded_records, 2)[0]
+    one = _single_device("ours", tuple(BOUNDED_LENGTHS))
+    assert max(kept) <= 2, kept
+    recorded = [c[0] for c in out["counters"]]
+    # 16 records (once, or twice where the first recording found modules to keep eager); every
+    # later length, the evicted 24 and 16 included, is derived from the kept recorded one.
+    assert recorded[-1] == recorded[1] <= 2, out["counters"]
+    for step, (a, b) in enumerate(zip(out["losses"], one["losses"])):
+        assert abs(a - b) <= TOL, f"step {step} loss {a} vs single device {b}"
+
+
 # ---------------------------------------------------------------------------------------------
 # Fallbacks
 # ---------------------------------------------------------------------------------------------

@@ -550,7 +550,10 @@ class StaticRuntime:
         # New input sizes derive their record from a recorded one where only sizes differ (resize.py);
         # False: every new key records (tests compare the two bit for bit).
         self.reuse_records = True
-        self.resized_records = 0  # records derived so far
+        self.resized_records = 0  # derived records kept
+        # Records kept, least recently used dropped first (each holds specs, moves and hook decisions
+        # for one set of input shapes).
+        self.max_records = 64
         self.last_refusal: str | None = None  # why the last new key could not derive its record
         self.verifying: Record | None = None  # the record whose first static step runs now
         self.refused: set = set()  # keys whose derived record failed its first step: they record
@@ -613,7 +616,9 @@ class StaticRuntime:
             self.state, self.record = None, None
             return
         rec = self.records.get(key)
-        if rec is None and self.reuse_records:
+        if rec is not None:
+            self.records[key] = self.records.pop(key)  # the most recently used last (see _bound_records)
+        elif self.reuse_records:
             rec = self._derive(key)
         if rec is not None and rec.complete and not set(rec.unsafe) <= rec.assumed_eager:
             # It found modules that must be eager: record again, running those eagerly, until the
@@ -657,6 +662,7 @@ class StaticRuntime:
             if rec is not None:
                 self.records[key] = rec
                 self.resized_records += 1
+                self._bound_records(rec)
             return rec
         self.last_refusal = "no recorded record differs from these inputs in sizes only"
         return None
@@ -672,6 +678,22 @@ class StaticRuntime:
         elif rec.resized_from is not None:
             self._forget(rec)
 
+    def _bound_records(self, keep: Record) -> None:
+        """Drop the least recently used records beyond ``max_records``: a run over many sequence
+        lengths would otherwise keep one record (specs, moves, hook decisions) per length. Never
+        ``keep`` (the one this step runs), nor the last recorded one a new length can derive from."""
+        while len(self.records) > self.max_records:
+            recorded = [k for k, r in self.records.items() if r.resized_from is None and r is not keep]
+            victim = next(
+                (k for k, r in self.records.items()
+                 if r is not keep and (r.resized_from is not None or len(recorded) > 1 or keep.resized_from is None)),
+                None,
+            )
+            if victim is None:
+                return
+            if self.records.pop(victim).resized_from is not None:
+                self.resized_records -= 1
+
     def _forget(self, rec: Record) -> None:
         """Drop the derived record ``rec``: its key records next time."""
         for key in [k for k, r in self.records.items() if r is rec]:
@@ -683,6 +705,7 @@ class StaticRuntime:
         self.state, self.record = State.RECORD, Record(assumed_eager=assumed_eager)
         self.records[key] = self.record
         self.recorded_steps += 1
+        self._bound_records(self.record)
         self._open_watcher(checking=False)
         rec = self.record
         self.loss_watch = LossWatch(lambda: self.stack[-1] if self.stack else None, rec.losses, self.own_ops_off)
