@@ -14,22 +14,11 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-import vescale
-from vescale import dispatch
 from vescale.dispatch.local import decisions_remembered, why_rule_not_local
-from vescale.testing import fake_world, forget_dtensor_caches
+from vescale.testing import forget_dtensor_caches
 
 aten = torch.ops.aten
 
-
-@pytest.fixture(scope="module")
-def mesh():
-    with fake_world(4):
-        dispatch.install()
-        try:
-            yield vescale.init_mesh((2, 2), ("DP", "TP"))
-        finally:
-            dispatch.install()
 
 
 def _dt(mesh, shape, placements, seed):

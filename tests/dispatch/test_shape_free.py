@@ -22,23 +22,13 @@ from torch.distributed.tensor._op_schema import OpSchema
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
-import vescale
 from vescale import dispatch
 from vescale.dispatch.cache import _key
 from vescale.dispatch.metas import fast_outputs, miss_outputs
-from vescale.testing import fake_world, forget_dtensor_caches
+from vescale.testing import forget_dtensor_caches
 
 aten = torch.ops.aten
 
-
-@pytest.fixture(scope="module")
-def mesh():
-    with fake_world(4):
-        dispatch.install()  # every test here runs with the shape-free cache unless it says otherwise
-        try:
-            yield vescale.init_mesh((2, 2), ("DP", "TP"))
-        finally:
-            dispatch.install()
 
 
 def _dt(mesh, shape, placements, seed=0, dtype=torch.float32):

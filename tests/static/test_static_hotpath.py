@@ -30,7 +30,6 @@ import math
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
 
 import vescale
 from vescale.debug import CollectiveCounter

@@ -27,7 +27,6 @@ import ast
 import builtins
 import hmac
 import json
-import os
 import pdb
 import secrets
 import select

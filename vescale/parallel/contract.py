@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from ..plan.ir import Entry, PlanError
+from ..plan.ir import Entry
 from ..plan.lower import KeyPattern
 
 __all__ = ["InputContract", "DataContractError", "checksum", "FIRST_STEPS", "MODES"]
