@@ -4,8 +4,9 @@ The kernel computes a cross entropy whose logits have their classes split over a
 all-gather of each row's log-sum-exp and target logit) and / or their rows split by data
 parallelism (each rank's sum over the label count all-reduced over the row dims). Checked on gloo
 ranks against ``F.cross_entropy`` of the whole tensors, with labels ignored unevenly, classes that
-do not split evenly, both reductions; the classifier declines what the kernel does not compute; and
-in the zoo LLaMA the causal-LM root runs its loss static, vocabulary-parallel, under TP and DP.
+do not split evenly, both reductions; the classifier declines what the kernel does not compute, and
+a module whose loss it declines (label smoothing) stays eager with eager mode's losses; and in the
+zoo LLaMA the causal-LM root runs its loss static, vocabulary-parallel, under TP and DP.
 
 Tolerance: 1e-6 on values and gradients (fp32; the log-sum-exp is taken per shard and then over
 shards, and row sums add in another order than one device's).
@@ -18,8 +19,9 @@ import math
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import vescale
 from vescale.static.local_loss import loss_kernel
@@ -153,3 +155,63 @@ def test_llama_loss_runs_static_on_vocabulary_shards(shape, names):
     assert static["logits"] == eager["logits"], (static["logits"], eager["logits"])
     for a, b in zip(static["losses"], eager["losses"]):
         assert abs(a - b) <= TOL * max(1.0, abs(b)), (static["losses"], eager["losses"])
+
+
+class _Classifier(nn.Module):
+    """A vocabulary-parallel head whose caller (the root) takes the loss: ``smoothing`` > 0 asks
+    cross_entropy for what the kernel does not compute."""
+
+    def __init__(self, smoothing: float):
+        super().__init__()
+        self.smoothing = smoothing
+        self.proj = nn.Linear(16, 32, bias=False)
+        self.head = nn.Linear(32, 10, bias=False)
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.head(torch.relu(self.proj(x))), y, label_smoothing=self.smoothing)
+
+
+def _classifier_runs(smoothing: float):
+    mesh = vescale.init_mesh((2,), ("TP",))
+    data = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(8, 16, generator=data), torch.randint(0, 10, (8,), generator=data)) for _ in range(4)]
+    for _, y in batches:
+        y[:2] = -100
+    runs = {}
+    for mode in ("single", "eager", "static"):
+        torch.manual_seed(0)
+        model = _Classifier(smoothing)
+        if mode != "single":
+            plan = vescale.VescalePlan()
+            plan.shard(r"(proj|head)\.weight", Shard(0), mesh="TP")  # the head's classes split: 5 a rank
+            plan.shard(r"head\.<in>", Replicate(), mesh="TP")
+            plan.shard(r"head\.<out>", Shard(-1), mesh="TP")
+            vescale.parallelize(model, plan, mesh, mode=mode)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for x, y in batches:
+            loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append((loss.full_tensor() if isinstance(loss, DTensor) else loss).item())
+        runs[mode] = {"losses": losses}
+        if mode == "static":
+            rec = model._vescale_static.latest()
+            runs[mode]["kernels"] = {p: [k is not None for k in ks] for p, ks in rec.losses.items()}
+            runs[mode]["unsafe"] = sorted(rec.unsafe)
+    return runs
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("smoothing", [0.0, 0.1], ids=["kernel", "label smoothing: declined"])
+def test_a_declined_loss_keeps_its_module_eager(smoothing):
+    runs = run_on_ranks(_classifier_runs, 2, smoothing)[0]
+    static = runs["static"]
+    if smoothing:
+        # Left to the op watcher: DTensor gathers the classes for log_softmax, so the root stays eager.
+        assert static["kernels"] == {"": [False]} and static["unsafe"] == [""], static
+    else:
+        assert static["kernels"] == {"": [True]} and static["unsafe"] == [], static
+    for a, b, c in zip(static["losses"], runs["eager"]["losses"], runs["single"]["losses"]):
+        assert abs(a - b) <= TOL and abs(a - c) <= TOL, (static["losses"], runs["eager"]["losses"], runs["single"]["losses"])
