@@ -14,6 +14,8 @@ import contextlib
 
 from torch.distributed.tensor import DTensor
 
+from .cache import shape_free_cache
+
 __all__ = ["why_rule_not_local", "moves_data", "decisions_remembered"]
 
 
@@ -28,7 +30,8 @@ def why_rule_not_local(func, args, kwargs) -> str | None:
     dispatcher = DTensor._op_dispatcher
     try:
         info = dispatcher.unwrap_to_op_info(func, args, kwargs)
-        sharding = _REMEMBERED[0].get(info.schema) if _REMEMBERED else None
+        cache = shape_free_cache()
+        sharding = cache.recent.get(info.schema) if cache is not None and cache.recent is not None else None
         if sharding is None:
             sharding = dispatcher.sharding_propagator.propagate_op_sharding(info.schema)
     except Exception as e:  # DTensor itself will report it when the op runs
@@ -41,9 +44,6 @@ def why_rule_not_local(func, args, kwargs) -> str | None:
     return f"{func} needs its inputs redistributed"
 
 
-_REMEMBERED: list = []  # the decisions dict while decisions_remembered() is open
-
-
 @contextlib.contextmanager
 def decisions_remembered():
     """While open, DTensor's sharding decisions made below its own caches (``ShapeFreeCache``) are
@@ -51,16 +51,12 @@ def decisions_remembered():
     DTensor's C++ cache and the Python propagator's LRU are separate, so asking the propagator
     again after the op ran would search the op's strategies a second time (Static Eager's
     recording asks for every op)."""
-    from .cache import shape_free_cache
-
     cache = shape_free_cache()
-    if cache is None or _REMEMBERED:
+    if cache is None or cache.recent is not None:  # no cache, or remembering already (the outer one clears)
         yield
         return
     cache.recent = {}
-    _REMEMBERED.append(cache.recent)
     try:
         yield
     finally:
-        _REMEMBERED.clear()
         cache.recent = None

@@ -550,7 +550,6 @@ class StaticRuntime:
         # New input sizes derive their record from a recorded one where only sizes differ (resize.py);
         # False: every new key records (tests compare the two bit for bit).
         self.reuse_records = True
-        self.resized_records = 0  # derived records kept
         # Records kept, least recently used dropped first (each holds specs, moves and hook decisions
         # for one set of input shapes).
         self.max_records = 64
@@ -661,11 +660,15 @@ class StaticRuntime:
             rec, self.last_refusal = resize.derive(old, factors, Record, Crossing)
             if rec is not None:
                 self.records[key] = rec
-                self.resized_records += 1
                 self._bound_records(rec)
             return rec
         self.last_refusal = "no recorded record differs from these inputs in sizes only"
         return None
+
+    @property
+    def resized_records(self) -> int:
+        """Derived records kept (``resize.py``)."""
+        return sum(r.resized_from is not None for r in self.records.values())
 
     def _verified(self, ok: bool) -> None:
         """The end of a record's first static forward: ``ok`` if it ran through. A derived record whose
@@ -683,23 +686,19 @@ class StaticRuntime:
         lengths would otherwise keep one record (specs, moves, hook decisions) per length. Never
         ``keep`` (the one this step runs), nor the last recorded one a new length can derive from."""
         while len(self.records) > self.max_records:
-            recorded = [k for k, r in self.records.items() if r.resized_from is None and r is not keep]
-            victim = next(
-                (k for k, r in self.records.items()
-                 if r is not keep and (r.resized_from is not None or len(recorded) > 1 or keep.resized_from is None)),
-                None,
-            )
+            # A recorded one may go if ``keep`` is recorded itself or another recorded one stays.
+            sources = sum(r.resized_from is None and r is not keep for r in self.records.values())
+            victim = next((k for k, r in self.records.items() if r is not keep and (
+                r.resized_from is not None or keep.resized_from is None or sources > 1)), None)
             if victim is None:
                 return
-            if self.records.pop(victim).resized_from is not None:
-                self.resized_records -= 1
+            del self.records[victim]
 
     def _forget(self, rec: Record) -> None:
         """Drop the derived record ``rec``: its key records next time."""
         for key in [k for k, r in self.records.items() if r is rec]:
             del self.records[key]
             self.refused.add(key)
-            self.resized_records -= 1
 
     def _new_record(self, key, assumed_eager: frozenset) -> Record:
         self.state, self.record = State.RECORD, Record(assumed_eager=assumed_eager)
