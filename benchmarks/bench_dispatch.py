@@ -8,6 +8,10 @@ same model's own arithmetic. Variants, interleaved round by round in one run:
   this rank's share of every projection, of the vocabulary and of the batch; on the fake group with
   plain-tensor stand-ins for the sequence-parallel collectives (see ``_megatron_rank``), on gloo
   ranks (LLaMA only) with real ones and hand-written ZeRO-3 (``benchmarks/megatron_local.py``);
+* ``megatron`` (LLaMA only): ``megatron_local.MegatronLlama`` on the fake group too: the same
+  hand-written Megatron + ZeRO-3 code with explicit collectives (``torch.distributed`` calls on the
+  mesh's groups; the fake group copies the data an all-gather or reduce-scatter would move) where
+  ``local`` does a ``cat`` / ``narrow``; on gloo ranks it is ``local`` itself, so left out there;
 * ``torch``: PyTorch's own stack used the TorchTitan way (``_torchtitan``): parallelize_module,
   loss_parallel, fully_shard for ZeRO-3;
 * ``torch-dispatch``: vescale eager with PyTorch's own sharding search, miss path and optimiser on
@@ -186,7 +190,7 @@ class Runner:
 
                 torchtitan_moe(self.model, mesh, zero3=zero3)  # TP experts + SP (+ FSDP)
             self.batch = BATCH // dp  # each DP rank loads its own part of the batch
-        elif variant == "local" and real_collectives:  # gloo ranks: real TP / SP / ZeRO-3 collectives
+        elif variant == "megatron" or (variant == "local" and real_collectives):  # explicit TP / SP / ZeRO-3 collectives
             from megatron_local import MegatronLlama
 
             if not sp:
@@ -382,6 +386,10 @@ def _report(title: str, r: dict, base_name: str) -> None:
         vs_torch = "" if not torch_col else (f" {med / torch_med:8.2f}" if torch_med else "        -")
         print(f"{v:16s} {med*1e3:9.1f} ({lo*1e3:6.1f}-{hi*1e3:6.1f}) {ratio}{vs_torch} {r['first'][v]:13.2f} "
               f"{statistics.median(r['fresh_len'][v]):13.2f}")
+    if "megatron" in r["steady"] and base_name != "megatron":
+        floor = _stats(r["steady"]["megatron"])[0]
+        print("x megatron (hand-written, explicit collectives): " + ", ".join(
+            f"{v} {_stats(times)[0] / floor:.2f}" for v, times in r["steady"].items()))
     if r["eager_modules"] is not None:
         print(f"static: modules kept eager: {r['eager_modules']}")
 
@@ -393,6 +401,8 @@ def bench(config: str, rounds: int, variants: list[str], kind: str) -> None:
     dist.init_process_group("fake", rank=0, world_size=math.prod(shape))
     mesh = vescale.init_mesh(shape, names)
     vescale.manual_seed(0)
+    if kind != "llama":  # megatron_local writes out the zoo LLaMA only
+        variants = [v for v in variants if v != "megatron"]
     r = _measure(mesh, shape, sp, zero3, rounds, variants, kind)
     _report(f"\n## {kind} {config}: mesh {dict(zip(names, shape))}, SP={sp}, ZeRO-3={zero3}; rank 0 of "
             f"{math.prod(shape)} (fake group)", r, "local")
@@ -416,6 +426,7 @@ def bench_gloo(config: str, rounds: int, variants: list[str], kind: str, clock: 
     from vescale.testing import run_on_ranks
 
     shape, names, sp, zero3 = CONFIGS[config]
+    variants = [v for v in variants if v != "megatron"]  # `local` is MegatronLlama on gloo ranks
     if kind != "llama":  # megatron_local writes out the zoo LLaMA only
         variants = [v for v in variants if v != "local"]
     r = run_on_ranks(_on_gloo_rank, math.prod(shape), config, rounds, variants, kind, MODEL.attention_dropout, clock,
