@@ -185,7 +185,7 @@ def parallelize(
     if mode == "static":
         from ..static import install_static
 
-        handles += install_static(model, plan, ir)
+        handles += install_static(model, plan, ir, frozenset(h.id for h in handles))
 
     model._vescale_ir = ir
     model._vescale_mesh = mesh

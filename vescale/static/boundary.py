@@ -141,7 +141,9 @@ class Move:
         return f"Move({src} -> {dst}; grad {g_in} -> {g_out})"
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        if self.forward_fn is None and (self.backward_fn is None or not t.requires_grad):
+        if not t.requires_grad or not torch.is_grad_enabled():  # no gradient: no autograd node
+            return t if self.forward_fn is None else self.forward_fn(t)
+        if self.forward_fn is None and self.backward_fn is None:
             return t
         return _MoveFn.apply(t, self.forward_fn, self.backward_fn)
 

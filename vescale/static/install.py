@@ -26,8 +26,9 @@ def static_runtime(model: nn.Module) -> StaticRuntime:
     return rt
 
 
-def install_static(model: nn.Module, plan: VescalePlan, ir: PlanIR) -> list:
-    """Create the runtime (``model._vescale_static``) and install its hooks; returns the handles."""
+def install_static(model: nn.Module, plan: VescalePlan, ir: PlanIR, plan_hooks: frozenset = frozenset()) -> list:
+    """Create the runtime (``model._vescale_static``) and install its hooks; returns the handles.
+    ``plan_hooks``: the ids of the hooks parallelize installed before (the plan's and the root's)."""
     hooks = ir.hooks()
     # Modules whose plan hooks place inputs / outputs. A pre-hook that only gathers ZeRO-3
     # parameters moves no activation: wrapping there would only add a gradient reduction per
@@ -52,6 +53,8 @@ def install_static(model: nn.Module, plan: VescalePlan, ir: PlanIR) -> list:
             own = _install_one(rt, mod, path)
             rt.own_hooks[path] = (mod, frozenset(h.id for h in own))
             handles += own
+    if "" not in batch_local and "" in rt.own_hooks:  # a batch-local root moves its inputs between meshes
+        rt.root_hooks = plan_hooks | rt.own_hooks[""][1]
     return handles
 
 

@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -138,6 +139,10 @@ class _Steps:
     grad_specs: dict = field(default_factory=dict)  # parameter name -> spec of its gradient
     shadows: dict = field(default_factory=dict)  # parameter name -> its last ParamShadow
     lookups: LocalLookups | None = None  # entered while its body runs: its masked lookups (local_ops.py)
+    # The root only (see StaticRuntime._root_moves): the user's plain inputs straight to the local
+    # tensors the plan places them as, and the body's local outputs to the DTensors the user gets.
+    root_in: object | None = None
+    root_out: object | None = None
 
 
 def _mover(moves: list | None):
@@ -569,6 +574,10 @@ class StaticRuntime:
         # gradient per use), the path ParamShadow replaces; tests compare the two bit for bit.
         self.param_leaves = True
         self.hand_overs = HandOvers()  # shadows' hand-overs that wait for the end of backward
+        # The root's inputs and outputs as precompiled moves (see _root_moves); None: never. The
+        # ids of every hook parallelize put on the root (install_static sets them): a hook added
+        # since may expect the plan's DTensors, so the moves run only while there is none.
+        self.root_hooks: frozenset | None = None
 
     # -- which representation each module uses in the current step ---------------------------
 
@@ -825,6 +834,11 @@ class StaticRuntime:
             self._follow_body()
         if self.state is State.STATIC:
             steps = self._steps(path)
+            if steps.root_in is not None and self._root_hooks_ours(mod):
+                # The plan's hook leaves the inputs alone; inside() moves them, once every other
+                # root pre-hook (the input contract) has seen the global tensors.
+                mod.__dict__[IO_PLACED] = True
+                return None
             if steps.moves_in is not None:
                 mod.__dict__[IO_PLACED] = True  # the plan's hook leaves the placed tensors alone
                 return _map_io(steps.moves_in, args, kwargs)
@@ -849,7 +863,10 @@ class StaticRuntime:
         moved = None
         # Unless enter() handed over local tensors already, unwrap whatever arrives as a DTensor
         # (from an eager caller, or placed by the plan's hook).
-        if not mod.__dict__.pop(IO_PLACED, False) and (_any_dtensor(args) or _any_dtensor(kwargs)):
+        placed = mod.__dict__.pop(IO_PLACED, False)
+        if placed and steps.root_in is not None:  # the root's plain inputs, left alone by the plan's hook
+            moved = _map_io(steps.root_in, args, kwargs)
+        elif not placed and (_any_dtensor(args) or _any_dtensor(kwargs)):
             moved = _map_io(self._unwrapper(path, "body"), args, kwargs)
         swapped = self._local_parameters(mod, path, steps)
         if swapped:
@@ -979,6 +996,9 @@ class StaticRuntime:
             self._follow_body()
         if self.state is State.STATIC:
             steps = self._steps(path)
+            if steps.root_out is not None and self._root_hooks_ours(mod):
+                mod.__dict__[IO_PLACED] = True  # already as the root's hooks would leave them
+                return _map_out(steps.root_out, output)
             if steps.moves_out is not None:
                 mod.__dict__[IO_PLACED] = True
                 return _map_out(steps.moves_out, output)
@@ -991,6 +1011,10 @@ class StaticRuntime:
         if self.state is State.RECORD:
             self.record.keys.setdefault((path, "out"), _output_keys(output))
         return self._to_dtensors(path, "out", wraps, lambda fn: _map_out(fn, output))
+
+    def _root_hooks_ours(self, root: nn.Module) -> bool:
+        ours = self.root_hooks
+        return all(k in ours for k in root._forward_pre_hooks) and all(k in ours for k in root._forward_hooks)
 
     def _steps(self, path: str) -> "_Steps":
         steps = self.record.steps.get(path)
@@ -1011,8 +1035,37 @@ class StaticRuntime:
         placed_in = static and parent_static and not wrap_in and path in self.annotated_pre
         placed_out = static and parent_static and not wrap_out and path in self.annotated_post
         lookups = self.record.lookups.get(path) if static else None
+        root_in, root_out = self._root_moves() if path == "" and static else (None, None)
         return _Steps(static, parent_static, wrap_in, wrap_out, _mover(moves_in), _mover(moves_out), placed_in, placed_out,
-                      lookups=LocalLookups(lookups) if lookups else None)
+                      lookups=LocalLookups(lookups) if lookups else None, root_in=root_in, root_out=root_out)
+
+    def _root_moves(self) -> tuple:
+        """The root's boundary as precompiled moves, where the plan's root statements only move data.
+
+        In eager mode the user's plain inputs become Replicate DTensors that the plan's hook
+        redistributes (a batch split over DP), and the root's hooks redistribute a Partial loss to
+        Replicate, all through DTensor's planner: ~0.15 ms a tensor and step. Recorded, each is a
+        move between two known layouts: the inputs' from Replicate (what a plain tensor is) to the
+        body's, the outputs' from the body's to what the user got (then wrapped as that DTensor).
+        Not for a root whose inputs a plan.annotate describes (already local shards), whose
+        statements state gradient layouts, or that runs batch-local; (None, None) then."""
+        if self.root_hooks is None or "" in self.annotated_pre or "" in self.annotated_post:
+            return None, None
+        if any(spot[0] == "" for spot in self.grad_dst_spots):
+            return None, None
+        crossings = self.record.crossings
+        root_in = []
+        while ("", "in", len(root_in)) in crossings:
+            i = len(root_in)
+            src, dst = crossings["", "in", i], crossings.get(("", "body", i))
+            if dst is None or src.spec is not None:  # a DTensor input: the general path
+                return None, None
+            root_in.append(None if dst.spec is None else _FromGlobal(dst))
+        out_moves = _compile_moves(crossings, "", "out", "result")
+        if out_moves is None:
+            return None, None
+        wrap = self._wrapper("", "result")
+        return _mover(root_in), lambda i, t: wrap(i, out_moves[i](t) if out_moves[i] is not None else t)
 
     def _wrapper(self, path: str, where: str):
         crossings = self.record.crossings
@@ -1276,6 +1329,24 @@ def _compile_moves(crossings: dict, path: str, src: str, dst: str) -> list | Non
         else:
             moves.append(Move(a.spec, b.spec, b.grad_placements, a.leave_grad))
     return moves
+
+
+class _FromGlobal:
+    """A plain root input (the global tensor, the same on every rank) to this rank's local tensor
+    laid out as recorded at ``dst``: the move from Replicate, compiled at the first call (a derived
+    record's sizes settle from the tensor's global shape)."""
+
+    def __init__(self, dst: Crossing):
+        self.dst, self.move = dst, None
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        if self.move is None:
+            dst = self.dst
+            if dst.pending is not None:
+                dst.spec, dst.pending = dst.pending.settle_global(tuple(t.shape)), None
+            whole = DTensorSpec(dst.spec.mesh, (Replicate(),) * dst.spec.mesh.ndim, tensor_meta=dst.spec.tensor_meta)
+            self.move = Move(whole, dst.spec, dst.grad_placements)
+        return self.move(t)
 
 
 def _on_grad(t, fn) -> None:
