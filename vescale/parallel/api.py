@@ -21,7 +21,7 @@ from ..init import has_meta, materialize
 from ..plan import PlanError, PlanIR, VescalePlan, lower
 from ..plan.lower import forward_arg_names
 from .contract import InputContract, checksum
-from .hooks import enable_implicit_replication, install_module_hooks, root_hooks
+from .hooks import enable_implicit_replication, gather_only, install_module_hooks, root_hooks
 from .batch_local import install_batch_local
 from .experts import install_expert_parallel
 from .zero import GatherScheduler
@@ -176,8 +176,13 @@ def parallelize(
     per_module: dict[str, dict[str, list]] = {}
     for (mpath, hook), entries in ir.hooks().items():
         per_module.setdefault(mpath, {})[hook] = entries
+    gathered_modules = {}  # path -> (gather entries, hook ids) of modules whose plan hooks only gather
     for mpath, hook_entries in per_module.items():
-        handles += install_module_hooks(modules[mpath], mpath, hook_entries, mesh, scheduler)
+        installed = install_module_hooks(modules[mpath], mpath, hook_entries, mesh, scheduler)
+        handles += installed
+        gathers = gather_only(hook_entries)
+        if gathers is not None and scheduler is not None:
+            gathered_modules[mpath] = (gathers, frozenset(h.id for h in installed))
     handles += install_expert_parallel(model, plan, mesh)  # after the gathers: it sees RUN params
     handles += install_batch_local(model, plan, mesh)  # after the gathers too
     handles += attach_grad_reduction(model.parameters(), reducer)
@@ -185,7 +190,7 @@ def parallelize(
     if mode == "static":
         from ..static import install_static
 
-        handles += install_static(model, plan, ir, frozenset(h.id for h in handles))
+        handles += install_static(model, plan, ir, frozenset(h.id for h in handles), scheduler, gathered_modules)
 
     model._vescale_ir = ir
     model._vescale_mesh = mesh

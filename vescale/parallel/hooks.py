@@ -215,6 +215,33 @@ def _register_once_on_grads(output, fn: Callable[[], None]) -> None:
         t.register_hook(hook)
 
 
+def release_gathered(gathered: list[GatheredParam], output, scheduler, path: str) -> None:
+    """After the forward that used ``gathered`` (and made ``output``): free them, and gather them
+    again when backward first reaches ``output`` (with the scheduler: ``path``'s whole unit)."""
+    if not gathered or not torch.is_grad_enabled() or not any(g.value.requires_grad for g in gathered):
+        return
+    for g in gathered:
+        if not hasattr(g.param, "_vescale_gathered"):
+            g.param._vescale_gathered = []
+        if scheduler is None:
+            _free_after_grad(g.param)
+        g.param._vescale_gathered.append(g)
+        g.free()
+    if scheduler is None:
+        _register_once_on_grads(output, lambda: [g.refill() for g in gathered])
+    else:
+        _register_once_on_grads(output, lambda: scheduler.refill(path, gathered))
+
+
+def gather_only(hook_entries: dict[str, list[Entry]]) -> list[Entry] | None:
+    """The gather entries of a module whose plan hooks only gather ZeRO-3 parameters (no
+    activation placed, no factory, no gradient note), or None."""
+    pre = hook_entries.get("forward_pre", [])
+    if set(hook_entries) != {"forward_pre"} or not pre or any(e.action != "gather" for e in pre):
+        return None
+    return pre
+
+
 def install_module_hooks(
     module: nn.Module, path: str, hook_entries: dict[str, list[Entry]], mesh: DeviceMesh, scheduler=None
 ) -> list:
@@ -268,18 +295,7 @@ def install_module_hooks(
             output = _place_outputs(output, outputs, mesh, path)
         gathered = list(live)
         live.clear()
-        if gathered and torch.is_grad_enabled() and any(g.value.requires_grad for g in gathered):
-            for g in gathered:
-                if not hasattr(g.param, "_vescale_gathered"):
-                    g.param._vescale_gathered = []
-                if scheduler is None:
-                    _free_after_grad(g.param)
-                g.param._vescale_gathered.append(g)
-                g.free()
-            if scheduler is None:
-                _register_once_on_grads(output, lambda: [g.refill() for g in gathered])
-            else:
-                _register_once_on_grads(output, lambda: scheduler.refill(path, gathered))
+        release_gathered(gathered, output, scheduler, path)
         return output
 
     handles = []

@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from ..plan import PlanIR, VescalePlan
 from ..parallel.batch_local import batch_local_paths
+from ..parallel.zero import unit_of
 from ..plan.lower import runs_forward
 from .runtime import StaticRuntime, resolve_eager_paths
 
@@ -26,9 +27,12 @@ def static_runtime(model: nn.Module) -> StaticRuntime:
     return rt
 
 
-def install_static(model: nn.Module, plan: VescalePlan, ir: PlanIR, plan_hooks: frozenset = frozenset()) -> list:
+def install_static(model: nn.Module, plan: VescalePlan, ir: PlanIR, plan_hooks: frozenset = frozenset(), scheduler=None,
+                   gathered_modules: dict | None = None) -> list:
     """Create the runtime (``model._vescale_static``) and install its hooks; returns the handles.
-    ``plan_hooks``: the ids of the hooks parallelize installed before (the plan's and the root's)."""
+    ``plan_hooks``: the ids of the hooks parallelize installed before (the plan's and the root's);
+    ``scheduler`` (ZeRO-3's GatherScheduler) and ``gathered_modules`` (path -> (gather entries, plan
+    hook ids) of modules whose plan hooks only gather): the ZeRO-3 units static steps run as one."""
     hooks = ir.hooks()
     # Modules whose plan hooks place inputs / outputs. A pre-hook that only gathers ZeRO-3
     # parameters moves no activation: wrapping there would only add a gradient reduction per
@@ -55,6 +59,30 @@ def install_static(model: nn.Module, plan: VescalePlan, ir: PlanIR, plan_hooks: 
             handles += own
     if "" not in batch_local and "" in rt.own_hooks:  # a batch-local root moves its inputs between meshes
         rt.root_hooks = plan_hooks | rt.own_hooks[""][1]
+    if scheduler is not None:
+        handles += _install_units(rt, model, scheduler, gathered_modules or {})
+    return handles
+
+
+def _install_units(rt: StaticRuntime, model: nn.Module, scheduler, gathered_modules: dict) -> list:
+    """The unit hooks (StaticRuntime.unit_in / unit_out) on the module of each ZeRO-3 unit with
+    members: modules below it whose plan hooks only gather parameters (not buffers)."""
+    rt.scheduler = scheduler
+    modules = dict(model.named_modules())
+    for path, (entries, ids) in gathered_modules.items():
+        unit = unit_of(path)
+        if unit and unit != path and unit in rt.own_hooks and all(e.tensor in modules[path]._parameters for e in entries):
+            rt.unit_members.setdefault(unit, {})[path] = (entries, ids)
+            rt.unit_of_member[path] = unit
+    handles = []
+    for unit in rt.unit_members:
+        mod = modules[unit]
+        own = [mod.register_forward_pre_hook(lambda m, args, unit=unit: rt.unit_in(unit)),
+               mod.register_forward_hook(lambda m, args, out, unit=unit: rt.unit_out(unit, out), always_call=True)]
+        rt.unit_hooks[unit] = frozenset(h.id for h in own)
+        m, ids = rt.own_hooks[unit]
+        rt.own_hooks[unit] = (m, ids | rt.unit_hooks[unit])
+        handles += own
     return handles
 
 

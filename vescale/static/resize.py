@@ -408,12 +408,14 @@ def derive(source, factors, record_cls, crossing_cls) -> tuple[object | None, st
     # Quiet modules (runtime._find_quiet) are quiet whatever the sizes: nothing crosses their
     # boundaries. Their decided steps carry over, so the first step runs them quiet already.
     quiet = dict(source.quiet) if source.quiet is not None else None
+    # (and so are ZeRO-3 units run as one: their members are among the quiet modules).
     steps = {path: source.steps[path] for path in quiet or ()}
     rec = record_cls(
         crossings=crossings, quiet=quiet, steps=steps, param_grads=dict(source.param_grads), unsafe=dict(source.unsafe), shapes=shapes,
         random=random, assumed_eager=source.assumed_eager, complete=True, checked=False,
         param_grad_specs=dict(source.param_grad_specs), keys=dict(source.keys), lookups=source.lookups,
         masked=set(source.masked), random_funcs=source.random_funcs, losses=source.losses, resized_from=source,
+        quiet_units=source.quiet_units, units_off=dict(source.units_off),
     )
     return rec, ""
 

@@ -48,7 +48,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..dispatch.local import decisions_remembered, why_rule_not_local
 from ..parallel.faults import _first_line
-from ..parallel.hooks import IO_PLACED
+from ..parallel.hooks import IO_PLACED, _register_once_on_grads, release_gathered
 from ..plan.ir import PlanError
 from ..parallel.placing import grad_layout
 from . import averaged, resize
@@ -121,6 +121,12 @@ class Record:
     # module path -> an op of its body whose output size depends on values (no record is derived from this one)
     data_dependent: dict = field(default_factory=dict)
     verified: bool = False  # its first static step's forward ran through (checked)
+    # ZeRO-3 units run as one (see StaticRuntime.unit_in): unit -> [(path, module, gather entries)] of
+    # its quiet members, set with ``quiet``; and the units the recording found must not (why).
+    quiet_units: dict | None = None
+    units_off: dict = field(default_factory=dict)
+    unit_reached: set = field(default_factory=set)  # recording: units whose output gradient arrived
+    member_calls: dict = field(default_factory=dict)  # recording: member path -> calls this step
     resized_from: "Record | None" = None  # derived from this recorded record for other input sizes (resize.py)
 
 
@@ -578,6 +584,16 @@ class StaticRuntime:
         # ids of every hook parallelize put on the root (install_static sets them): a hook added
         # since may expect the plan's DTensors, so the moves run only while there is none.
         self.root_hooks: frozenset | None = None
+        # ZeRO-3 units (install_static sets them): the gather scheduler; unit -> {member path: (gather
+        # entries, ids of the plan's hooks)} for modules whose plan hooks only gather; member path ->
+        # unit; unit -> ids of the unit hooks on its module; the quiet members of this step's units.
+        self.scheduler = None
+        self.unit_members: dict[str, dict] = {}
+        self.unit_of_member: dict[str, str] = {}
+        self.unit_hooks: dict[str, frozenset] = {}
+        self.active_units: dict[str, list] = {}
+        self.zero3_units = True  # False: every member keeps its own hooks (tests compare the two bit for bit)
+        self.unit_state: dict[str, tuple] = {}  # unit -> (gathered parameters, swaps) while its body runs
 
     # -- which representation each module uses in the current step ---------------------------
 
@@ -604,6 +620,8 @@ class StaticRuntime:
         # Hooks come off the modules with nothing to do in this step, back on every other module.
         quiet = self._quiet_now()
         self._silence(quiet)
+        units = self.record.quiet_units if quiet else None
+        self.active_units = {u: [m for m in ms if m[0] in quiet] for u, ms in units.items()} if units else {}
         self._swap_at_root(quiet)
 
     def _begin(self, args, kwargs) -> None:
@@ -850,6 +868,8 @@ class StaticRuntime:
         wraps = self.parent_static(path) and (path in self.planned_pre or not self.is_static(path))
         if self.state is State.RECORD:
             self.record.keys.setdefault((path, "in"), _input_keys(mod, args, kwargs))
+            if path in self.unit_of_member:
+                self._note_member_call(path)
         return self._to_dtensors(path, "in", wraps, lambda fn: _map_io(fn, args, kwargs))
 
     def inside(self, mod, path: str, args, kwargs):
@@ -1134,6 +1154,10 @@ class StaticRuntime:
                 return t
 
             _map_out(note, output)
+            unit = self.unit_of_member.get(path)
+            if unit is not None:
+                _register_once_on_grads(output, lambda: unit in rec.unit_reached or rec.units_off.setdefault(
+                    unit, f"backward reached {path!r} before the unit's output"))
         return None
 
     # -- quiet modules -------------------------------------------------------------------------
@@ -1148,8 +1172,10 @@ class StaticRuntime:
     def _find_quiet(self, rec: Record) -> dict:
         """The modules of ``rec`` whose hooks have nothing to do in its static steps: static with a
         static caller, no tensor wrapped, moved or placed at their boundary, no random op to replay,
-        no hooks but install_static's, and leaf parameters (ZeRO-3's gathered ones come from hooks)."""
-        quiet = {}
+        no hooks but install_static's, and leaf parameters (ZeRO-3's gathered ones come from hooks).
+        Also the members of ZeRO-3 units whose only other hooks are the plan's gathers: their unit's
+        module gathers for them (``rec.quiet_units``, see unit_in)."""
+        quiet, units = {}, {}
         for path, (mod, own) in self.own_hooks.items():
             steps = rec.steps.get(path)
             if not path or steps is None or not steps.static or not steps.parent_static or path in rec.random:
@@ -1162,10 +1188,15 @@ class StaticRuntime:
                 continue
             if steps.wrap_in or steps.wrap_out or steps.placed_in or steps.placed_out:
                 continue
-            if set(mod._forward_pre_hooks) | set(mod._forward_hooks) != own:
+            hooks = set(mod._forward_pre_hooks) | set(mod._forward_hooks)
+            member = self._unit_member(rec, path, hooks, own) if hooks != own else None
+            if hooks != own and member is None:
                 continue  # the plan's (or the user's) hooks work here
             if all(not isinstance(p, DTensor) or (isinstance(p, nn.Parameter) and p.grad_fn is None) for p in mod._parameters.values()):
                 quiet[path] = mod
+                if member is not None:
+                    units.setdefault(member[0], []).append((path, mod, member[1]))
+        rec.quiet_units = units
         return quiet
 
     def _quiet_now(self) -> dict:
@@ -1177,18 +1208,21 @@ class StaticRuntime:
     def _silence(self, quiet: dict) -> None:
         """Take the hooks off the modules in ``quiet``, put them back on every other one."""
         # A module given a hook while silenced is not quiet any more.
-        for path in [p for p, (m, _) in self.silenced.items() if m._forward_pre_hooks or m._forward_hooks]:
+        for path in [p for p, (m, _) in self.silenced.items() if _hooks_beyond(m, self.unit_hooks.get(p, ()))]:
             quiet.pop(path, None)
         for path in [p for p in self.silenced if p not in quiet]:
             _hooks_back(*self.silenced.pop(path))
         for path, mod in quiet.items():
             if path not in self.silenced:
-                self.silenced[path] = (mod, _hooks_off(mod))
+                self.silenced[path] = (mod, _hooks_off(mod, self.unit_hooks.get(path, frozenset())))
 
     def _swap_at_root(self, quiet: dict) -> None:
         """A quiet module gets its local parameters for the whole forward (its inside() would have
         swapped them at each call)."""
+        members = {m[0] for ms in self.active_units.values() for m in ms}  # their unit swaps theirs
         for path, mod in quiet.items():
+            if path in members:
+                continue
             swapped = self._local_parameters(mod, path, self.record.steps[path])
             if swapped:
                 self.swapped_at_root.append((mod, swapped))
@@ -1197,6 +1231,75 @@ class StaticRuntime:
         swaps, self.swapped_at_root = self.swapped_at_root, []
         for mod, swapped in swaps:
             _put_back(mod, swapped)
+
+    # -- ZeRO-3 units as one -------------------------------------------------------------------
+    #
+    # Under ZeRO-3 every Linear and norm of a decoder layer has the plan's gather hooks, so none of
+    # them is quiet, and each call pays its eight hooks on nn.Module's slow path, a scheduler take,
+    # a parameter swap and a gradient hook on its output, although the layer's parameters arrive in
+    # one collective for the whole unit. From a record's second static step on, members whose hooks
+    # only gather lose their hooks like quiet modules, and the unit's module does it for all of them
+    # at once: takes their gathered parameters before its body (as plain leaves), puts their own
+    # back after it, frees the gathered ones and gathers the unit again when backward reaches its
+    # output. The recording checks what that relies on: each member runs once, inside its unit's
+    # body, and backward reaches the unit's output before any member's.
+
+    def _note_member_call(self, path: str) -> None:
+        rec, unit = self.record, self.unit_of_member[path]
+        calls = rec.member_calls[path] = rec.member_calls.get(path, 0) + 1
+        if calls > 1:
+            rec.units_off.setdefault(unit, f"{path!r} runs more than once per step")
+        elif unit not in self.stack:
+            rec.units_off.setdefault(unit, f"{path!r} runs outside the unit's own forward")
+
+    def unit_in(self, unit: str) -> None:
+        """The unit module's pre-hook: its quiet members get their gathered parameters."""
+        members = self.active_units.get(unit) if self.state is State.STATIC else None
+        if not members:
+            return
+        taken, restores = [], []
+        for path, mod, entries in members:
+            gathered = self.scheduler.take(mod, path, entries)
+            params = mod._parameters
+            own = [(e.tensor, params[e.tensor]) for e in entries]
+            for e, g in zip(entries, gathered):
+                params[e.tensor] = g.value
+            restores.append((mod, own, self._local_parameters(mod, path, self.record.steps[path])))
+            taken += gathered
+        self.unit_state[unit] = (taken, restores)
+
+    def unit_out(self, unit: str, output) -> None:
+        """The unit module's forward hook (always called): members get their own parameters back;
+        the gathered ones are freed, and gathered again when backward reaches the unit's output."""
+        if self.state is State.RECORD:
+            rec = self.record
+            _register_once_on_grads(output, lambda: rec.unit_reached.add(unit))
+            return
+        state = self.unit_state.pop(unit, None)
+        if state is None:
+            return
+        taken, restores = state
+        for mod, own, swapped in restores:
+            _put_back(mod, swapped)
+            mod._parameters.update(own)
+        if sys.exc_info()[0] is None:
+            release_gathered(taken, output, self.scheduler, unit)
+        else:
+            for g in taken:
+                g.free()
+
+    def _unit_member(self, rec: Record, path: str, hooks: set, own: frozenset):
+        """(unit, gather entries) if ``path`` can run as a quiet member of its unit, else None."""
+        unit = self.unit_of_member.get(path)
+        if unit is None or unit in rec.units_off or not self.zero3_units:
+            return None
+        unit_steps = rec.steps.get(unit)
+        if unit_steps is None or not unit_steps.static:
+            return None
+        entries, plan_ids = self.unit_members[unit][path]
+        if hooks != own | plan_ids:
+            return None  # other hooks than the plan's gathers
+        return unit, entries
 
     # -- reporting -------------------------------------------------------------------------------
 
@@ -1219,13 +1322,21 @@ _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward
                "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
 
 
-def _hooks_off(mod: nn.Module) -> list:
+def _hooks_off(mod: nn.Module, keep=frozenset()) -> list:
+    """Take every hook off ``mod`` but those whose ids are in ``keep``; returns what was taken."""
     saved = []
     for name in _HOOK_DICTS:
         hooks = getattr(mod, name)
-        saved.append(list(hooks.items()))
-        hooks.clear()
+        off = [(k, v) for k, v in hooks.items() if k not in keep]
+        for k, _ in off:
+            del hooks[k]
+        saved.append(off)
     return saved
+
+
+def _hooks_beyond(mod: nn.Module, kept) -> bool:
+    """Whether ``mod`` has a forward (pre-)hook other than those in ``kept``."""
+    return any(k not in kept for k in mod._forward_pre_hooks) or any(k not in kept for k in mod._forward_hooks)
 
 
 def _hooks_back(mod: nn.Module, saved: list) -> None:
