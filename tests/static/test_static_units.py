@@ -135,3 +135,28 @@ def test_a_member_run_outside_its_unit_keeps_per_member_hooks():
     # Eager sums some gradients in another order: within 1e-5 over five SGD steps.
     for a, b in zip(out["static"], out["eager"]):
         assert abs(a - b) <= 1e-5, (out["static"], out["eager"])
+
+
+def test_local_taker_only_where_nothing_else_sees_the_gradient():
+    """A gathered copy's hook takes the local gradient directly (``takes_local``) only where the
+    DTensor gradient would reach nothing else: no tensor hook, no gradient already held, no other
+    post-accumulate hook. Otherwise the hand-over goes through ``accumulate_grad``."""
+    from vescale.static.boundary import _local_taker
+
+    taken = []
+
+    def hook(p):
+        raise AssertionError("the DTensor path is not taken here")
+
+    hook.takes_local = lambda local, spec: taken.append((local, spec))
+    p = torch.zeros(3, requires_grad=True)
+    p.register_post_accumulate_grad_hook(hook)
+    assert _local_taker(p) is hook.takes_local
+    p.grad = torch.ones(3)
+    assert _local_taker(p) is None  # a gradient held: it must be added to
+    p.grad = None
+    handle = p.register_hook(lambda g: g * 2)
+    assert _local_taker(p) is None  # a tensor hook may replace the gradient
+    handle.remove()
+    p.register_post_accumulate_grad_hook(lambda p: None)
+    assert _local_taker(p) is None  # another hook would see the DTensor gradient

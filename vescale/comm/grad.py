@@ -138,14 +138,17 @@ class GradReducer:
 
     def add(self, param: DTensor, grad: DTensor, plan: Transfer) -> None:
         """File a gradient of ``param`` (called from backward hooks)."""
-        local = grad._local_tensor
+        self.add_local(param, grad._local_tensor, grad.placements, plan)
+
+    def add_local(self, param: DTensor, local: torch.Tensor, placements: tuple, plan: Transfer) -> None:
+        """``add`` for a gradient given as its local tensor and placements."""
         if not self.sync:
-            key = (id(param), tuple(grad.placements))
+            key = (id(param), tuple(placements))
             held = self._pending.get(key)
             self._pending[key] = _Entry(param, local if held is None else held.local + local, plan)
             return
         if self._pending:  # micro-steps accumulated under no_grad_sync
-            held = self._pending.pop((id(param), tuple(grad.placements)), None)
+            held = self._pending.pop((id(param), tuple(placements)), None)
             if held is not None:
                 local = held.local + local
         self._queue_finish()

@@ -63,7 +63,7 @@ class GatheredParam:
             self.value = DTensor(local, _run_spec(param, mesh, self.run_placements), requires_grad=False)
             if param.requires_grad:
                 self.value.requires_grad_(True)
-                self.value.register_post_accumulate_grad_hook(self._grad_ready)
+                self.value.register_post_accumulate_grad_hook(self._grad_hook())
         storage = self.value._local_tensor.untyped_storage()
         self.nbytes = storage.nbytes()
         # A gather over mesh dims of size 1 is a no-op that returns the parameter's own storage:
@@ -110,13 +110,25 @@ class GatheredParam:
         view.set_(local.untyped_storage(), local.storage_offset(), local.size(), local.stride())
         return view
 
-    def _grad_ready(self, value: DTensor) -> None:
+    def _grad_hook(self):
+        """The gathered copy's post-accumulate hook; ``takes_local`` lets a static step's gradient
+        hand-over (vescale.static.boundary) give it the local gradient and its spec directly, where
+        nothing else would see the DTensor gradient: no DTensor made, set and taken back."""
+
+        def grad_ready(value: DTensor) -> None:
+            grad, value.grad = value.grad, None
+            self._take_grad(grad._local_tensor, grad._spec)
+
+        grad_ready.takes_local = self._take_grad
+        return grad_ready
+
+    def _take_grad(self, local: torch.Tensor, spec: DTensorSpec) -> None:
         """Bucketed mode: the gathered copy's gradient goes to the reducer; the copy is freed."""
-        grad, value.grad = value.grad, None
-        plan = self.reducer.plan(self.param, grad)
+        plan = self.reducer.plan_of(self.param, spec)
         if plan is None:  # no bucketed form: DTensor reduces this one on its own
-            grad, plan = grad.redistribute(self.param.device_mesh, self.param.placements), NOTHING
-        self.reducer.add(self.param, grad, plan)
+            grad = DTensor(local, spec, requires_grad=False).redistribute(self.param.device_mesh, self.param.placements)
+            local, spec, plan = grad._local_tensor, grad._spec, NOTHING
+        self.reducer.add_local(self.param, local, spec.placements, plan)
         self.free()
         gathered = getattr(self.param, "_vescale_gathered", [])
         if self in gathered:

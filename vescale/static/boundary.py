@@ -257,10 +257,23 @@ class ParamShadow:
         param = self.param_ref()
         if param is None or local is None:
             return
-        if self.hand_overs is not None and _hooks_idle(param, self.spec):
+        taker = _local_taker(param)
+        if taker is not None:
+            taker(local.contiguous(), self.spec)
+        elif self.hand_overs is not None and _hooks_idle(param, self.spec):
             self.hand_overs.add(param, local, self.spec)
         else:
             accumulate_grad(param, DTensor(local.contiguous(), self.spec, requires_grad=False))
+
+
+def _local_taker(param: torch.Tensor):
+    """Where ``param``'s one hook takes its gradient as a local tensor and spec (``takes_local``: a
+    ZeRO-3 gathered copy's, vescale.parallel.zero) and nothing else would see the DTensor gradient
+    (no tensor hook, no gradient held), that function; else None."""
+    hooks = param._post_accumulate_grad_hooks
+    if not hooks or len(hooks) != 1 or param._backward_hooks or param.grad is not None:
+        return None
+    return getattr(next(iter(hooks.values())), "takes_local", None)
 
 
 def _hooks_idle(param: torch.Tensor, spec: DTensorSpec) -> bool:
