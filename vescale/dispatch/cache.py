@@ -39,7 +39,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
-from torch.distributed.tensor._ops import _math_ops
+from torch.distributed.tensor._ops import _math_ops, _tensor_ops
 from torch.distributed.tensor._ops._math_ops import _skip_dim, replicate_reduction_dims
 from torch.distributed.tensor._ops._tensor_ops import split_strategy
 from torch.distributed.tensor._ops._view_ops import dim_maps, propagate_shape_and_sharding
@@ -144,11 +144,47 @@ def _nll_mean_even(op_schema: OpSchema) -> bool | None:
     return is_tensor_evenly_shardable(target.shape, DTensorSpec(x.mesh, placements))
 
 
-def _key(op_schema: OpSchema):
+def _new_factory_sizes(op_schema: OpSchema) -> dict:
+    """new_zeros / new_ones / new_full / new_empty (``new_factory_strategy``): the output follows a
+    sharded input (an uninitialised one also a Partial input) only when the requested size equals
+    the input's shape, else it is Replicate; the rule reads the size for nothing else."""
+    spec, size = op_schema.args_schema[:2]
+    return {1: (tuple(_size_class(n) for n in size), tuple(size) == tuple(spec.shape))}
+
+
+def _slice_backward_sizes(op_schema: OpSchema) -> dict:
+    """slice_backward (``slice_backward_rules``): the gradient's placements with the sliced dim
+    replicated; input_sizes, start, end and step are not read (the local input_sizes of a sharded
+    output are PyTorch's ``_adjust_shape_and_stride_args``' at every hit). The output's sharded dims
+    are the gradient's, sizes included, so the gradient's shard fit in the key covers them."""
+    return {1: tuple(_size_class(n) for n in op_schema.args_schema[1]), 3: None, 4: None, 5: None}
+
+
+# PyTorch strategies that read a size argument (or a slice's bounds) only through what the function
+# beside them keeps: {argument position: its key}; the other arguments are keyed as usual. Such an
+# op's decision, size arguments made local included, is then one for every size with that key.
+_SIZE_ARG_RULES = {
+    _tensor_ops.new_factory_strategy: _new_factory_sizes,
+    _tensor_ops.slice_backward_rules: _slice_backward_sizes,
+}
+
+
+def _size_arg_keys(prop, op_schema: OpSchema) -> dict:
+    sizes = _SIZE_ARG_RULES.get(prop.op_strategy_funcs.get(op_schema.op))
+    if sizes is None or op_schema.op is aten.new_empty_strided.default:  # its strides: keyed as they are
+        return {}
+    return sizes(op_schema)
+
+
+def _key(op_schema: OpSchema, prop=None):
+    """The shape-free key of ``op_schema`` (None: not cached). ``prop``: the sharding propagator
+    whose rules decide (DTensor's own by default)."""
+    prop = prop or DTensor._op_dispatcher.sharding_propagator
     try:
         if op_schema.op in _VIEW_RULES:
             return (op_schema.op, _view_key(op_schema))
-        args = tuple(_arg_key(a) for a in op_schema.args_schema)
+        sized = _size_arg_keys(prop, op_schema)
+        args = tuple(sized[i] if i in sized else _arg_key(a) for i, a in enumerate(op_schema.args_schema))
         kwargs = tuple(sorted((k, _arg_key(v)) for k, v in op_schema.kwargs_schema.items()))
         if op_schema.op is aten.nll_loss_forward.default:
             args += (_nll_mean_even(op_schema),)
@@ -171,9 +207,11 @@ _ONE_STRATEGY_RULES = (
 
 
 def _decided_by_key(prop, op) -> bool:
-    """Whether the key determines a decision that moves inputs: view-like ops (their key holds
-    PyTorch's own decision) and ops still ruled by a one-strategy function above."""
-    return op in _VIEW_RULES or any(prop.op_strategy_funcs.get(op) is f for f in _ONE_STRATEGY_RULES)
+    """Whether the key determines a decision that moves inputs or rewrites size arguments: view-like
+    ops (their key holds PyTorch's own decision) and ops still ruled by a one-strategy function
+    above or a size-argument rule (``_SIZE_ARG_RULES``)."""
+    rule = prop.op_strategy_funcs.get(op)
+    return op in _VIEW_RULES or rule in _SIZE_ARG_RULES or any(rule is f for f in _ONE_STRATEGY_RULES)
 
 
 def _plain_split(prop, op_schema: OpSchema) -> bool:
@@ -326,7 +364,7 @@ class ShapeFreeCache:
         return result
 
     def _decide(self, op_schema: OpSchema) -> OutputSharding:
-        key = _key(op_schema)
+        key = _key(op_schema, self.propagator)
         entry = self.entries.get(key) if key is not None else None
         if entry is not None and entry is not _NEVER:
             replayed = self._replay(op_schema, *entry)
