@@ -64,6 +64,12 @@ _VIEW_RULES = {
 __all__ = ["ShapeFreeCache", "install_shape_free_cache", "uninstall_shape_free_cache", "shape_free_cache"]
 
 _NEVER = object()  # a key whose decision must not be reused
+
+
+class _KnownMetas(tuple):
+    """An entry whose decision is PyTorch's every time (searched by cost, ...) but whose output
+    metadata ``_outputs`` gives as PyTorch's FakeTensor run does: ``(dtypes,)``. Its misses still
+    run PyTorch's strategy, with that metadata instead of the FakeTensor run."""
 _LOCK = threading.Lock()
 _INSTALLED: list["ShapeFreeCache"] = []
 
@@ -294,6 +300,7 @@ class ShapeFreeCache:
         self.fallback = type(propagator).propagate_op_sharding_non_cached.__get__(propagator)
         self.entries: dict = {}
         self.hits = self.misses = 0
+        self._known = threading.local()  # (schema, its output metadata) while its miss is decided
         # While a Static Eager recording watches (``remembering``): the decision given for each schema
         # this step, so that its question "would this op run locally?" (``local.why_rule_not_local``),
         # asked after the op ran, does not propagate the op a second time.
@@ -317,10 +324,14 @@ class ShapeFreeCache:
             return None
         return "moved"
 
-    def _replay(self, op_schema: OpSchema, template, targets, dtypes, built=True) -> OutputSharding | None:
+    @staticmethod
+    def _outputs(op_schema: OpSchema, dtypes):
+        """Output metadata by arithmetic where certain, else the op's meta kernel (None: neither)."""
         metas = fast_outputs(op_schema, dtypes)
-        if metas is None:
-            metas = meta_outputs(op_schema)
+        return meta_outputs(op_schema) if metas is None else metas
+
+    def _replay(self, op_schema: OpSchema, template, targets, dtypes, built=True) -> OutputSharding | None:
+        metas = self._outputs(op_schema, dtypes)
         if metas is None:
             return None
         if isinstance(template, tuple) and (not isinstance(metas, (tuple, list)) or len(metas) != len(template)):
@@ -366,12 +377,28 @@ class ShapeFreeCache:
     def _decide(self, op_schema: OpSchema) -> OutputSharding:
         key = _key(op_schema, self.propagator)
         entry = self.entries.get(key) if key is not None else None
-        if entry is not None and entry is not _NEVER:
+        if type(entry) is tuple:
             replayed = self._replay(op_schema, *entry)
             if replayed is not None:
                 self.hits += 1
                 return replayed
         self.misses += 1
+        known = self._outputs(op_schema, entry[0]) if type(entry) is _KnownMetas else None
+        self._known.value = None if known is None else (op_schema, known)
+        try:
+            return self._miss(op_schema, key, entry)
+        finally:
+            self._known.value = None
+
+    def known_outputs(self, op_schema: OpSchema):
+        """The output metadata of the miss being decided, where its key's entry vouches for it
+        (``_KnownMetas``); asked by the propagator's tensor-metadata step (``datadep``'s), which
+        then runs no FakeTensor."""
+        known = self._known.value
+        return known[1] if known is not None and known[0] is op_schema else None
+
+    def _miss(self, op_schema: OpSchema, key, entry) -> OutputSharding:
+        """PyTorch's miss path (errors made to name the op's module); a first-seen key learned."""
         try:
             result = self.fallback(op_schema)
         except NotImplementedError as e:
@@ -389,13 +416,15 @@ class ShapeFreeCache:
     def _learn(self, op_schema: OpSchema, result: OutputSharding):
         """The entry for a first-seen key: replayable only if replaying gives PyTorch's answer."""
         spec = result.output_spec
-        kind = self._kind(op_schema, result)
-        if kind is None or spec is None or (not isinstance(spec, DTensorSpec) and not isinstance(spec, tuple)):
+        if spec is None or (not isinstance(spec, DTensorSpec) and not isinstance(spec, tuple)):
             return _NEVER
         metas = _output_metas(spec)
         if metas is None:
             return _NEVER
         dtypes = metas.dtype if isinstance(metas, TensorMeta) else tuple(m and m.dtype for m in metas)
+        kind = self._kind(op_schema, result)
+        if kind is None:
+            return self._known_metas(op_schema, metas, dtypes)
         targets = result.redistribute_schema.args_spec if kind == "moved" else None
         try:  # built by DTensorSpec's constructor here, so that hits may copy them
             replayed = self._replay(op_schema, spec, targets, dtypes, built=False)
@@ -409,6 +438,16 @@ class ShapeFreeCache:
         except Exception:
             return _NEVER
         return entry if again is not None and _same_decision(again, result) else _NEVER
+
+    def _known_metas(self, op_schema: OpSchema, metas, dtypes):
+        """A not-replayable key's entry: ``_KnownMetas`` where ``_outputs`` equals PyTorch's metadata."""
+        try:
+            ours = self._outputs(op_schema, dtypes)
+        except Exception:
+            return _NEVER
+        if isinstance(ours, list):
+            ours = tuple(ours)
+        return _KnownMetas((dtypes,)) if ours is not None and ours == metas else _NEVER
 
     def clear(self) -> None:
         self.entries.clear()
