@@ -312,7 +312,24 @@ def _nll_loss_backward(op_schema: OpSchema, dtype):
     return _fresh(x.shape, dtype)
 
 
+def _reduction(op_schema: OpSchema, dtype):
+    """sum / mean over dims (``dim=None``: all) of a canonical contiguous input: TensorIterator's
+    reductions allocate their output without strides, so it is a fresh contiguous tensor of the
+    reduced shape (size-1 dims kept with ``keepdim``)."""
+    x, dims, keepdim = (*op_schema.args_schema, False)[:3]
+    meta = x.tensor_meta
+    if not _contiguous(meta) or not isinstance(keepdim, bool):
+        return None
+    ndim = len(meta.shape)
+    reduced = set(range(ndim)) if dims is None or len(dims) == 0 else {d % ndim for d in dims} if ndim else set()
+    shape = [1 if d in reduced else n for d, n in enumerate(meta.shape) if keepdim or d not in reduced]
+    return _fresh(shape, dtype)
+
+
 _RULES = {
+    aten.floor_divide.default: _elementwise,  # TensorIterator's binary op, without the pointwise tag
+    aten.sum.dim_IntList: _reduction,
+    aten.mean.dim: _reduction,
     aten.view.default: _view,
     aten._unsafe_view.default: _view,
     aten.view_copy.default: _view,
