@@ -301,7 +301,8 @@ def test_a_view_of_a_contiguous_tensor_is_contiguous(shape, new):
 def test_elementwise_metadata_equals_fake_tensor_on_random_layouts(mesh):
     """Seeded random layouts (permuted, sliced, size-1 and broadcast dims) of unary, binary and
     ternary elementwise ops: the arithmetic answer equals PyTorch's FakeTensor run every time it
-    answers at all (size-1 output dims, where PyTorch's own paths disagree, never are)."""
+    answers at all (size-1 output dims, where PyTorch's own paths may disagree, only for inputs of the
+    output's shape, all canonical contiguous)."""
     import random
 
     prop = DTensor._op_dispatcher.sharding_propagator

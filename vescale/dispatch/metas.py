@@ -129,17 +129,23 @@ def _tensor_metas(op_schema: OpSchema) -> list | None:
 def _elementwise(op_schema: OpSchema, dtype):
     """An out-of-place elementwise op's output, where every path PyTorch may take to it (the C++
     TensorIterator meta, the Python reference's ``compute_elementwise_output_strides``, FakeTensor's
-    fast elementwise impl) agrees, which needs an output without size-1 dims (their strides are
-    where those paths differ): canonical contiguous inputs give a contiguous output (contiguous
-    strides never reorder two dims of size > 1; broadcast dims have stride 0 and are skipped), and
-    inputs of the output's shape with the same dense strides keep them (all strides distinct, so
-    no tie to break). Anything else: None, and the caller runs the meta kernel."""
+    fast elementwise impl) agrees. Size-1 output dims are where those paths differ in general, so
+    such an output is answered only when every tensor input has exactly its shape with canonical
+    contiguous strides (TensorIterator's contiguous fast setup; RMSNorm's ``(batch, seq, 1)``
+    statistics): a canonical contiguous output. Without size-1 dims: canonical contiguous inputs
+    give a contiguous output (contiguous strides never reorder two dims of size > 1; broadcast dims
+    have stride 0 and are skipped), and inputs of the output's shape with the same dense strides
+    keep them (all strides distinct, so no tie to break). Anything else: None, and the caller runs
+    the meta kernel."""
     metas = _tensor_metas(op_schema)
     if not metas:
         return None
     shape = _broadcast([m.shape for m in metas])
-    if shape is None or 0 in shape or 1 in shape:
+    if shape is None or 0 in shape:
         return None
+    if 1 in shape:
+        same = all(tuple(m.shape) == shape and _contiguous(m) for m in metas)
+        return TensorMeta(torch.Size(shape), contiguous_strides(shape), dtype) if same else None
     if all(_contiguous(m) for m in metas):
         return TensorMeta(torch.Size(shape), contiguous_strides(shape), dtype)
     first = metas[0]
