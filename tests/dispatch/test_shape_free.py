@@ -268,6 +268,16 @@ def _meta_cases(mesh):
             cases += [(aten.sum.dim_IntList, (s(shape), dims, keep)), (aten.mean.dim, (s(shape), dims, keep))]
     cases += [(aten.sum.dim_IntList, (t, [1], True)), (aten.mean.dim, (t, [-1]))]  # transposed: the meta kernel
     cases += [(aten.floor_divide.default, (s((6,), dtype=torch.int64), 2)), (aten.floor_divide.default, (s((4, 6)), s((6,))))]
+    # row-major non-contiguous operands: a column slice (the experts' gate half), an expanded mean grad
+    col, wide = s((6, 4), (8, 1)), s((4, 6, 8), (6, 1, 0))
+    cases += [(aten.silu.default, (col,)), (aten.mul.Tensor, (s((6, 4)), col)), (aten.silu_backward.default, (s((6, 4)), col)),
+              (aten.div.Scalar, (wide, 8)), (aten.mul.Tensor, (wide, s((4, 6, 8))))]
+    for x in (s((4, 6, 8)), t, s((4, 1, 8)), s(())):
+        cases += [(aten.unsqueeze.default, (x, d)) for d in range(-len(x.tensor_meta.shape) - 1, len(x.tensor_meta.shape) + 1)]
+    for op in (aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default):
+        cases += [(op, (t, [3, 5])), (op, (s((4, 6, 8)), [4, 1, 8])), (op, (s((2,)), []))]
+    cases += [(aten.new_full.default, (t, [3, 5], 2.0)), (aten.slice_backward.default, (s((4, 6, 4)), [4, 6, 8], 2, 4, 8, 1)),
+              (aten.slice_backward.default, (t, [4, 16, 6], 1, 0, 16, 2))]
     return cases
 
 
@@ -289,6 +299,19 @@ def test_arithmetic_output_metadata_equals_fake_tensor_propagation(mesh):
     x = _spec(mesh, (4, 6, 8))
     for op in (aten.add_.Tensor, aten.mul_.Tensor):  # the result is the argument, laid out as it is
         assert fast_outputs(OpSchema(op, (x, x), {}), torch.float32) is None
+
+
+def test_a_clone_to_contiguous_format_is_contiguous_whatever_the_layout(mesh):
+    prop = DTensor._op_dispatcher.sharding_propagator
+    for shape, stride in [((4, 8, 6), (48, 1, 8)), ((4, 6, 8), (6, 1, 0)), ((4, 1, 8), (8, 64, 1))]:
+        for fmt in (torch.contiguous_format, torch.preserve_format):
+            schema = OpSchema(aten.clone.default, (_spec(mesh, shape, stride),), {"memory_format": fmt})
+            theirs = type(prop)._propagate_tensor_meta_non_cached(prop, schema)
+            ours = fast_outputs(schema, theirs.dtype)
+            if fmt is torch.contiguous_format:
+                assert ours is not None and tuple(ours.stride) == tuple(theirs.stride), f"{shape} {stride}"
+            else:
+                assert ours is None
 
 
 @pytest.mark.parametrize("shape,new", list(itertools.product([(4, 6, 8), (4, 1, 8), (1, 6, 1, 8)], [(-1,), (2, -1), (-1, 1, 4)])))

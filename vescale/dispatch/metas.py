@@ -83,6 +83,22 @@ def _contiguous(meta: TensorMeta) -> bool:
     return tuple(meta.stride) == contiguous_strides(meta.shape)
 
 
+def _row_major(meta: TensorMeta) -> bool:
+    """Strides that fall strictly from each dim of size > 1 to the next, broadcast (stride-0) dims
+    left out: TensorIterator and the Python reference order such an operand's dims as they are
+    (dims of size 1 or stride 0 decide nothing), so it asks for a row-major output. Canonical
+    contiguous strides are such; so are a column slice's ``(128, 1)`` of a ``(576, 64)`` tensor and
+    an expanded ``(72, 1, 0)``."""
+    last = None
+    for n, st in zip(meta.shape, meta.stride):
+        if n < 2 or st == 0:
+            continue
+        if last is not None and st >= last:
+            return False
+        last = st
+    return True
+
+
 def _non_overlapping_and_dense(meta: TensorMeta) -> bool:
     """c10's ``compute_non_overlapping_and_dense``: dims by increasing stride (size < 2 last)
     tile memory exactly."""
@@ -135,8 +151,9 @@ def _elementwise(op_schema: OpSchema, dtype):
     statistics): a canonical contiguous output. Without size-1 dims: canonical contiguous inputs
     give a contiguous output (contiguous strides never reorder two dims of size > 1; broadcast dims
     have stride 0 and are skipped), and inputs of the output's shape with the same dense strides
-    keep them (all strides distinct, so no tie to break). Anything else: None, and the caller runs
-    the meta kernel."""
+    keep them (all strides distinct, so no tie to break); more generally inputs whose strides all
+    order the dims as they are (``_row_major``: a column slice, an expanded tensor) agree on that
+    order, so the output is contiguous. Anything else: None, and the caller runs the meta kernel."""
     metas = _tensor_metas(op_schema)
     if not metas:
         return None
@@ -146,7 +163,7 @@ def _elementwise(op_schema: OpSchema, dtype):
     if 1 in shape:
         same = all(tuple(m.shape) == shape and _contiguous(m) for m in metas)
         return TensorMeta(torch.Size(shape), contiguous_strides(shape), dtype) if same else None
-    if all(_contiguous(m) for m in metas):
+    if all(_row_major(m) for m in metas):
         return TensorMeta(torch.Size(shape), contiguous_strides(shape), dtype)
     first = metas[0]
     if all(tuple(m.shape) == shape and tuple(m.stride) == tuple(first.stride) for m in metas) and (
@@ -293,6 +310,37 @@ def _same_as_first(op_schema: OpSchema, dtype):
     return _fresh(m.shape, dtype)
 
 
+def _sized_fresh(op_schema: OpSchema, dtype):
+    """new_zeros / new_ones / new_empty (size at 1), new_full, slice_backward (input_sizes at 1):
+    a tensor allocated at that size (``at::empty`` / ``at::zeros``), contiguous."""
+    size = op_schema.args_schema[1]
+    if not isinstance(size, (list, tuple)) or any(not isinstance(n, int) or n < 0 for n in size):
+        return None
+    return _fresh(size, dtype)
+
+
+def _contiguous_clone(op_schema: OpSchema, dtype):
+    """clone(memory_format=contiguous_format) (``.contiguous()``, ``.reshape`` of a strided view):
+    contiguous whatever the input's layout; any other memory format: the meta kernel."""
+    if op_schema.kwargs_schema.get("memory_format") is torch.contiguous_format and len(op_schema.kwargs_schema) == 1:
+        return _fresh(op_schema.args_schema[0].tensor_meta.shape, dtype)
+    return _same_as_first(op_schema, dtype)
+
+
+def _unsqueeze(op_schema: OpSchema, dtype):
+    """unsqueeze(dim) is a view: a size-1 dim inserted with stride size*stride of the dim it goes
+    before, or 1 at the end (``inferUnsqueezeGeometry``)."""
+    m, dim = op_schema.args_schema[0].tensor_meta, op_schema.args_schema[1]
+    ndim = len(m.shape)
+    if not -ndim - 1 <= dim <= ndim:
+        return None
+    dim %= ndim + 1
+    shape, stride = list(m.shape), list(m.stride)
+    stride.insert(dim, 1 if dim >= ndim else shape[dim] * stride[dim])
+    shape.insert(dim, 1)
+    return TensorMeta(torch.Size(shape), tuple(stride), dtype)
+
+
 def _softmax_backward(op_schema: OpSchema, dtype):
     grad, out = op_schema.args_schema[0].tensor_meta, op_schema.args_schema[1].tensor_meta
     if not (_contiguous(grad) and _contiguous(out)) or tuple(grad.shape) != tuple(out.shape):
@@ -348,7 +396,13 @@ _RULES = {
     aten.t.default: _transpose,
     aten.detach.default: _same_as_first,
     aten.alias.default: _same_as_first,
-    aten.clone.default: _same_as_first,
+    aten.clone.default: _contiguous_clone,
+    aten.unsqueeze.default: _unsqueeze,
+    aten.new_zeros.default: _sized_fresh,
+    aten.new_ones.default: _sized_fresh,
+    aten.new_empty.default: _sized_fresh,
+    aten.new_full.default: _sized_fresh,
+    aten.slice_backward.default: _sized_fresh,
     aten._softmax.default: _same_as_first,
     aten._log_softmax.default: _same_as_first,
     aten._softmax_backward_data.default: _softmax_backward,
