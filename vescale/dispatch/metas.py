@@ -99,22 +99,6 @@ def _row_major(meta: TensorMeta) -> bool:
     return True
 
 
-def _non_overlapping_and_dense(meta: TensorMeta) -> bool:
-    """c10's ``compute_non_overlapping_and_dense``: dims by increasing stride (size < 2 last)
-    tile memory exactly."""
-    shape, stride = meta.shape, meta.stride
-    if len(shape) == 1:
-        return shape[0] < 2 or stride[0] == 1
-    need = 1
-    for d in sorted(range(len(shape)), key=lambda d: (shape[d] < 2, stride[d])):
-        if shape[d] < 2:
-            return True
-        if stride[d] != need:
-            return False
-        need *= shape[d]
-    return True
-
-
 def _broadcast(shapes) -> tuple | None:
     rank = max(len(s) for s in shapes)
     out = [1] * rank
@@ -153,7 +137,9 @@ def _elementwise(op_schema: OpSchema, dtype):
     have stride 0 and are skipped), and inputs of the output's shape with the same dense strides
     keep them (all strides distinct, so no tie to break); more generally inputs whose strides all
     order the dims as they are (``_row_major``: a column slice, an expanded tensor) agree on that
-    order, so the output is contiguous. Anything else: None, and the caller runs the meta kernel."""
+    order, so the output is contiguous, and inputs that agree on another order
+    (``_agreed_order``) give an output dense in it. Anything else: None, and the caller runs the
+    meta kernel."""
     metas = _tensor_metas(op_schema)
     if not metas:
         return None
@@ -165,12 +151,32 @@ def _elementwise(op_schema: OpSchema, dtype):
         return TensorMeta(torch.Size(shape), contiguous_strides(shape), dtype) if same else None
     if all(_row_major(m) for m in metas):
         return TensorMeta(torch.Size(shape), contiguous_strides(shape), dtype)
-    first = metas[0]
-    if all(tuple(m.shape) == shape and tuple(m.stride) == tuple(first.stride) for m in metas) and (
-        _non_overlapping_and_dense(first)
-    ):
-        return TensorMeta(first.shape, tuple(first.stride), dtype)
-    return None
+    order = _agreed_order(metas, shape)
+    if order is None:
+        return None
+    stride, step = [0] * len(shape), 1
+    for d in reversed(order):
+        stride[d], step = step, step * shape[d]
+    return TensorMeta(torch.Size(shape), tuple(stride), dtype)
+
+
+def _agreed_order(metas, shape) -> list | None:
+    """The output's dims from outermost to innermost where every operand orders them alike: one
+    operand of the output's shape has distinct non-zero strides (it decides every pair of dims),
+    and each operand's non-zero strides (broadcast dims have none) fall along that order. Then
+    TensorIterator's dim sort and the Python reference's both give that order, and the output is
+    dense in it (a heads-first view times the broadcast rotary cos: the view's layout)."""
+    full = next((m for m in metas if tuple(m.shape) == shape and 0 not in m.stride
+                 and len(set(m.stride)) == len(shape)), None)
+    if full is None:
+        return None
+    order = sorted(range(len(shape)), key=lambda d: -full.stride[d])
+    for m in metas:
+        lead = len(shape) - len(m.shape)
+        strides = [m.stride[d - lead] for d in order if d >= lead and m.shape[d - lead] > 1 and m.stride[d - lead] != 0]
+        if any(a <= b for a, b in zip(strides, strides[1:])):
+            return None
+    return order
 
 
 def _fresh(shape, dtype) -> TensorMeta:
