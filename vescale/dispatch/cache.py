@@ -22,12 +22,17 @@ decision are reused:
 * ops whose PyTorch rule returns a single strategy derived from placements alone (softmax and its
   backward, nll_loss forward and backward: ``_ONE_STRATEGY_RULES``): their redistributions (gather
   the vocabulary dim, replicate a Partial gradient) are replayed with the new sizes.
+* ops whose PyTorch rule reads a size argument only as the key keeps it (``_SIZE_ARG_RULES``:
+  ``new_zeros`` & co. follow a sharded input only at its own shape; ``slice_backward`` ignores its
+  sizes and bounds): keyed without those sizes, their size arguments made local at every hit.
 
 On a hit the output metadata comes from ``metas.py`` (arithmetic where certain, else the op's meta
 kernel), not from a FakeTensor run. Every key is verified once: the first time it is seen, the fast
 answer is computed beside PyTorch's full one and the key is served only if the two are equal
 (output specs, metadata, redistribution and rewritten arguments). Decisions of the cost-based search
-(``search.py``) that move inputs, squeeze and data-dependent ops always go to PyTorch.
+(``search.py``) that move inputs, squeeze and data-dependent ops always go to PyTorch; for such a key
+the first miss also checks ``metas.py``'s answer against PyTorch's metadata, and later misses
+(``_KnownMetas``) run PyTorch's strategy on that answer instead of a FakeTensor run.
 """
 
 
