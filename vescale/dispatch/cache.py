@@ -75,6 +75,8 @@ class _KnownMetas(tuple):
     """An entry whose decision is PyTorch's every time (searched by cost, ...) but whose output
     metadata ``_outputs`` gives as PyTorch's FakeTensor run does: ``(dtypes,)``. Its misses still
     run PyTorch's strategy, with that metadata instead of the FakeTensor run."""
+
+
 _LOCK = threading.Lock()
 _INSTALLED: list["ShapeFreeCache"] = []
 
@@ -389,17 +391,18 @@ class ShapeFreeCache:
                 return replayed
         self.misses += 1
         known = self._outputs(op_schema, entry[0]) if type(entry) is _KnownMetas else None
+        outer = getattr(self._known, "value", None)  # a miss decided inside another's (decompositions)
         self._known.value = None if known is None else (op_schema, known)
         try:
             return self._miss(op_schema, key, entry)
         finally:
-            self._known.value = None
+            self._known.value = outer
 
     def known_outputs(self, op_schema: OpSchema):
         """The output metadata of the miss being decided, where its key's entry vouches for it
         (``_KnownMetas``); asked by the propagator's tensor-metadata step (``datadep``'s), which
         then runs no FakeTensor."""
-        known = self._known.value
+        known = getattr(self._known, "value", None)  # unset in a thread that decided no miss yet
         return known[1] if known is not None and known[0] is op_schema else None
 
     def _miss(self, op_schema: OpSchema, key, entry) -> OutputSharding:
