@@ -6,11 +6,12 @@ often, on every hit of a new sequence length, so they take it from here:
 
 * ``meta_outputs``: the op's own meta kernel on meta-device tensors (any op that has one);
 * ``fast_outputs``: arithmetic for the op kinds a transformer step is made of, only where the result
-  is certain from the input metadata: elementwise ops whose output has no size-1 dim, on contiguous
-  inputs or inputs with one dense layout (see ``_elementwise``), ``mm``/``bmm`` (always a fresh
+  is certain from the input metadata: elementwise ops whose operands agree on one order of the dims
+  (see ``_elementwise``), sum / mean over dims of a contiguous input, ``mm``/``bmm`` (always a fresh
   contiguous tensor), views and reshapes of contiguous tensors, ``expand``, ``slice``, ``split``,
-  ``transpose``/``t`` (sizes and strides moved), ``detach``/``alias``, ``clone`` and the softmax /
-  NLL-loss kernels of contiguous inputs. Anything else returns None and the caller runs the meta
+  ``unsqueeze``, ``transpose``/``t`` (sizes and strides moved), ``detach``/``alias``, ``clone``
+  (of a contiguous input, or to contiguous format), ``new_*`` and ``slice_backward`` (fresh at their
+  size) and the softmax / NLL-loss kernels of contiguous inputs. Anything else returns None and the caller runs the meta
   kernel. Output dtypes are not derived: callers pass the dtype(s) PyTorch gave for the same op,
   input dtypes and scalar arguments (promotion depends only on those, which cache keys keep, a
   Python scalar with its type);
@@ -132,14 +133,10 @@ def _elementwise(op_schema: OpSchema, dtype):
     fast elementwise impl) agrees. Size-1 output dims are where those paths differ in general, so
     such an output is answered only when every tensor input has exactly its shape with canonical
     contiguous strides (TensorIterator's contiguous fast setup; RMSNorm's ``(batch, seq, 1)``
-    statistics): a canonical contiguous output. Without size-1 dims: canonical contiguous inputs
-    give a contiguous output (contiguous strides never reorder two dims of size > 1; broadcast dims
-    have stride 0 and are skipped), and inputs of the output's shape with the same dense strides
-    keep them (all strides distinct, so no tie to break); more generally inputs whose strides all
-    order the dims as they are (``_row_major``: a column slice, an expanded tensor) agree on that
-    order, so the output is contiguous, and inputs that agree on another order
-    (``_agreed_order``) give an output dense in it. Anything else: None, and the caller runs the
-    meta kernel."""
+    statistics). Otherwise the operands must agree on one order of the dims: all row-major
+    (``_row_major``: contiguous, a column slice, an expanded tensor) give a contiguous output,
+    all along another order (``_agreed_order``) an output dense in it. Anything else: None, and
+    the caller runs the meta kernel."""
     metas = _tensor_metas(op_schema)
     if not metas:
         return None
