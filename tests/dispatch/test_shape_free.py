@@ -23,7 +23,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 from vescale import dispatch
-from vescale.dispatch.cache import _key
+from vescale.dispatch.cache import _NEVER, _key
 from vescale.dispatch.metas import fast_outputs, miss_outputs
 from vescale.testing import forget_dtensor_caches
 
@@ -260,6 +260,24 @@ def _meta_cases(mesh):
         cases += [(aten.split.Tensor, (s((6, 8, 5)), *args)), (aten.split.Tensor, (t, *args))]
     for shape, new in [((4, 1, 8), [4, 6, 8]), ((1, 8), [3, 5, 8]), ((4, 1, 8), [-1, 6, -1]), ((8,), [2, 8])]:
         cases += [(aten.expand.default, (s(shape), new))]
+    # reductions (RMSNorm's mean, the router's sums) over kept and dropped dims, size-1 dims included
+    for shape in [(4, 6, 8), (4, 1, 8), (1, 6, 1), (8,), ()]:
+        for dims, keep in itertools.product([None, [], [-1], [0], [0, 1], [1, -1]], [False, True]):
+            if dims and any(d >= max(len(shape), 1) for d in dims):
+                continue
+            cases += [(aten.sum.dim_IntList, (s(shape), dims, keep)), (aten.mean.dim, (s(shape), dims, keep))]
+    cases += [(aten.sum.dim_IntList, (t, [1], True)), (aten.mean.dim, (t, [-1]))]  # transposed: the meta kernel
+    cases += [(aten.floor_divide.default, (s((6,), dtype=torch.int64), 2)), (aten.floor_divide.default, (s((4, 6)), s((6,))))]
+    # row-major non-contiguous operands: a column slice (the experts' gate half), an expanded mean grad
+    col, wide = s((6, 4), (8, 1)), s((4, 6, 8), (6, 1, 0))
+    cases += [(aten.silu.default, (col,)), (aten.mul.Tensor, (s((6, 4)), col)), (aten.silu_backward.default, (s((6, 4)), col)),
+              (aten.div.Scalar, (wide, 8)), (aten.mul.Tensor, (wide, s((4, 6, 8))))]
+    for x in (s((4, 6, 8)), t, s((4, 1, 8)), s(())):
+        cases += [(aten.unsqueeze.default, (x, d)) for d in range(-len(x.tensor_meta.shape) - 1, len(x.tensor_meta.shape) + 1)]
+    for op in (aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default):
+        cases += [(op, (t, [3, 5])), (op, (s((4, 6, 8)), [4, 1, 8])), (op, (s((2,)), []))]
+    cases += [(aten.new_full.default, (t, [3, 5], 2.0)), (aten.slice_backward.default, (s((4, 6, 4)), [4, 6, 8], 2, 4, 8, 1)),
+              (aten.slice_backward.default, (t, [4, 16, 6], 1, 0, 16, 2))]
     return cases
 
 
@@ -283,6 +301,19 @@ def test_arithmetic_output_metadata_equals_fake_tensor_propagation(mesh):
         assert fast_outputs(OpSchema(op, (x, x), {}), torch.float32) is None
 
 
+def test_a_clone_to_contiguous_format_is_contiguous_whatever_the_layout(mesh):
+    prop = DTensor._op_dispatcher.sharding_propagator
+    for shape, stride in [((4, 8, 6), (48, 1, 8)), ((4, 6, 8), (6, 1, 0)), ((4, 1, 8), (8, 64, 1))]:
+        for fmt in (torch.contiguous_format, torch.preserve_format):
+            schema = OpSchema(aten.clone.default, (_spec(mesh, shape, stride),), {"memory_format": fmt})
+            theirs = type(prop)._propagate_tensor_meta_non_cached(prop, schema)
+            ours = fast_outputs(schema, theirs.dtype)
+            if fmt is torch.contiguous_format:
+                assert ours is not None and tuple(ours.stride) == tuple(theirs.stride), f"{shape} {stride}"
+            else:
+                assert ours is None
+
+
 @pytest.mark.parametrize("shape,new", list(itertools.product([(4, 6, 8), (4, 1, 8), (1, 6, 1, 8)], [(-1,), (2, -1), (-1, 1, 4)])))
 def test_a_view_of_a_contiguous_tensor_is_contiguous(shape, new):
     """What ``metas._view`` assumes, checked on PyTorch's own view kernel (size-1 dims included)."""
@@ -293,7 +324,8 @@ def test_a_view_of_a_contiguous_tensor_is_contiguous(shape, new):
 def test_elementwise_metadata_equals_fake_tensor_on_random_layouts(mesh):
     """Seeded random layouts (permuted, sliced, size-1 and broadcast dims) of unary, binary and
     ternary elementwise ops: the arithmetic answer equals PyTorch's FakeTensor run every time it
-    answers at all (size-1 output dims, where PyTorch's own paths disagree, never are)."""
+    answers at all (size-1 output dims, where PyTorch's own paths may disagree, only for inputs of the
+    output's shape, all canonical contiguous)."""
     import random
 
     prop = DTensor._op_dispatcher.sharding_propagator
@@ -393,3 +425,115 @@ def test_a_scalar_of_another_type_is_another_key(mesh):
         dispatch.install()
     assert ours._spec.tensor_meta.dtype == theirs._spec.tensor_meta.dtype == torch.float32
     _same(ours, theirs)
+
+
+# --- size arguments the rule does not read (new_zeros & co., slice_backward) ----------------------
+
+
+def _new_zeros(mesh, n, same):
+    x = _dt(mesh, (4, n, 8), (Shard(0), Shard(1)), n)
+    return x.new_zeros((4, n, 8) if same else (n, 3))
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_new_zeros_is_a_hit_at_a_new_length_with_pytorchs_answer(mesh, same):
+    """new_factory_strategy: a sharded input's placements when the size is the input's shape (the
+    size argument then made local), else Replicate; either way a hit at a new length."""
+    ours, hits, misses, theirs = _learn_then_reuse(mesh, lambda n: _new_zeros(mesh, n, same), 6, 10)
+    assert (hits, misses) == (1, 0)
+    assert ours.placements == ((Shard(0), Shard(1)) if same else (Replicate(), Replicate()))
+    _same(ours, theirs)
+
+
+def test_new_zeros_of_another_shape_is_not_served_the_same_shape_decision(mesh):
+    """Whether the size equals the input's shape decides the placements, so it is in the key: the
+    same input asking for another shape must not follow the input."""
+    x = _dt(mesh, (4, 6, 8), (Shard(0), Shard(1)))
+    s = lambda size: OpSchema(aten.new_zeros.default, (x._spec, size), {})  # noqa: E731
+    assert _key(s([4, 6, 8])) != _key(s([4, 7, 8]))
+    assert _key(s([4, 7, 8])) == _key(s([4, 9, 8]))  # both another shape: Replicate either way
+    forget_dtensor_caches()
+    assert x.new_zeros((4, 6, 8)).placements == (Shard(0), Shard(1))
+    _clear_sharding_prop_cache()
+    ours = x.new_zeros((4, 7, 8))
+    dispatch.uninstall()
+    forget_dtensor_caches()
+    try:
+        theirs = x.new_zeros((4, 7, 8))
+    finally:
+        dispatch.install()
+    assert ours.placements == (Replicate(), Replicate())
+    _same(ours, theirs)
+
+
+def _slice_grad(mesh, n, dim):
+    """The gradient of a slice (rotary's halves; a causal shift ``x[:, 1:]``, whose bounds move with
+    the length): slice_backward of a sharded gradient."""
+    start, end = (2, 6) if dim == 2 else (1, n)
+    g = _dt(mesh, (4, n, 4) if dim == 2 else (4, n - 1, 8), (Shard(0), Shard(1)), n)
+    return aten.slice_backward(g, [4, n, 8], dim, start, end, 1)
+
+
+@pytest.mark.parametrize("dim", [2, 1])
+def test_slice_backward_is_a_hit_at_a_new_length_with_pytorchs_answer(mesh, dim):
+    """slice_backward_rules: the gradient's placements, the sliced dim replicated (dim 1, the
+    sequence: the sharded dim gathered first); input_sizes, start and end are not read."""
+    ours, hits, misses, theirs = _learn_then_reuse(mesh, lambda n: _slice_grad(mesh, n, dim), 6, 10)
+    assert (hits, misses) == (1, 0)
+    assert ours.placements == ((Shard(0), Shard(1)) if dim == 2 else (Shard(0), Replicate()))
+    _same(ours, theirs)
+
+
+def test_size_arguments_stay_in_the_key_when_the_rule_is_not_pytorchs(mesh):
+    """Only PyTorch's own rule is known to ignore the sizes: any other rule keys them as they are."""
+    import types
+
+    g = _dt(mesh, (4, 6, 4), (Shard(0), Shard(1)))
+    s = lambda n, end: OpSchema(aten.slice_backward.default, (g._spec, [4, n, 8], 2, 2, end, 1), {})  # noqa: E731
+    assert _key(s(6, 6)) == _key(s(10, 9))
+    other = types.SimpleNamespace(op_strategy_funcs={})
+    assert _key(s(6, 6), other) != _key(s(10, 9), other)
+
+
+# --- misses that stay PyTorch's decisions take checked metadata, not a FakeTensor run -------------
+
+
+def _partial_plus_shard(mesh, n):
+    """A Partial gradient meeting a token-sharded one (the MoE router's backward): PyTorch's cost
+    search reduce-scatters the Partial operand, a decision the cache leaves to PyTorch."""
+    from torch.distributed.tensor import Partial
+
+    a = DTensor.from_local(torch.randn(n, 8, generator=torch.Generator().manual_seed(n)), mesh,
+                           (Replicate(), Partial()), run_check=False)
+    return a + _dt(mesh, (n, 8), (Replicate(), Shard(0)), n)
+
+
+def test_a_searched_miss_runs_no_fake_tensor_at_a_new_length_and_gives_pytorchs_answer(mesh, monkeypatch):
+    prop = DTensor._op_dispatcher.sharding_propagator
+    step = prop._propagate_tensor_meta_non_cached  # datadep's, in front of PyTorch's FakeTensor run
+    fake_runs = []
+    real = step.fallback
+    monkeypatch.setattr(step, "fallback", lambda schema: fake_runs.append(schema.op) or real(schema))
+    forget_dtensor_caches()
+    _partial_plus_shard(mesh, 8)
+    assert fake_runs == [aten.add.Tensor]  # learned: PyTorch's metadata, once
+    _clear_sharding_prop_cache()
+    ours = _partial_plus_shard(mesh, 12)
+    assert fake_runs == [aten.add.Tensor], "a miss at a new length ran FakeTensor again"
+    dispatch.uninstall()
+    forget_dtensor_caches()
+    try:
+        theirs = _partial_plus_shard(mesh, 12)
+    finally:
+        dispatch.install()
+    _same(ours, theirs)
+
+
+def test_metadata_that_differs_from_pytorchs_is_not_vouched_for(mesh):
+    cache = dispatch.shape_free_cache()
+    x = _spec(mesh, (4, 6, 8))
+    schema = OpSchema(aten.add.Tensor, (x, x), {})
+    right = TensorMeta(torch.Size((4, 6, 8)), (48, 8, 1), torch.float32)
+    wrong = TensorMeta(torch.Size((4, 6, 8)), (1, 4, 24), torch.float32)
+    assert cache._known_metas(schema, right, torch.float32) != _NEVER
+    assert cache._known_metas(schema, wrong, torch.float32) is _NEVER

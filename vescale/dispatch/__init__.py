@@ -12,6 +12,8 @@
   ``embedding`` (no FakeTensor run).
 * ``interleaved``: ``split`` of an ``InterleavedShard`` tensor into its sections (and the reverse
   ``cat``) on the local shards.
+* ``partial``: a Partial-sum strategy beside PyTorch's for ``scatter`` (linear in ``self`` and
+  ``src``), so an MoE router's Partial gradient is not reduce-scattered through its backward.
 * ``optim``: stock ``torch.optim`` steps on DTensor parameters run on their local shards.
 * ``attention``: sharding rules for the SDPA kernels PyTorch has none for (CPU flash, forward and
   backward); the CUDA fused kernels refuse in-kernel dropout on DTensors (rank-local masks).
@@ -28,6 +30,7 @@ from .interleaved import install_interleaved_rules, uninstall_interleaved_rules
 from .attention import install_attention_rules
 from .conv import install_conv_handlers
 from .cache import ShapeFreeCache, install_shape_free_cache, shape_free_cache, uninstall_shape_free_cache
+from .partial import install_partial_rules, uninstall_partial_rules
 from .optim import ELEMENTWISE_OPTIMIZERS, install_local_optimizer_step, uninstall_local_optimizer_step
 from .search import install_fast_search, uninstall_fast_search
 from .sized import install_sized_ops, uninstall_sized_ops
@@ -41,6 +44,7 @@ def install() -> None:
     install_conv_handlers()
     install_datadep_handlers()
     install_fast_search()
+    install_partial_rules()
     install_shape_free_cache()
     install_local_optimizer_step()
     install_interleaved_rules()
@@ -54,6 +58,7 @@ def uninstall() -> None:
     uninstall_interleaved_rules()
     uninstall_local_optimizer_step()
     uninstall_shape_free_cache()
+    uninstall_partial_rules()
     uninstall_fast_search()
 
 
@@ -62,4 +67,5 @@ __all__ = [
     "uninstall_shape_free_cache", "shape_free_cache", "install_semantic_handlers", "install_attention_rules",
     "install_datadep_handlers", "uninstall_datadep_handlers", "DATADEP_OPS",
     "install_interleaved_rules", "uninstall_interleaved_rules", "install_sized_ops", "uninstall_sized_ops", "install_fast_search", "uninstall_fast_search",
+    "install_partial_rules", "uninstall_partial_rules",
 ]

@@ -22,12 +22,17 @@ decision are reused:
 * ops whose PyTorch rule returns a single strategy derived from placements alone (softmax and its
   backward, nll_loss forward and backward: ``_ONE_STRATEGY_RULES``): their redistributions (gather
   the vocabulary dim, replicate a Partial gradient) are replayed with the new sizes.
+* ops whose PyTorch rule reads a size argument only as the key keeps it (``_SIZE_ARG_RULES``:
+  ``new_zeros`` & co. follow a sharded input only at its own shape; ``slice_backward`` ignores its
+  sizes and bounds): keyed without those sizes, their size arguments made local at every hit.
 
 On a hit the output metadata comes from ``metas.py`` (arithmetic where certain, else the op's meta
 kernel), not from a FakeTensor run. Every key is verified once: the first time it is seen, the fast
 answer is computed beside PyTorch's full one and the key is served only if the two are equal
 (output specs, metadata, redistribution and rewritten arguments). Decisions of the cost-based search
-(``search.py``) that move inputs, squeeze and data-dependent ops always go to PyTorch.
+(``search.py``) that move inputs, squeeze and data-dependent ops always go to PyTorch; for such a key
+the first miss also checks ``metas.py``'s answer against PyTorch's metadata, and later misses
+(``_KnownMetas``) run PyTorch's strategy on that answer instead of a FakeTensor run.
 """
 
 
@@ -39,7 +44,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
-from torch.distributed.tensor._ops import _math_ops
+from torch.distributed.tensor._ops import _math_ops, _tensor_ops
 from torch.distributed.tensor._ops._math_ops import _skip_dim, replicate_reduction_dims
 from torch.distributed.tensor._ops._tensor_ops import split_strategy
 from torch.distributed.tensor._ops._view_ops import dim_maps, propagate_shape_and_sharding
@@ -64,6 +69,14 @@ _VIEW_RULES = {
 __all__ = ["ShapeFreeCache", "install_shape_free_cache", "uninstall_shape_free_cache", "shape_free_cache"]
 
 _NEVER = object()  # a key whose decision must not be reused
+
+
+class _KnownMetas(tuple):
+    """An entry whose decision is PyTorch's every time (searched by cost, ...) but whose output
+    metadata ``_outputs`` gives as PyTorch's FakeTensor run does: ``(dtypes,)``. Its misses still
+    run PyTorch's strategy, with that metadata instead of the FakeTensor run."""
+
+
 _LOCK = threading.Lock()
 _INSTALLED: list["ShapeFreeCache"] = []
 
@@ -144,11 +157,47 @@ def _nll_mean_even(op_schema: OpSchema) -> bool | None:
     return is_tensor_evenly_shardable(target.shape, DTensorSpec(x.mesh, placements))
 
 
-def _key(op_schema: OpSchema):
+def _new_factory_sizes(op_schema: OpSchema) -> dict:
+    """new_zeros / new_ones / new_full / new_empty (``new_factory_strategy``): the output follows a
+    sharded input (an uninitialised one also a Partial input) only when the requested size equals
+    the input's shape, else it is Replicate; the rule reads the size for nothing else."""
+    spec, size = op_schema.args_schema[:2]
+    return {1: (tuple(_size_class(n) for n in size), tuple(size) == tuple(spec.shape))}
+
+
+def _slice_backward_sizes(op_schema: OpSchema) -> dict:
+    """slice_backward (``slice_backward_rules``): the gradient's placements with the sliced dim
+    replicated; input_sizes, start, end and step are not read (the local input_sizes of a sharded
+    output are PyTorch's ``_adjust_shape_and_stride_args``' at every hit). The output's sharded dims
+    are the gradient's, sizes included, so the gradient's shard fit in the key covers them."""
+    return {1: tuple(_size_class(n) for n in op_schema.args_schema[1]), 3: None, 4: None, 5: None}
+
+
+# PyTorch strategies that read a size argument (or a slice's bounds) only through what the function
+# beside them keeps: {argument position: its key}; the other arguments are keyed as usual. Such an
+# op's decision, size arguments made local included, is then one for every size with that key.
+_SIZE_ARG_RULES = {
+    _tensor_ops.new_factory_strategy: _new_factory_sizes,
+    _tensor_ops.slice_backward_rules: _slice_backward_sizes,
+}
+
+
+def _size_arg_keys(prop, op_schema: OpSchema) -> dict:
+    sizes = _SIZE_ARG_RULES.get(prop.op_strategy_funcs.get(op_schema.op))
+    if sizes is None or op_schema.op is aten.new_empty_strided.default:  # its strides: keyed as they are
+        return {}
+    return sizes(op_schema)
+
+
+def _key(op_schema: OpSchema, prop=None):
+    """The shape-free key of ``op_schema`` (None: not cached). ``prop``: the sharding propagator
+    whose rules decide (DTensor's own by default)."""
+    prop = prop or DTensor._op_dispatcher.sharding_propagator
     try:
         if op_schema.op in _VIEW_RULES:
             return (op_schema.op, _view_key(op_schema))
-        args = tuple(_arg_key(a) for a in op_schema.args_schema)
+        sized = _size_arg_keys(prop, op_schema)
+        args = tuple(sized[i] if i in sized else _arg_key(a) for i, a in enumerate(op_schema.args_schema))
         kwargs = tuple(sorted((k, _arg_key(v)) for k, v in op_schema.kwargs_schema.items()))
         if op_schema.op is aten.nll_loss_forward.default:
             args += (_nll_mean_even(op_schema),)
@@ -171,9 +220,11 @@ _ONE_STRATEGY_RULES = (
 
 
 def _decided_by_key(prop, op) -> bool:
-    """Whether the key determines a decision that moves inputs: view-like ops (their key holds
-    PyTorch's own decision) and ops still ruled by a one-strategy function above."""
-    return op in _VIEW_RULES or any(prop.op_strategy_funcs.get(op) is f for f in _ONE_STRATEGY_RULES)
+    """Whether the key determines a decision that moves inputs or rewrites size arguments: view-like
+    ops (their key holds PyTorch's own decision) and ops still ruled by a one-strategy function
+    above or a size-argument rule (``_SIZE_ARG_RULES``)."""
+    rule = prop.op_strategy_funcs.get(op)
+    return op in _VIEW_RULES or rule in _SIZE_ARG_RULES or any(rule is f for f in _ONE_STRATEGY_RULES)
 
 
 def _plain_split(prop, op_schema: OpSchema) -> bool:
@@ -256,6 +307,7 @@ class ShapeFreeCache:
         self.fallback = type(propagator).propagate_op_sharding_non_cached.__get__(propagator)
         self.entries: dict = {}
         self.hits = self.misses = 0
+        self._known = threading.local()  # (schema, its output metadata) while its miss is decided
         # While a Static Eager recording watches (``remembering``): the decision given for each schema
         # this step, so that its question "would this op run locally?" (``local.why_rule_not_local``),
         # asked after the op ran, does not propagate the op a second time.
@@ -279,10 +331,14 @@ class ShapeFreeCache:
             return None
         return "moved"
 
-    def _replay(self, op_schema: OpSchema, template, targets, dtypes, built=True) -> OutputSharding | None:
+    @staticmethod
+    def _outputs(op_schema: OpSchema, dtypes):
+        """Output metadata by arithmetic where certain, else the op's meta kernel (None: neither)."""
         metas = fast_outputs(op_schema, dtypes)
-        if metas is None:
-            metas = meta_outputs(op_schema)
+        return meta_outputs(op_schema) if metas is None else metas
+
+    def _replay(self, op_schema: OpSchema, template, targets, dtypes, built=True) -> OutputSharding | None:
+        metas = self._outputs(op_schema, dtypes)
         if metas is None:
             return None
         if isinstance(template, tuple) and (not isinstance(metas, (tuple, list)) or len(metas) != len(template)):
@@ -326,14 +382,31 @@ class ShapeFreeCache:
         return result
 
     def _decide(self, op_schema: OpSchema) -> OutputSharding:
-        key = _key(op_schema)
+        key = _key(op_schema, self.propagator)
         entry = self.entries.get(key) if key is not None else None
-        if entry is not None and entry is not _NEVER:
+        if type(entry) is tuple:
             replayed = self._replay(op_schema, *entry)
             if replayed is not None:
                 self.hits += 1
                 return replayed
         self.misses += 1
+        known = self._outputs(op_schema, entry[0]) if type(entry) is _KnownMetas else None
+        outer = getattr(self._known, "value", None)  # a miss decided inside another's (decompositions)
+        self._known.value = None if known is None else (op_schema, known)
+        try:
+            return self._miss(op_schema, key, entry)
+        finally:
+            self._known.value = outer
+
+    def known_outputs(self, op_schema: OpSchema):
+        """The output metadata of the miss being decided, where its key's entry vouches for it
+        (``_KnownMetas``); asked by the propagator's tensor-metadata step (``datadep``'s), which
+        then runs no FakeTensor."""
+        known = getattr(self._known, "value", None)  # unset in a thread that decided no miss yet
+        return known[1] if known is not None and known[0] is op_schema else None
+
+    def _miss(self, op_schema: OpSchema, key, entry) -> OutputSharding:
+        """PyTorch's miss path (errors made to name the op's module); a first-seen key learned."""
         try:
             result = self.fallback(op_schema)
         except NotImplementedError as e:
@@ -351,13 +424,15 @@ class ShapeFreeCache:
     def _learn(self, op_schema: OpSchema, result: OutputSharding):
         """The entry for a first-seen key: replayable only if replaying gives PyTorch's answer."""
         spec = result.output_spec
-        kind = self._kind(op_schema, result)
-        if kind is None or spec is None or (not isinstance(spec, DTensorSpec) and not isinstance(spec, tuple)):
+        if spec is None or (not isinstance(spec, DTensorSpec) and not isinstance(spec, tuple)):
             return _NEVER
         metas = _output_metas(spec)
         if metas is None:
             return _NEVER
         dtypes = metas.dtype if isinstance(metas, TensorMeta) else tuple(m and m.dtype for m in metas)
+        kind = self._kind(op_schema, result)
+        if kind is None:
+            return self._known_metas(op_schema, metas, dtypes)
         targets = result.redistribute_schema.args_spec if kind == "moved" else None
         try:  # built by DTensorSpec's constructor here, so that hits may copy them
             replayed = self._replay(op_schema, spec, targets, dtypes, built=False)
@@ -371,6 +446,16 @@ class ShapeFreeCache:
         except Exception:
             return _NEVER
         return entry if again is not None and _same_decision(again, result) else _NEVER
+
+    def _known_metas(self, op_schema: OpSchema, metas, dtypes):
+        """A not-replayable key's entry: ``_KnownMetas`` where ``_outputs`` equals PyTorch's metadata."""
+        try:
+            ours = self._outputs(op_schema, dtypes)
+        except Exception:
+            return _NEVER
+        if isinstance(ours, list):
+            ours = tuple(ours)
+        return _KnownMetas((dtypes,)) if ours is not None and ours == metas else _NEVER
 
     def clear(self) -> None:
         self.entries.clear()

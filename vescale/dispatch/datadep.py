@@ -40,6 +40,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from .cache import shape_free_cache
 from .local import why_rule_not_local
 from .metas import miss_outputs
 from .semantics import DTensorRule
@@ -281,13 +282,19 @@ def _grouped_mm_meta(op_schema) -> TensorMeta | None:
 
 class _MetaWithGroupedMM:
     """Replaces the propagator's ``_propagate_tensor_meta_non_cached`` (an instance attribute, as
-    ``vescale.dispatch.cache`` does for the miss path): ``_grouped_mm`` metadata from shapes, and
-    ``metas.miss_outputs``' arithmetic for mm and embedding (a miss of a new sequence length)."""
+    ``vescale.dispatch.cache`` does for the miss path): the metadata the shape-free cache vouches
+    for (a miss of a key whose metadata it checked against PyTorch's once), ``_grouped_mm``
+    metadata from shapes, and ``metas.miss_outputs``' arithmetic for mm and embedding (a miss of a
+    new sequence length)."""
 
     def __init__(self, propagator):
         self.fallback = type(propagator)._propagate_tensor_meta_non_cached.__get__(propagator)
 
     def __call__(self, op_schema):
+        cache = shape_free_cache()
+        known = cache.known_outputs(op_schema) if cache is not None else None
+        if known is not None:
+            return known
         if op_schema.op is aten._grouped_mm.default:
             meta = _grouped_mm_meta(op_schema)
             if meta is not None:

@@ -6,11 +6,12 @@ often, on every hit of a new sequence length, so they take it from here:
 
 * ``meta_outputs``: the op's own meta kernel on meta-device tensors (any op that has one);
 * ``fast_outputs``: arithmetic for the op kinds a transformer step is made of, only where the result
-  is certain from the input metadata: elementwise ops whose output has no size-1 dim, on contiguous
-  inputs or inputs with one dense layout (see ``_elementwise``), ``mm``/``bmm`` (always a fresh
+  is certain from the input metadata: elementwise ops whose operands agree on one order of the dims
+  (see ``_elementwise``), sum / mean over dims of a contiguous input, ``mm``/``bmm`` (always a fresh
   contiguous tensor), views and reshapes of contiguous tensors, ``expand``, ``slice``, ``split``,
-  ``transpose``/``t`` (sizes and strides moved), ``detach``/``alias``, ``clone`` and the softmax /
-  NLL-loss kernels of contiguous inputs. Anything else returns None and the caller runs the meta
+  ``unsqueeze``, ``transpose``/``t`` (sizes and strides moved), ``detach``/``alias``, ``clone``
+  (of a contiguous input, or to contiguous format), ``new_*`` and ``slice_backward`` (fresh at their
+  size) and the softmax / NLL-loss kernels of contiguous inputs. Anything else returns None and the caller runs the meta
   kernel. Output dtypes are not derived: callers pass the dtype(s) PyTorch gave for the same op,
   input dtypes and scalar arguments (promotion depends only on those, which cache keys keep, a
   Python scalar with its type);
@@ -83,19 +84,19 @@ def _contiguous(meta: TensorMeta) -> bool:
     return tuple(meta.stride) == contiguous_strides(meta.shape)
 
 
-def _non_overlapping_and_dense(meta: TensorMeta) -> bool:
-    """c10's ``compute_non_overlapping_and_dense``: dims by increasing stride (size < 2 last)
-    tile memory exactly."""
-    shape, stride = meta.shape, meta.stride
-    if len(shape) == 1:
-        return shape[0] < 2 or stride[0] == 1
-    need = 1
-    for d in sorted(range(len(shape)), key=lambda d: (shape[d] < 2, stride[d])):
-        if shape[d] < 2:
-            return True
-        if stride[d] != need:
+def _row_major(meta: TensorMeta) -> bool:
+    """Strides that fall strictly from each dim of size > 1 to the next, broadcast (stride-0) dims
+    left out: TensorIterator and the Python reference order such an operand's dims as they are
+    (dims of size 1 or stride 0 decide nothing), so it asks for a row-major output. Canonical
+    contiguous strides are such; so are a column slice's ``(128, 1)`` of a ``(576, 64)`` tensor and
+    an expanded ``(72, 1, 0)``."""
+    last = None
+    for n, st in zip(meta.shape, meta.stride):
+        if n < 2 or st == 0:
+            continue
+        if last is not None and st >= last:
             return False
-        need *= shape[d]
+        last = st
     return True
 
 
@@ -129,25 +130,50 @@ def _tensor_metas(op_schema: OpSchema) -> list | None:
 def _elementwise(op_schema: OpSchema, dtype):
     """An out-of-place elementwise op's output, where every path PyTorch may take to it (the C++
     TensorIterator meta, the Python reference's ``compute_elementwise_output_strides``, FakeTensor's
-    fast elementwise impl) agrees, which needs an output without size-1 dims (their strides are
-    where those paths differ): canonical contiguous inputs give a contiguous output (contiguous
-    strides never reorder two dims of size > 1; broadcast dims have stride 0 and are skipped), and
-    inputs of the output's shape with the same dense strides keep them (all strides distinct, so
-    no tie to break). Anything else: None, and the caller runs the meta kernel."""
+    fast elementwise impl) agrees. Size-1 output dims are where those paths differ in general, so
+    such an output is answered only when every tensor input has exactly its shape with canonical
+    contiguous strides (TensorIterator's contiguous fast setup; RMSNorm's ``(batch, seq, 1)``
+    statistics). Otherwise the operands must agree on one order of the dims: all row-major
+    (``_row_major``: contiguous, a column slice, an expanded tensor) give a contiguous output,
+    all along another order (``_agreed_order``) an output dense in it. Anything else: None, and
+    the caller runs the meta kernel."""
     metas = _tensor_metas(op_schema)
     if not metas:
         return None
     shape = _broadcast([m.shape for m in metas])
-    if shape is None or 0 in shape or 1 in shape:
+    if shape is None or 0 in shape:
         return None
-    if all(_contiguous(m) for m in metas):
+    if 1 in shape:
+        same = all(tuple(m.shape) == shape and _contiguous(m) for m in metas)
+        return TensorMeta(torch.Size(shape), contiguous_strides(shape), dtype) if same else None
+    if all(_row_major(m) for m in metas):
         return TensorMeta(torch.Size(shape), contiguous_strides(shape), dtype)
-    first = metas[0]
-    if all(tuple(m.shape) == shape and tuple(m.stride) == tuple(first.stride) for m in metas) and (
-        _non_overlapping_and_dense(first)
-    ):
-        return TensorMeta(first.shape, tuple(first.stride), dtype)
-    return None
+    order = _agreed_order(metas, shape)
+    if order is None:
+        return None
+    stride, step = [0] * len(shape), 1
+    for d in reversed(order):
+        stride[d], step = step, step * shape[d]
+    return TensorMeta(torch.Size(shape), tuple(stride), dtype)
+
+
+def _agreed_order(metas, shape) -> list | None:
+    """The output's dims from outermost to innermost where every operand orders them alike: one
+    operand of the output's shape has distinct non-zero strides (it decides every pair of dims),
+    and each operand's non-zero strides (broadcast dims have none) fall along that order. Then
+    TensorIterator's dim sort and the Python reference's both give that order, and the output is
+    dense in it (a heads-first view times the broadcast rotary cos: the view's layout)."""
+    full = next((m for m in metas if tuple(m.shape) == shape and 0 not in m.stride
+                 and len(set(m.stride)) == len(shape)), None)
+    if full is None:
+        return None
+    order = sorted(range(len(shape)), key=lambda d: -full.stride[d])
+    for m in metas:
+        lead = len(shape) - len(m.shape)
+        strides = [m.stride[d - lead] for d in order if d >= lead and m.shape[d - lead] > 1 and m.stride[d - lead] != 0]
+        if any(a <= b for a, b in zip(strides, strides[1:])):
+            return None
+    return order
 
 
 def _fresh(shape, dtype) -> TensorMeta:
@@ -287,6 +313,37 @@ def _same_as_first(op_schema: OpSchema, dtype):
     return _fresh(m.shape, dtype)
 
 
+def _sized_fresh(op_schema: OpSchema, dtype):
+    """new_zeros / new_ones / new_empty (size at 1), new_full, slice_backward (input_sizes at 1):
+    a tensor allocated at that size (``at::empty`` / ``at::zeros``), contiguous."""
+    size = op_schema.args_schema[1]
+    if not isinstance(size, (list, tuple)) or any(not isinstance(n, int) or n < 0 for n in size):
+        return None
+    return _fresh(size, dtype)
+
+
+def _contiguous_clone(op_schema: OpSchema, dtype):
+    """clone(memory_format=contiguous_format) (``.contiguous()``, ``.reshape`` of a strided view):
+    contiguous whatever the input's layout; any other memory format: the meta kernel."""
+    if op_schema.kwargs_schema.get("memory_format") is torch.contiguous_format and len(op_schema.kwargs_schema) == 1:
+        return _fresh(op_schema.args_schema[0].tensor_meta.shape, dtype)
+    return _same_as_first(op_schema, dtype)
+
+
+def _unsqueeze(op_schema: OpSchema, dtype):
+    """unsqueeze(dim) is a view: a size-1 dim inserted with stride size*stride of the dim it goes
+    before, or 1 at the end (``inferUnsqueezeGeometry``)."""
+    m, dim = op_schema.args_schema[0].tensor_meta, op_schema.args_schema[1]
+    ndim = len(m.shape)
+    if not -ndim - 1 <= dim <= ndim:
+        return None
+    dim %= ndim + 1
+    shape, stride = list(m.shape), list(m.stride)
+    stride.insert(dim, 1 if dim >= ndim else shape[dim] * stride[dim])
+    shape.insert(dim, 1)
+    return TensorMeta(torch.Size(shape), tuple(stride), dtype)
+
+
 def _softmax_backward(op_schema: OpSchema, dtype):
     grad, out = op_schema.args_schema[0].tensor_meta, op_schema.args_schema[1].tensor_meta
     if not (_contiguous(grad) and _contiguous(out)) or tuple(grad.shape) != tuple(out.shape):
@@ -312,7 +369,24 @@ def _nll_loss_backward(op_schema: OpSchema, dtype):
     return _fresh(x.shape, dtype)
 
 
+def _reduction(op_schema: OpSchema, dtype):
+    """sum / mean over dims (``dim=None``: all) of a canonical contiguous input: TensorIterator's
+    reductions allocate their output without strides, so it is a fresh contiguous tensor of the
+    reduced shape (size-1 dims kept with ``keepdim``)."""
+    x, dims, keepdim = (*op_schema.args_schema, False)[:3]
+    meta = x.tensor_meta
+    if not _contiguous(meta) or not isinstance(keepdim, bool):
+        return None
+    ndim = len(meta.shape)
+    reduced = set(range(ndim)) if dims is None or len(dims) == 0 else {d % ndim for d in dims} if ndim else set()
+    shape = [1 if d in reduced else n for d, n in enumerate(meta.shape) if keepdim or d not in reduced]
+    return _fresh(shape, dtype)
+
+
 _RULES = {
+    aten.floor_divide.default: _elementwise,  # TensorIterator's binary op, without the pointwise tag
+    aten.sum.dim_IntList: _reduction,
+    aten.mean.dim: _reduction,
     aten.view.default: _view,
     aten._unsafe_view.default: _view,
     aten.view_copy.default: _view,
@@ -325,7 +399,13 @@ _RULES = {
     aten.t.default: _transpose,
     aten.detach.default: _same_as_first,
     aten.alias.default: _same_as_first,
-    aten.clone.default: _same_as_first,
+    aten.clone.default: _contiguous_clone,
+    aten.unsqueeze.default: _unsqueeze,
+    aten.new_zeros.default: _sized_fresh,
+    aten.new_ones.default: _sized_fresh,
+    aten.new_empty.default: _sized_fresh,
+    aten.new_full.default: _sized_fresh,
+    aten.slice_backward.default: _sized_fresh,
     aten._softmax.default: _same_as_first,
     aten._log_softmax.default: _same_as_first,
     aten._softmax_backward_data.default: _softmax_backward,

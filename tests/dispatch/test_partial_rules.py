@@ -1,0 +1,94 @@
+"""``vescale.dispatch.partial``: scatter keeps a Partial ``src`` Partial (the MoE router's top-k
+backward), with the single device's value and no communication; where the Partial strategy does
+not apply (a Replicate ``src``, a scalar value, in place) PyTorch's decision stands.
+
+Values on 2 gloo ranks (a Partial(sum) whose pieces add up exactly), decisions on the fake group
+against PyTorch's own propagation (``dispatch.uninstall()``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.debug import CommDebugMode
+
+import vescale
+from vescale import dispatch
+from vescale.testing import forget_dtensor_caches, run_on_ranks
+
+aten = torch.ops.aten
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    rows, experts, k = 6, 8, 2
+    index = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(rows)])
+    src = torch.randint(-3, 4, (rows, k), generator=g).float()
+    return torch.zeros(rows, experts), index, src
+
+
+def _scatter_on_ranks():
+    dispatch.install()
+    mesh = vescale.init_mesh((dist.get_world_size(),), ("TP",))
+    zeros, index, src = _inputs()
+    self_ = distribute_tensor(zeros, mesh, [Replicate()])
+    idx = distribute_tensor(index, mesh, [Replicate()])
+    part = DTensor.from_local(src / mesh.size(), mesh, [Partial()], run_check=False)  # sums to src exactly
+    with CommDebugMode() as comm:
+        out = self_.scatter(-1, idx, part)
+    return tuple(out.placements), comm.get_total_counts(), out.full_tensor()
+
+
+def test_a_partial_src_stays_partial_with_the_single_device_value():
+    zeros, index, src = _inputs()
+    want = zeros.scatter(-1, index, src)
+    for placements, comms, value in run_on_ranks(_scatter_on_ranks, 2):
+        assert placements == (Partial(),)
+        assert comms == 0
+        assert torch.equal(value, want)
+
+
+def _decisions(mesh, fn):
+    """fn's placements with vescale's dispatch and with PyTorch's own."""
+    forget_dtensor_caches()
+    ours = fn()
+    dispatch.uninstall()
+    forget_dtensor_caches()
+    try:
+        theirs = fn()
+    finally:
+        dispatch.install()
+    return ours.placements, theirs.placements
+
+
+def test_without_a_partial_src_pytorchs_decision_stands(mesh):
+    zeros, index, src = _inputs()
+    s = lambda p: distribute_tensor(zeros, mesh, [Replicate(), p])  # noqa: E731
+    idx = distribute_tensor(index, mesh, [Replicate(), Replicate()])
+    val = distribute_tensor(src, mesh, [Replicate(), Replicate()])
+    rows = distribute_tensor(src, mesh, [Replicate(), Shard(0)])
+    for fn in (lambda: s(Replicate()).scatter(-1, idx, val), lambda: s(Shard(0)).scatter(-1, idx, rows),
+               lambda: s(Shard(0)).scatter(-1, idx, 1.0)):
+        ours, theirs = _decisions(mesh, fn)
+        assert ours == theirs and not any(p.is_partial() for p in ours)
+
+
+def test_in_place_scatter_is_not_extended(mesh):
+    """scatter_ cannot make its Replicate self partial: PyTorch's rule (the src all-reduced)."""
+    zeros, index, src = _inputs()
+    part = DTensor.from_local(src, mesh, [Replicate(), Partial()], run_check=False)
+    idx = distribute_tensor(index, mesh, [Replicate(), Replicate()])
+    ours, theirs = _decisions(mesh, lambda: distribute_tensor(zeros, mesh, [Replicate(), Replicate()]).scatter_(-1, idx, part))
+    assert ours == theirs == (Replicate(), Replicate())
+
+
+def test_pytorchs_own_rule_moves_the_partial_src(mesh):
+    """What the Partial strategy changes: PyTorch's scatter rule has no Partial strategy, so its
+    search reduces the src (here a reduce-scatter over the rows)."""
+    zeros, index, src = _inputs()
+    part = DTensor.from_local(src, mesh, [Replicate(), Partial()], run_check=False)
+    idx = distribute_tensor(index, mesh, [Replicate(), Replicate()])
+    ours, theirs = _decisions(mesh, lambda: distribute_tensor(zeros, mesh, [Replicate(), Replicate()]).scatter(-1, idx, part))
+    assert ours == (Replicate(), Partial())
+    assert not any(p.is_partial() for p in theirs)

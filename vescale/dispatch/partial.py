@@ -1,0 +1,69 @@
+"""Partial-sum strategies PyTorch's rules leave out for ops that are linear in their tensor inputs.
+
+``scatter(self, dim, index, src)`` writes ``src`` into a copy of ``self`` at ``index``: with the
+index fixed it is linear in ``(self, src)`` together, so on ranks holding partial sums of both the
+results are partial sums of the global result (``Partial("sum")``; a Replicate ``self`` becomes
+partial for free: one rank keeps it, the others hold zeros). PyTorch 2.13's ``scatter_strategy``
+offers Replicate and shards of the other dims only, so a Partial ``src`` is reduce-scattered over
+the rows (or all-reduced). That is what a top-k's backward meets in an MoE router: the routing
+weights' gradient arrives Partial over TP (the experts' outputs are partial sums), and the
+reduce-scatter shards the whole router backward, costing four redistributions per layer where one
+all-reduce at the softmax backward suffices. With the Partial strategy beside PyTorch's own, the
+cost search keeps the gradient Partial until an op that needs it whole.
+
+Only ``aten.scatter.src``: the in-place variant cannot change ``self``'s placement, the ``.value``
+overloads write a constant (not linear), and ``scatter_reduce`` / ``scatter_add`` have their own
+rules (``datadep``). Installed into the propagator's table by ``install()``, never at import.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor._op_schema import OpSchema, OpStrategy
+from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
+
+__all__ = ["install_partial_rules", "uninstall_partial_rules"]
+
+aten = torch.ops.aten
+_LOCK = threading.Lock()
+_SAVED: dict = {}  # op -> PyTorch's strategy function, while installed
+
+
+def _scatter_with_partial(original):
+    """PyTorch's scatter strategies plus, per mesh dim, [out, self, index, src] = [P, P, R, P]
+    (combined over the mesh with the all-Replicate rule, listed first: among equally cheap
+    combinations the search keeps the first, and a needless Partial dim would cost a reduction
+    later, as a free Replicate -> Partial of a Replicate ``self`` on a mesh dim where ``src`` is
+    not partial would)."""
+
+    def strategy(op_schema: OpSchema) -> OpStrategy:
+        theirs = original(op_schema)
+        if len(op_schema.args_schema) < 4 or not isinstance(op_schema.args_schema[3], OpStrategy):
+            return theirs  # a Python number as src: no tensor to be partial
+        rules = [[Replicate()] * 4, [Partial(), Partial(), Replicate(), Partial()]]
+        ours = expand_to_full_mesh_op_strategy(op_schema.get_mesh_from_args(), op_schema, rules, input_index=1)
+        return OpStrategy(list(theirs.strategies) + list(ours.strategies))
+
+    strategy.__wrapped__ = original
+    return strategy
+
+
+def install_partial_rules() -> None:
+    """Put the Partial strategies beside PyTorch's (idempotent)."""
+    table = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs
+    with _LOCK:
+        op = aten.scatter.src
+        if op not in _SAVED and op in table:
+            _SAVED[op] = table[op]
+            table[op] = _scatter_with_partial(table[op])
+
+
+def uninstall_partial_rules() -> None:
+    table = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs
+    with _LOCK:
+        for op, original in _SAVED.items():
+            table[op] = original
+        _SAVED.clear()
