@@ -12,6 +12,7 @@ ranks (zoo LLaMA with dropout, DP=2 x TP=2 + SP + ZeRO-3) these tests check that
   calls under their own ids, are not called), and with per-member hooks they run;
 * the gathered parameters are freed after each unit's forward (the scheduler holds the same bytes
   after forward as with per-member hooks), and the members get their own parameters back;
+* an evaluation forward between static steps runs with every hook back (same loss);
 * a member that runs outside its unit's forward keeps the unit on per-member hooks (the recording
   says why), and the step still matches eager mode.
 """
@@ -49,7 +50,10 @@ def _train(mode: str, units: bool = True) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     vescale.manual_seed(3)
     out = {"losses": [], "grads": [], "collectives": [], "hook_calls": [], "held": [], "own_params": []}
-    for x, y in synthetic_batches(STEPS, 4, 16, 128, seed=1):
+    for step, (x, y) in enumerate(synthetic_batches(STEPS, 4, 16, 128, seed=1)):
+        if step == 3:  # an evaluation forward between static steps puts every hook back for itself
+            with torch.no_grad():
+                out["eval_loss"] = model(input_ids=x, labels=y).loss.full_tensor().item()
         calls[0] = 0
         counter = CollectiveCounter()
         with counter:
@@ -83,6 +87,8 @@ def test_units_match_per_member_hooks_bit_for_bit():
     assert units["units_off"] == {}
     assert members["units"] == []
     assert units["losses"] == members["losses"]
+    assert units["eval_loss"] == members["eval_loss"]
+    assert abs(units["eval_loss"] - eager["eval_loss"]) <= 1e-5
     for step, (a, b, c) in enumerate(zip(units["grads"], members["grads"], eager["grads"])):
         for name in a:
             assert torch.equal(a[name], b[name]), f"step {step}: {name}"
