@@ -233,6 +233,27 @@ class Runner:
         return CLOCK[0]() - t0
 
 
+def one_process_parser(doc: str, default_model: str = "moe") -> argparse.ArgumentParser:
+    """The arguments the one-process A/B scripts share (``bench_dispatch_ab.py``, ``bench_new_length.py``)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--config", default="dp2tp4", choices=tuple(CONFIGS))
+    ap.add_argument("--model", default=default_model, choices=("llama", "moe"))
+    return ap
+
+
+def fake_mesh(config: str):
+    """This process as rank 0 of ``config``'s mesh over the fake group, one intra-op thread, steps
+    timed on the thread clock. Returns ``(mesh, shape, sp, zero3)``."""
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    torch.set_num_threads(1)
+    CLOCK[0] = time.thread_time
+    shape, names, sp, zero3 = CONFIGS[config]
+    dist.init_process_group("fake", rank=0, world_size=math.prod(shape))
+    mesh = vescale.init_mesh(shape, names)
+    vescale.manual_seed(0)
+    return mesh, shape, sp, zero3
+
+
 def _set_dropout(p: float) -> None:
     global MODEL
     MODEL = dataclasses.replace(MODEL, attention_dropout=p, hidden_dropout=p)
@@ -291,8 +312,6 @@ def _op_cases(mesh):
 
 def per_op(mesh, repeat: int = 200) -> None:
     """Per-op time: plain local tensors of the local shape, DTensor hit, DTensor miss (new size)."""
-    from torch.distributed.tensor import DTensor
-
     cases = _op_cases(mesh)
     print(f"{'op':16s} {'local us':>9s} {'hit us':>8s} {'miss us, PyTorch':>17s} {'miss us, vescale':>17s}")
     for name in cases(64):

@@ -17,18 +17,13 @@ interleaved round by round in one process, so the arms see the same machine load
 
 from __future__ import annotations
 
-import argparse
-import logging
-import math
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 import bench_dispatch as B
-import vescale
 from vescale import dispatch
 from vescale.dispatch import attention, sized
 
@@ -83,20 +78,12 @@ def _replicate_routing_grads(model) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--config", default="dp2tp4", choices=tuple(B.CONFIGS))
-    ap.add_argument("--model", default="moe", choices=("llama", "moe"))
+    ap = B.one_process_parser(__doc__)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--arms", default="torch,eager-off,eager")
     args = ap.parse_args()
     arms = args.arms.split(",")
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    torch.set_num_threads(1)
-    B.CLOCK[0] = time.thread_time
-    shape, names, sp, zero3 = B.CONFIGS[args.config]
-    dist.init_process_group("fake", rank=0, world_size=math.prod(shape))
-    mesh = vescale.init_mesh(shape, names)
-    vescale.manual_seed(0)
+    mesh, shape, sp, zero3 = B.fake_mesh(args.config)
     runners = {}
     for arm in arms:
         dispatch.install = _installer(arm.endswith("-off"))

@@ -20,7 +20,7 @@ import inspect
 
 import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
