@@ -21,7 +21,7 @@ same model's own arithmetic. Variants, interleaved round by round in one run:
 * ``static``: ``parallelize(..., mode="static")``.
 
 Printed: steady step time (median and the 25-75% spread over rounds) and its ratio to ``local``
-and to ``torch``; the first step of a fresh model with cold sharding caches; a step with a new
+and to ``torch``, and its forward / backward / optimiser-step parts; the first step of a fresh model with cold sharding caches; a step with a new
 sequence length against a repeated one (static mode derives the new length's record from a
 recorded one, ``vescale/static/resize.py``; ``reuse_records = False`` on its runtime records again). ``--gloo``
 runs the same on real gloo ranks (one process each; ``local`` is ``megatron_local.MegatronLlama``
@@ -227,10 +227,14 @@ class Runner:
             context = contextlib.nullcontext()
         with context:
             loss = self.model(input_ids=x, labels=y).loss
+            t1 = CLOCK[0]()
             loss.backward()
+        t2 = CLOCK[0]()
         self.opt.step()
         self.opt.zero_grad()
-        return CLOCK[0]() - t0
+        t3 = CLOCK[0]()
+        self.phases = (t1 - t0, t2 - t1, t3 - t2)  # forward, backward, optimiser step
+        return t3 - t0
 
 
 def one_process_parser(doc: str, default_model: str = "moe") -> argparse.ArgumentParser:
@@ -374,9 +378,11 @@ def _measure(mesh, shape, sp, zero3, rounds, variants, kind, real_collectives: b
         for _ in range(3):
             runners[v].step()
     steady = {v: [] for v in variants}
+    phases = {v: [] for v in variants}
     for _ in range(rounds):
         for v in variants:
             steady[v].append(runners[v].step())
+            phases[v].append(runners[v].phases)
     fresh_len = {v: [] for v in variants}
     for i in range(3):  # a new sequence length each time, then the same length again
         for k, v in enumerate(variants):
@@ -390,7 +396,7 @@ def _measure(mesh, shape, sp, zero3, rounds, variants, kind, real_collectives: b
     if "static" in runners:
         rt = runners["static"].model._vescale_static
         eager_modules = sorted(set(rt.latest().unsafe) | rt.forced_eager)
-    return {"first": first, "steady": steady, "fresh_len": fresh_len, "eager_modules": eager_modules}
+    return {"first": first, "steady": steady, "phases": phases, "fresh_len": fresh_len, "eager_modules": eager_modules}
 
 
 def _report(title: str, r: dict, base_name: str) -> None:
@@ -405,6 +411,9 @@ def _report(title: str, r: dict, base_name: str) -> None:
         vs_torch = "" if not torch_col else (f" {med / torch_med:8.2f}" if torch_med else "        -")
         print(f"{v:16s} {med*1e3:9.1f} ({lo*1e3:6.1f}-{hi*1e3:6.1f}) {ratio}{vs_torch} {r['first'][v]:13.2f} "
               f"{statistics.median(r['fresh_len'][v]):13.2f}")
+    print("forward / backward / optimiser step, ms (medians): " + "; ".join(
+        f"{v} " + " / ".join(f"{statistics.median(p[i] for p in ps) * 1e3:.1f}" for i in range(3))
+        for v, ps in r["phases"].items()))
     if "megatron" in r["steady"] and base_name != "megatron":
         floor = _stats(r["steady"]["megatron"])[0]
         print("x megatron (hand-written, explicit collectives): " + ", ".join(
