@@ -535,5 +535,5 @@ def test_metadata_that_differs_from_pytorchs_is_not_vouched_for(mesh):
     schema = OpSchema(aten.add.Tensor, (x, x), {})
     right = TensorMeta(torch.Size((4, 6, 8)), (48, 8, 1), torch.float32)
     wrong = TensorMeta(torch.Size((4, 6, 8)), (1, 4, 24), torch.float32)
-    assert cache._known_metas(schema, right, torch.float32) != _NEVER
-    assert cache._known_metas(schema, wrong, torch.float32) is _NEVER
+    assert cache._known_metas(schema, right, torch.float32) == torch.float32
+    assert cache._known_metas(schema, wrong, torch.float32) is None
