@@ -42,9 +42,14 @@ def reducible_mesh(op_schema: OpSchema):
     found = _SUBMESHES.get(id(mesh))
     if found is None or found[0] is not mesh:
         found = _SUBMESHES[id(mesh)] = (mesh, *_submesh(mesh))
-    if found[1] is None or any(s.shard_order != _rebuilt(s, mesh, s.placements).shard_order for s in specs):
+    if found[1] is None or not all(_default_order(s) for s in specs):
         return None
     return found
+
+
+def _default_order(spec: DTensorSpec) -> bool:
+    """Whether the spec's shard order is the one its constructor derives from its placements."""
+    return spec.shard_order is None or spec.shard_order == DTensorSpec.compute_default_shard_order(spec.placements)
 
 
 def _submesh(mesh):
