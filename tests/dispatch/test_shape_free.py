@@ -278,6 +278,17 @@ def _meta_cases(mesh):
         cases += [(op, (t, [3, 5])), (op, (s((4, 6, 8)), [4, 1, 8])), (op, (s((2,)), []))]
     cases += [(aten.new_full.default, (t, [3, 5], 2.0)), (aten.slice_backward.default, (s((4, 6, 4)), [4, 6, 8], 2, 4, 8, 1)),
               (aten.slice_backward.default, (t, [4, 16, 6], 1, 0, 16, 2))]
+    # the router's and the MoE dispatch's fresh allocations, transposed and size-1 layouts included
+    idx = lambda *shape, dtype=torch.int64: s(shape, dtype=dtype)  # noqa: E731
+    for x in (s((6, 8)), t, s((6, 1)), s((1, 8)), s((4, 6, 8)), s((8,))):
+        n = x.tensor_meta.shape
+        cases += [(aten.topk.default, (x, 1)), (aten.topk.default, (x, min(2, n[0]), 0)), (aten.sort.default, (x,)),
+                  (aten.empty_like.default, (x,)), (aten.index.Tensor, (x, [idx(5)])), (aten.index.Tensor, (x, [idx(2, 3)])),
+                  (aten.index.Tensor, (x, [idx(4, dtype=torch.int32)])), (aten.index.Tensor, (x, [idx(0)])),
+                  (aten.index_put.default, (x, [idx(3)], s((3, *n[1:])), True))]
+    cases += [(aten.histc.default, (s((8,)), 16, 0, 15)), (aten.histc.default, (s((4, 6)), 5)),
+              (aten.embedding_dense_backward.default, (s((2, 5, 8)), idx(2, 5), 12, -1, False)),
+              (aten.embedding_dense_backward.default, (s((2, 5, 8), (8, 16, 1)), idx(2, 5), 3, 0, False))]
     return cases
 
 

@@ -11,7 +11,9 @@ often, on every hit of a new sequence length, so they take it from here:
   contiguous tensor), views and reshapes of contiguous tensors, ``expand``, ``slice``, ``split``,
   ``unsqueeze``, ``transpose``/``t`` (sizes and strides moved), ``detach``/``alias``, ``clone``
   (of a contiguous input, or to contiguous format), ``new_*`` and ``slice_backward`` (fresh at their
-  size) and the softmax / NLL-loss kernels of contiguous inputs. Anything else returns None and the caller runs the meta
+  size), the softmax / NLL-loss kernels of contiguous inputs, and the router's and MoE dispatch's
+  fresh allocations: ``topk``, ``sort`` and ``index_put`` / ``empty_like`` of a contiguous input,
+  ``histc``, ``embedding_dense_backward``, a row gather ``x[idx]`` of a contiguous ``x``. Anything else returns None and the caller runs the meta
   kernel. Output dtypes are not derived: callers pass the dtype(s) PyTorch gave for the same op,
   input dtypes and scalar arguments (promotion depends only on those, which cache keys keep, a
   Python scalar with its type);
@@ -383,7 +385,68 @@ def _reduction(op_schema: OpSchema, dtype):
     return _fresh(shape, dtype)
 
 
+def _topk(op_schema: OpSchema, dtypes):
+    """topk: values and indices allocated at the input's shape with ``k`` along ``dim``
+    (``topk_meta``: ``new_empty``, contiguous whatever the input's layout)."""
+    x, k, *rest = op_schema.args_schema
+    shape = list(x.tensor_meta.shape)
+    dim = rest[0] if rest else op_schema.kwargs_schema.get("dim", -1)
+    if not shape or not isinstance(k, int) or not isinstance(dim, int) or not 0 <= k <= shape[dim]:
+        return None  # a 0-d input or k out of range: the meta kernel (and its error)
+    shape[dim] = k
+    return tuple(_fresh(shape, d) for d in dtypes)
+
+
+def _sort(op_schema: OpSchema, dtypes):
+    """sort of a contiguous input: values and indices ``empty_like`` it (``meta_sort``), contiguous."""
+    x = op_schema.args_schema[0].tensor_meta
+    return tuple(_fresh(x.shape, d) for d in dtypes) if _contiguous(x) else None
+
+
+def _histc(op_schema: OpSchema, dtype):
+    """histc of a floating input: ``bins`` counts, freshly allocated (the meta kernel checks the rest)."""
+    x, bins = op_schema.args_schema[0].tensor_meta, (op_schema.args_schema[1:2] or [100])[0]
+    if op_schema.kwargs_schema or not x.dtype.is_floating_point or not isinstance(bins, int) or bins <= 0:
+        return None
+    return _fresh((bins,), dtype)
+
+
+def _embedding_dense_backward(op_schema: OpSchema, dtype):
+    """The embedding weight's gradient: ``(num_weights, grad.size(-1))``, freshly allocated."""
+    grad, num_weights = op_schema.args_schema[0].tensor_meta, op_schema.args_schema[2]
+    if not grad.shape or not isinstance(num_weights, int) or num_weights < 0:
+        return None
+    return _fresh((num_weights, grad.shape[-1]), dtype)
+
+
+def _like_contiguous_self(op_schema: OpSchema, dtype):
+    """index_put (out of place: ``empty_like(self)``) and empty_like (preserve format) of a
+    contiguous ``self``: contiguous at its shape."""
+    x = op_schema.args_schema[0].tensor_meta
+    if op_schema.op is aten.empty_like.default and "memory_format" in op_schema.kwargs_schema:
+        return None
+    return _fresh(x.shape, dtype) if _contiguous(x) else None
+
+
+def _gather_rows(op_schema: OpSchema, dtype):
+    """``x[idx]`` with one integer index tensor on dim 0 of a contiguous ``x`` (the MoE dispatch's
+    token gather): ``idx.shape + x.shape[1:]``, contiguous (the meta kernel follows the restrided
+    input's dim order, which for a contiguous input keeps the index dims first)."""
+    x, indices = op_schema.args_schema
+    if len(indices) != 1 or not isinstance(indices[0], DTensorSpec):
+        return None
+    idx, m = indices[0].tensor_meta, x.tensor_meta
+    if idx.dtype not in (torch.int64, torch.int32) or not m.shape or not _contiguous(m) or 0 in m.shape:
+        return None
+    return _fresh((*idx.shape, *m.shape[1:]), dtype)
+
+
 _RULES = {
+    aten.histc.default: _histc,
+    aten.embedding_dense_backward.default: _embedding_dense_backward,
+    aten.index_put.default: _like_contiguous_self,
+    aten.empty_like.default: _like_contiguous_self,
+    aten.index.Tensor: _gather_rows,
     aten.floor_divide.default: _elementwise,  # TensorIterator's binary op, without the pointwise tag
     aten.sum.dim_IntList: _reduction,
     aten.mean.dim: _reduction,
@@ -414,6 +477,8 @@ _RULES = {
 }
 
 
+_PAIR_RULES = {aten.topk.default: _topk, aten.sort.default: _sort}
+
 _RULE_OF: dict = {}  # op -> its rule here, or None: decided once per op
 
 
@@ -436,6 +501,8 @@ def fast_outputs(op_schema: OpSchema, dtypes):
             return _nll_loss_forward(op_schema, dtypes) if isinstance(dtypes, tuple) and len(dtypes) == 2 else None
         if op is aten.split.Tensor:
             return _split(op_schema, dtypes) if isinstance(dtypes, tuple) else None
+        if op in _PAIR_RULES:  # values and int64 indices
+            return _PAIR_RULES[op](op_schema, dtypes) if isinstance(dtypes, tuple) and len(dtypes) == 2 else None
         if isinstance(dtypes, tuple):
             return None
         rule = _rule_of(op)
