@@ -234,7 +234,10 @@ def _meta_cases(mesh):
         cases += [(aten.mul.Tensor, (x, s((1, 1, 6, n)))), (aten.neg.default, (x,)), (aten.mul.Tensor, (s((1, 1, 6, n)), x)),
                   (aten.add.Tensor, (x, s(tuple(x.tensor_meta.shape)))), (aten.div.Scalar, (x, 3)),
                   (aten.mul.Tensor, (x, s((2, 4, 6, 1)))), (aten.mul.Tensor, (x, s((), dtype=torch.float32)))]
-    cases += [(aten.add.Tensor, (q, back)), (aten.div.Scalar, (s((4, 6, 8), (6, 1, 0)), 8)), (aten.neg.default, (s((4, 1, 8), (8, 64, 1)),))]
+    cases += [(aten.add.Tensor, (back, q)), (aten.mul.Tensor, (t, s((4, 8, 6), (1, 4, 32)))),
+              (aten.add.Tensor, (s((2, 4, 6, 8)), q)), (aten.add.Tensor, (q, s((2, 4, 6, 8)))),
+              (aten.add.Tensor, (q, s((2, 4, 1, 8)))), (aten.add.Tensor, (q, s((2, 4, 6, 8), (192, 1, 32, 4)))),
+              (aten.add.Tensor, (q, back)), (aten.div.Scalar, (s((4, 6, 8), (6, 1, 0)), 8)), (aten.neg.default, (s((4, 1, 8), (8, 64, 1)),))]
     odd = s((4, 1, 8), (8, 64, 1))  # contiguous, with an unusual stride on its size-1 dim
     cases += [(aten.add.Tensor, (odd, odd)), (aten.add.Tensor, (odd, s((4, 1, 8)))), (aten.mul.Tensor, (odd, s((4, 6, 8)))),
               (aten.mul.Tensor, (s((4, 6, 8), (1, 4, 24)), s((4, 6, 8), (1, 4, 24)))), (aten.exp.default, (s((4, 6, 8), (1, 4, 24)),)),
@@ -286,6 +289,10 @@ def _meta_cases(mesh):
                   (aten.empty_like.default, (x,)), (aten.index.Tensor, (x, [idx(5)])), (aten.index.Tensor, (x, [idx(2, 3)])),
                   (aten.index.Tensor, (x, [idx(4, dtype=torch.int32)])), (aten.index.Tensor, (x, [idx(0)])),
                   (aten.index_put.default, (x, [idx(3)], s((3, *n[1:])), True))]
+    cl = s((2, 4, 3, 3), (36, 1, 12, 4))  # channels-last
+    for xs, dim in [((q, back), -1), ((half, half), -1), ((q, q), 1), ((s((6, 8)), t.__class__(mesh, t.placements, tensor_meta=TensorMeta(torch.Size((6, 8)), (1, 6), torch.float32))), 0),
+                    ((cl, cl), 1), ((cl, s((2, 4, 3, 3))), 0), ((s((2, 4, 3, 3)), cl), 0), ((s((4, 1, 8)), s((4, 3, 8))), 1), ((s((5,)), s((0,))), 0)]:
+        cases += [(aten.cat.default, (list(xs), dim))]
     cases += [(aten.histc.default, (s((8,)), 16, 0, 15)), (aten.histc.default, (s((4, 6)), 5)),
               (aten.embedding_dense_backward.default, (s((2, 5, 8)), idx(2, 5), 12, -1, False)),
               (aten.embedding_dense_backward.default, (s((2, 5, 8), (8, 16, 1)), idx(2, 5), 3, 0, False))]

@@ -13,7 +13,8 @@ often, on every hit of a new sequence length, so they take it from here:
   (of a contiguous input, or to contiguous format), ``new_*`` and ``slice_backward`` (fresh at their
   size), the softmax / NLL-loss kernels of contiguous inputs, and the router's and MoE dispatch's
   fresh allocations: ``topk``, ``sort`` and ``index_put`` / ``empty_like`` of a contiguous input,
-  ``histc``, ``embedding_dense_backward``, a row gather ``x[idx]`` of a contiguous ``x``. Anything else returns None and the caller runs the meta
+  ``histc``, ``embedding_dense_backward``, a row gather ``x[idx]`` of a contiguous ``x``, ``cat``
+  whose first input suggests the contiguous format. Anything else returns None and the caller runs the meta
   kernel. Output dtypes are not derived: callers pass the dtype(s) PyTorch gave for the same op,
   input dtypes and scalar arguments (promotion depends only on those, which cache keys keep, a
   Python scalar with its type);
@@ -160,13 +161,22 @@ def _elementwise(op_schema: OpSchema, dtype):
 
 
 def _agreed_order(metas, shape) -> list | None:
-    """The output's dims from outermost to innermost where every operand orders them alike: one
-    operand of the output's shape has distinct non-zero strides (it decides every pair of dims),
-    and each operand's non-zero strides (broadcast dims have none) fall along that order. Then
+    """The output's dims from outermost to innermost where the first operand has the output's shape
+    and distinct non-zero strides (its order), or every operand orders them alike: one operand of
+    the output's shape has distinct non-zero strides (it decides every pair of dims), and each
+    operand's non-zero strides (broadcast dims have none) fall along that order. Then
     TensorIterator's dim sort and the Python reference's both give that order, and the output is
     dense in it (a heads-first view times the broadcast rotary cos: the view's layout)."""
-    full = next((m for m in metas if tuple(m.shape) == shape and 0 not in m.stride
-                 and len(set(m.stride)) == len(shape)), None)
+    def decides(m):
+        return tuple(m.shape) == shape and 0 not in m.stride and len(set(m.stride)) == len(shape)
+
+    if decides(metas[0]):
+        # The first operand decides every pair of dims before any other is asked (both sorts go
+        # through the operands in order and return at the first strict stride comparison), so the
+        # others need not agree: the rotary ``q * cos + rotate_half(q) * sin`` of a heads-first
+        # view and a contiguous ``cat``.
+        return sorted(range(len(shape)), key=lambda d: -metas[0].stride[d])
+    full = next((m for m in metas if decides(m)), None)
     if full is None:
         return None
     order = sorted(range(len(shape)), key=lambda d: -full.stride[d])
@@ -441,7 +451,35 @@ def _gather_rows(op_schema: OpSchema, dtype):
     return _fresh((*idx.shape, *m.shape[1:]), dtype)
 
 
+def _cat(op_schema: OpSchema, dtype):
+    """cat whose first input suggests the contiguous memory format (``cat_compute_output_memory_format``
+    returns contiguous at the first such input; the rotary ``rotate_half`` of heads-first views): a
+    fresh contiguous tensor, the inputs' sizes summed along ``dim``. Inputs of other ranks (legacy
+    empty ones) or a channels-last first input: the meta kernel."""
+    tensors, dim = op_schema.args_schema[0], (op_schema.args_schema[1:2] or [0])[0]
+    metas = [t.tensor_meta for t in tensors]
+    if not metas or op_schema.kwargs_schema or not metas[0].shape or not isinstance(dim, int):
+        return None
+    shape = list(metas[0].shape)
+    dim %= len(shape)
+    rest = shape[:dim] + shape[dim + 1:]
+    if any(len(m.shape) != len(shape) or list(m.shape[:dim]) + list(m.shape[dim + 1:]) != rest for m in metas):
+        return None
+    if not _suggests_contiguous(metas[0]):
+        return None
+    shape[dim] = sum(m.shape[dim] for m in metas)
+    return _fresh(shape, dtype)
+
+
+def _suggests_contiguous(m: TensorMeta) -> bool:
+    if len(m.shape) not in (4, 5):
+        return True
+    t = torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device="meta")
+    return torch._prims_common.suggest_memory_format(t) == torch.contiguous_format
+
+
 _RULES = {
+    aten.cat.default: _cat,
     aten.histc.default: _histc,
     aten.embedding_dense_backward.default: _embedding_dense_backward,
     aten.index_put.default: _like_contiguous_self,
