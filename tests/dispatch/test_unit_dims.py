@@ -117,6 +117,24 @@ def test_the_lifted_decision_is_pytorchs_at_each_size(unit_mesh, n):
     assert _same_decision(cache(schema), cache.fallback(schema))
 
 
+@pytest.mark.parametrize("n", [8, 12, 4096])
+def test_a_unit_dim_between_two_others(unit_mesh, n):
+    """(DP=2, EP=1, TP=2): the size-1 dim in the middle is dropped and put back in its place."""
+    mesh = vescale.init_mesh((2, 1, 2), ("DP", "EP", "TP"))
+    a, w = _spec(mesh, (n, 16)), _spec(mesh, (16, 8))
+    a = type(a)(mesh, (Shard(0), Shard(0), Replicate()), tensor_meta=a.tensor_meta)
+    w = type(w)(mesh, (Replicate(), Replicate(), Shard(0)), tensor_meta=w.tensor_meta)
+    schema = OpSchema(aten.mm.default, (a, w), {})
+    cache = dispatch.shape_free_cache()
+    found = unitdims.reducible_mesh(schema)
+    assert found is not None and found[2] == (1,) and found[1].mesh_dim_names == ("DP", "TP")
+    result = cache.fallback(schema)
+    units = cache._unit_dims(schema, result)
+    assert units is not None
+    reduced = unitdims.reduce_schema(schema, found[1], found[2])
+    assert _same_decision(unitdims.lift(cache.fallback(reduced), reduced, mesh, found[2], units), result)
+
+
 def test_no_reduction_without_a_size_1_dim(mesh):
     assert unitdims.reducible_mesh(_mm_schema(mesh, 8)) is None
 

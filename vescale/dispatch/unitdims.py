@@ -57,7 +57,10 @@ def _submesh(mesh):
     units = tuple(i for i, n in enumerate(mesh.shape) if n == 1)
     if names is None or not units or len(units) == mesh.ndim:
         return None, ()
-    return mesh[tuple(n for i, n in enumerate(names) if i not in units)], units
+    try:
+        return mesh[tuple(n for i, n in enumerate(names) if i not in units)], units
+    except Exception:  # a mesh PyTorch cannot slice so: decided on the full mesh
+        return None, ()
 
 
 def reduce_schema(op_schema: OpSchema, submesh, units) -> OpSchema:
