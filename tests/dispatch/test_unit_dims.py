@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.testing._internal.distributed.fake_pg  # noqa: F401
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor._op_schema import OpSchema
+from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 import vescale
@@ -132,7 +132,7 @@ def test_a_unit_dim_between_two_others(unit_mesh, n):
     units = cache._unit_dims(schema, result)
     assert units is not None
     reduced = unitdims.reduce_schema(schema, found[1], found[2])
-    assert _same_decision(unitdims.lift(cache.fallback(reduced), reduced, mesh, found[2], units), result)
+    assert _same_decision(unitdims.lift(cache.fallback(reduced), reduced, schema, found[2], units), result)
 
 
 def test_no_reduction_without_a_size_1_dim(mesh):
@@ -151,3 +151,20 @@ def test_a_lifted_decision_that_differs_from_pytorchs_is_not_vouched_for(unit_me
 
     monkeypatch.setattr("vescale.dispatch.cache.unit_placements", wrong)
     assert cache._unit_dims(schema, result) is None
+
+
+def test_nothing_moves_where_only_the_learned_size_1_placements_would(unit_mesh):
+    """A key learned where the sub-mesh moved an input, seen where it moves nothing: the size-1
+    dims keep the inputs' placements, so the lifted decision redistributes nothing, as PyTorch's."""
+    schema = _mm_schema(unit_mesh, 8)
+    found = unitdims.reducible_mesh(schema)
+    reduced = unitdims.reduce_schema(schema, found[1], found[2])
+    out = type(reduced.args_spec[0])(found[1], (Partial(),), tensor_meta=reduced.args_spec[0].tensor_meta)
+    same = ((Shard(0),),), ((Shard(0),), (Replicate(),))  # the inputs' own placements on the DP dim
+    lifted = unitdims.lift(OutputSharding(out), reduced, schema, found[2], same)
+    assert lifted.redistribute_schema is None and not lifted.needs_redistribute
+    assert lifted.output_spec.mesh is unit_mesh and lifted.output_spec.placements == (Shard(0), Partial())
+    moved = ((Shard(0),),), ((Replicate(),), (Replicate(),))
+    lifted = unitdims.lift(OutputSharding(out), reduced, schema, found[2], moved)
+    assert lifted.needs_redistribute and [a.placements for a in lifted.redistribute_schema.args_spec] == [
+        (Replicate(), Replicate()), (Replicate(), Shard(0))]

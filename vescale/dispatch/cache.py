@@ -397,7 +397,7 @@ class ShapeFreeCache:
         self.misses += 1
         missed = type(entry) is _Missed
         known = self._outputs(op_schema, entry[0]) if missed and entry[0] is not None else None
-        reduced = self._reduced(op_schema, entry[1]) if missed and entry[1] is not None else None
+        reduced = self._reduced(op_schema) if missed and entry[1] is not None else None
         asked = op_schema if reduced is None else reduced[0]
         outer = getattr(self._known, "value", None)  # a miss decided inside another's (decompositions)
         self._known.value = None if known is None else (asked, known)
@@ -410,13 +410,13 @@ class ShapeFreeCache:
             self._known.value = outer
 
     @staticmethod
-    def _reduced(op_schema: OpSchema, units):
-        """``(schema on the mesh without its size-1 dims, the mesh, their indices)`` or None."""
+    def _reduced(op_schema: OpSchema):
+        """``(schema on the mesh without its size-1 dims, the schema, their indices)`` or None."""
         found = reducible_mesh(op_schema)
         if found is None:
             return None
-        mesh, submesh, dims = found
-        return reduce_schema(op_schema, submesh, dims), mesh, dims
+        _, submesh, dims = found
+        return reduce_schema(op_schema, submesh, dims), op_schema, dims
 
     def known_outputs(self, op_schema: OpSchema):
         """The output metadata of the miss being decided, where its key's entry vouches for it
@@ -487,7 +487,7 @@ class ShapeFreeCache:
     def _unit_dims(self, op_schema: OpSchema, result: OutputSharding):
         """For a not-replayable key on a mesh with size-1 dims: PyTorch's placements there, where the
         decision on the mesh without them, those placements put back, equals ``result``; else None."""
-        reduced = self._reduced(op_schema, None)
+        reduced = self._reduced(op_schema)
         if reduced is None:
             return None
         units = unit_placements(result, reduced[2])

@@ -80,12 +80,17 @@ def unit_placements(result: OutputSharding, units):
                  for specs in _result_specs(result))
 
 
-def lift(reduced: OutputSharding, asked: OpSchema, mesh, units, placements) -> OutputSharding | None:
-    """The decision ``reduced`` for the reduced schema ``asked``, back on ``mesh`` with
-    ``placements`` (``unit_placements``) on the size-1 dims; None if its specs do not line up with
-    them. Where only the size-1 dims move inputs, the redistribution is ``asked``'s inputs with
-    those placements."""
+def lift(reduced: OutputSharding, asked: OpSchema, original: OpSchema, units, placements) -> OutputSharding | None:
+    """The decision ``reduced`` for ``asked`` (``original`` on the mesh without its size-1 dims),
+    back on ``original``'s mesh with ``placements`` (``unit_placements``) on the size-1 dims; None
+    if its specs do not line up with them. Where only the size-1 dims move inputs, the
+    redistribution is ``asked``'s inputs with those placements; where nothing moves, there is none
+    (as PyTorch decides)."""
     out_units, target_units = placements
+    inputs = _specs((original.args_schema, original.kwargs_schema))
+    mesh = inputs[0].mesh
+    if reduced.redistribute_schema is None and target_units == tuple(tuple(s.placements[i] for i in units) for s in inputs):
+        target_units = ()  # the size-1 dims keep the inputs' placements and nothing else moves
     out_specs, target_specs = _result_specs(reduced)
     if target_units and reduced.redistribute_schema is None:  # built as PyTorch's propagator does
         schema = OpSchema(asked.op, tuple(asked.args_spec), {})
@@ -100,7 +105,7 @@ def lift(reduced: OutputSharding, asked: OpSchema, mesh, units, placements) -> O
     def put(spec):
         extra = queue.pop(0)
         if spec is None or extra is None:
-            return spec if extra is None else _NOT_LINED_UP
+            return None if spec is None and extra is None else _NOT_LINED_UP
         full = list(spec.placements)
         for i, p in zip(units, extra):
             full.insert(i, p)
