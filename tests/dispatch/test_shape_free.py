@@ -234,7 +234,10 @@ def _meta_cases(mesh):
         cases += [(aten.mul.Tensor, (x, s((1, 1, 6, n)))), (aten.neg.default, (x,)), (aten.mul.Tensor, (s((1, 1, 6, n)), x)),
                   (aten.add.Tensor, (x, s(tuple(x.tensor_meta.shape)))), (aten.div.Scalar, (x, 3)),
                   (aten.mul.Tensor, (x, s((2, 4, 6, 1)))), (aten.mul.Tensor, (x, s((), dtype=torch.float32)))]
-    cases += [(aten.add.Tensor, (q, back)), (aten.div.Scalar, (s((4, 6, 8), (6, 1, 0)), 8)), (aten.neg.default, (s((4, 1, 8), (8, 64, 1)),))]
+    cases += [(aten.add.Tensor, (back, q)), (aten.mul.Tensor, (t, s((4, 8, 6), (1, 4, 32)))),
+              (aten.add.Tensor, (s((2, 4, 6, 8)), q)), (aten.add.Tensor, (q, s((2, 4, 6, 8)))),
+              (aten.add.Tensor, (q, s((2, 4, 1, 8)))), (aten.add.Tensor, (q, s((2, 4, 6, 8), (192, 1, 32, 4)))),
+              (aten.add.Tensor, (q, back)), (aten.div.Scalar, (s((4, 6, 8), (6, 1, 0)), 8)), (aten.neg.default, (s((4, 1, 8), (8, 64, 1)),))]
     odd = s((4, 1, 8), (8, 64, 1))  # contiguous, with an unusual stride on its size-1 dim
     cases += [(aten.add.Tensor, (odd, odd)), (aten.add.Tensor, (odd, s((4, 1, 8)))), (aten.mul.Tensor, (odd, s((4, 6, 8)))),
               (aten.mul.Tensor, (s((4, 6, 8), (1, 4, 24)), s((4, 6, 8), (1, 4, 24)))), (aten.exp.default, (s((4, 6, 8), (1, 4, 24)),)),
@@ -278,6 +281,21 @@ def _meta_cases(mesh):
         cases += [(op, (t, [3, 5])), (op, (s((4, 6, 8)), [4, 1, 8])), (op, (s((2,)), []))]
     cases += [(aten.new_full.default, (t, [3, 5], 2.0)), (aten.slice_backward.default, (s((4, 6, 4)), [4, 6, 8], 2, 4, 8, 1)),
               (aten.slice_backward.default, (t, [4, 16, 6], 1, 0, 16, 2))]
+    # the router's and the MoE dispatch's fresh allocations, transposed and size-1 layouts included
+    idx = lambda *shape, dtype=torch.int64: s(shape, dtype=dtype)  # noqa: E731
+    for x in (s((6, 8)), t, s((6, 1)), s((1, 8)), s((4, 6, 8)), s((8,))):
+        n = x.tensor_meta.shape
+        cases += [(aten.topk.default, (x, 1)), (aten.topk.default, (x, min(2, n[0]), 0)), (aten.sort.default, (x,)),
+                  (aten.empty_like.default, (x,)), (aten.index.Tensor, (x, [idx(5)])), (aten.index.Tensor, (x, [idx(2, 3)])),
+                  (aten.index.Tensor, (x, [idx(4, dtype=torch.int32)])), (aten.index.Tensor, (x, [idx(0)])),
+                  (aten.index_put.default, (x, [idx(3)], s((3, *n[1:])), True))]
+    cl = s((2, 4, 3, 3), (36, 1, 12, 4))  # channels-last
+    for xs, dim in [((q, back), -1), ((half, half), -1), ((q, q), 1), ((s((6, 8)), t.__class__(mesh, t.placements, tensor_meta=TensorMeta(torch.Size((6, 8)), (1, 6), torch.float32))), 0),
+                    ((cl, cl), 1), ((cl, s((2, 4, 3, 3))), 0), ((s((2, 4, 3, 3)), cl), 0), ((s((4, 1, 8)), s((4, 3, 8))), 1), ((s((5,)), s((0,))), 0)]:
+        cases += [(aten.cat.default, (list(xs), dim))]
+    cases += [(aten.histc.default, (s((8,)), 16, 0, 15)), (aten.histc.default, (s((4, 6)), 5)),
+              (aten.embedding_dense_backward.default, (s((2, 5, 8)), idx(2, 5), 12, -1, False)),
+              (aten.embedding_dense_backward.default, (s((2, 5, 8), (8, 16, 1)), idx(2, 5), 3, 0, False))]
     return cases
 
 
@@ -535,5 +553,5 @@ def test_metadata_that_differs_from_pytorchs_is_not_vouched_for(mesh):
     schema = OpSchema(aten.add.Tensor, (x, x), {})
     right = TensorMeta(torch.Size((4, 6, 8)), (48, 8, 1), torch.float32)
     wrong = TensorMeta(torch.Size((4, 6, 8)), (1, 4, 24), torch.float32)
-    assert cache._known_metas(schema, right, torch.float32) != _NEVER
-    assert cache._known_metas(schema, wrong, torch.float32) is _NEVER
+    assert cache._known_metas(schema, right, torch.float32) == torch.float32
+    assert cache._known_metas(schema, wrong, torch.float32) is None

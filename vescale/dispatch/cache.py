@@ -32,7 +32,9 @@ answer is computed beside PyTorch's full one and the key is served only if the t
 (output specs, metadata, redistribution and rewritten arguments). Decisions of the cost-based search
 (``search.py``) that move inputs, squeeze and data-dependent ops always go to PyTorch; for such a key
 the first miss also checks ``metas.py``'s answer against PyTorch's metadata, and later misses
-(``_KnownMetas``) run PyTorch's strategy on that answer instead of a FakeTensor run.
+(``_Missed``) run PyTorch's strategy on that answer instead of a FakeTensor run; on a mesh with
+size-1 dims (TP-only training's ``(1, N)``) it also checks whether deciding on the mesh without them
+gives PyTorch's answer, and later misses are decided there (``unitdims.py``).
 """
 
 
@@ -54,6 +56,7 @@ from torch.distributed.tensor.placement_types import Shard, _StridedShard
 from .errors import is_missing_rule, missing_rule_error
 from .interleaved import _SPLIT_OPS, SIZE_DEPENDENT_OPS, _local_split_args
 from .metas import fast_outputs, meta_outputs
+from .unitdims import lift, reduce_schema, reducible_mesh, unit_placements
 
 aten = torch.ops.aten
 # View-like ops and the function whose dim-mapping rule PyTorch uses for them.
@@ -71,10 +74,12 @@ __all__ = ["ShapeFreeCache", "install_shape_free_cache", "uninstall_shape_free_c
 _NEVER = object()  # a key whose decision must not be reused
 
 
-class _KnownMetas(tuple):
-    """An entry whose decision is PyTorch's every time (searched by cost, ...) but whose output
-    metadata ``_outputs`` gives as PyTorch's FakeTensor run does: ``(dtypes,)``. Its misses still
-    run PyTorch's strategy, with that metadata instead of the FakeTensor run."""
+class _Missed(tuple):
+    """An entry whose decision is PyTorch's every time (searched by cost, ...): ``(dtypes, units)``.
+    ``dtypes`` (else None): ``_outputs`` gives the output metadata as PyTorch's FakeTensor run does,
+    so its misses run PyTorch's strategy with that metadata instead. ``units`` (else None): the
+    placements PyTorch chose on the mesh's size-1 dims, where deciding on the mesh without them and
+    putting these back gave PyTorch's answer (``unitdims``), so its misses are decided there."""
 
 
 _LOCK = threading.Lock()
@@ -390,17 +395,32 @@ class ShapeFreeCache:
                 self.hits += 1
                 return replayed
         self.misses += 1
-        known = self._outputs(op_schema, entry[0]) if type(entry) is _KnownMetas else None
+        missed = type(entry) is _Missed
+        known = self._outputs(op_schema, entry[0]) if missed and entry[0] is not None else None
+        reduced = self._reduced(op_schema) if missed and entry[1] is not None else None
+        asked = op_schema if reduced is None else reduced[0]
         outer = getattr(self._known, "value", None)  # a miss decided inside another's (decompositions)
-        self._known.value = None if known is None else (op_schema, known)
+        self._known.value = None if known is None else (asked, known)
         try:
-            return self._miss(op_schema, key, entry)
+            if reduced is None:
+                return self._miss(op_schema, key, entry)
+            result = lift(self.fallback(asked), *reduced, entry[1])
+            return self._miss(op_schema, key, entry) if result is None else result
         finally:
             self._known.value = outer
 
+    @staticmethod
+    def _reduced(op_schema: OpSchema):
+        """``(schema on the mesh without its size-1 dims, the schema, their indices)`` or None."""
+        found = reducible_mesh(op_schema)
+        if found is None:
+            return None
+        _, submesh, dims = found
+        return reduce_schema(op_schema, submesh, dims), op_schema, dims
+
     def known_outputs(self, op_schema: OpSchema):
         """The output metadata of the miss being decided, where its key's entry vouches for it
-        (``_KnownMetas``); asked by the propagator's tensor-metadata step (``datadep``'s), which
+        (``_Missed``); asked by the propagator's tensor-metadata step (``datadep``'s), which
         then runs no FakeTensor."""
         known = getattr(self._known, "value", None)  # unset in a thread that decided no miss yet
         return known[1] if known is not None and known[0] is op_schema else None
@@ -432,30 +452,50 @@ class ShapeFreeCache:
         dtypes = metas.dtype if isinstance(metas, TensorMeta) else tuple(m and m.dtype for m in metas)
         kind = self._kind(op_schema, result)
         if kind is None:
-            return self._known_metas(op_schema, metas, dtypes)
+            return self._missed(op_schema, result, metas, dtypes)
         targets = result.redistribute_schema.args_spec if kind == "moved" else None
         try:  # built by DTensorSpec's constructor here, so that hits may copy them
             replayed = self._replay(op_schema, spec, targets, dtypes, built=False)
         except Exception:
-            return _NEVER
+            replayed = None
         if replayed is None or not _same_decision(replayed, result):
-            return _NEVER
+            return self._missed(op_schema, result, metas, dtypes)
         entry = (replayed.output_spec, None if targets is None else _built_targets(replayed, op_schema), dtypes)
         try:
             again = self._replay(op_schema, *entry)
         except Exception:
-            return _NEVER
-        return entry if again is not None and _same_decision(again, result) else _NEVER
+            again = None
+        return entry if again is not None and _same_decision(again, result) else self._missed(
+            op_schema, result, metas, dtypes)
+
+    def _missed(self, op_schema: OpSchema, result: OutputSharding, metas, dtypes):
+        """The entry of a key whose decision is not replayed: ``_Missed`` where a shortcut for its
+        misses gave PyTorch's answer, else ``_NEVER``."""
+        known, units = self._known_metas(op_schema, metas, dtypes), self._unit_dims(op_schema, result)
+        return _NEVER if known is None and units is None else _Missed((known, units))
 
     def _known_metas(self, op_schema: OpSchema, metas, dtypes):
-        """A not-replayable key's entry: ``_KnownMetas`` where ``_outputs`` equals PyTorch's metadata."""
+        """For a not-replayable key: ``dtypes`` where ``_outputs`` equals PyTorch's metadata, else None."""
         try:
             ours = self._outputs(op_schema, dtypes)
         except Exception:
-            return _NEVER
+            return None
         if isinstance(ours, list):
             ours = tuple(ours)
-        return _KnownMetas((dtypes,)) if ours is not None and ours == metas else _NEVER
+        return dtypes if ours is not None and ours == metas else None
+
+    def _unit_dims(self, op_schema: OpSchema, result: OutputSharding):
+        """For a not-replayable key on a mesh with size-1 dims: PyTorch's placements there, where the
+        decision on the mesh without them, those placements put back, equals ``result``; else None."""
+        reduced = self._reduced(op_schema)
+        if reduced is None:
+            return None
+        units = unit_placements(result, reduced[2])
+        try:
+            lifted = lift(self.fallback(reduced[0]), *reduced, units)
+        except Exception:
+            return None
+        return units if lifted is not None and _same_decision(lifted, result) else None
 
     def clear(self) -> None:
         self.entries.clear()

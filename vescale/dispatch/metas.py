@@ -11,7 +11,10 @@ often, on every hit of a new sequence length, so they take it from here:
   contiguous tensor), views and reshapes of contiguous tensors, ``expand``, ``slice``, ``split``,
   ``unsqueeze``, ``transpose``/``t`` (sizes and strides moved), ``detach``/``alias``, ``clone``
   (of a contiguous input, or to contiguous format), ``new_*`` and ``slice_backward`` (fresh at their
-  size) and the softmax / NLL-loss kernels of contiguous inputs. Anything else returns None and the caller runs the meta
+  size), the softmax / NLL-loss kernels of contiguous inputs, and the router's and MoE dispatch's
+  fresh allocations: ``topk``, ``sort`` and ``index_put`` / ``empty_like`` of a contiguous input,
+  ``histc``, ``embedding_dense_backward``, a row gather ``x[idx]`` of a contiguous ``x``, ``cat``
+  whose first input suggests the contiguous format. Anything else returns None and the caller runs the meta
   kernel. Output dtypes are not derived: callers pass the dtype(s) PyTorch gave for the same op,
   input dtypes and scalar arguments (promotion depends only on those, which cache keys keep, a
   Python scalar with its type);
@@ -158,13 +161,22 @@ def _elementwise(op_schema: OpSchema, dtype):
 
 
 def _agreed_order(metas, shape) -> list | None:
-    """The output's dims from outermost to innermost where every operand orders them alike: one
-    operand of the output's shape has distinct non-zero strides (it decides every pair of dims),
-    and each operand's non-zero strides (broadcast dims have none) fall along that order. Then
+    """The output's dims from outermost to innermost where the first operand has the output's shape
+    and distinct non-zero strides (its order), or every operand orders them alike: one operand of
+    the output's shape has distinct non-zero strides (it decides every pair of dims), and each
+    operand's non-zero strides (broadcast dims have none) fall along that order. Then
     TensorIterator's dim sort and the Python reference's both give that order, and the output is
     dense in it (a heads-first view times the broadcast rotary cos: the view's layout)."""
-    full = next((m for m in metas if tuple(m.shape) == shape and 0 not in m.stride
-                 and len(set(m.stride)) == len(shape)), None)
+    def decides(m):
+        return tuple(m.shape) == shape and 0 not in m.stride and len(set(m.stride)) == len(shape)
+
+    if decides(metas[0]):
+        # The first operand decides every pair of dims before any other is asked (both sorts go
+        # through the operands in order and return at the first strict stride comparison), so the
+        # others need not agree: the rotary ``q * cos + rotate_half(q) * sin`` of a heads-first
+        # view and a contiguous ``cat``.
+        return sorted(range(len(shape)), key=lambda d: -metas[0].stride[d])
+    full = next((m for m in metas if decides(m)), None)
     if full is None:
         return None
     order = sorted(range(len(shape)), key=lambda d: -full.stride[d])
@@ -383,7 +395,96 @@ def _reduction(op_schema: OpSchema, dtype):
     return _fresh(shape, dtype)
 
 
+def _topk(op_schema: OpSchema, dtypes):
+    """topk: values and indices allocated at the input's shape with ``k`` along ``dim``
+    (``topk_meta``: ``new_empty``, contiguous whatever the input's layout)."""
+    x, k, *rest = op_schema.args_schema
+    shape = list(x.tensor_meta.shape)
+    dim = rest[0] if rest else op_schema.kwargs_schema.get("dim", -1)
+    if not shape or not isinstance(k, int) or not isinstance(dim, int) or not 0 <= k <= shape[dim]:
+        return None  # a 0-d input or k out of range: the meta kernel (and its error)
+    shape[dim] = k
+    return tuple(_fresh(shape, d) for d in dtypes)
+
+
+def _sort(op_schema: OpSchema, dtypes):
+    """sort of a contiguous input: values and indices ``empty_like`` it (``meta_sort``), contiguous."""
+    x = op_schema.args_schema[0].tensor_meta
+    return tuple(_fresh(x.shape, d) for d in dtypes) if _contiguous(x) else None
+
+
+def _histc(op_schema: OpSchema, dtype):
+    """histc of a floating input: ``bins`` counts, freshly allocated (the meta kernel checks the rest)."""
+    x, bins = op_schema.args_schema[0].tensor_meta, (op_schema.args_schema[1:2] or [100])[0]
+    if op_schema.kwargs_schema or not x.dtype.is_floating_point or not isinstance(bins, int) or bins <= 0:
+        return None
+    return _fresh((bins,), dtype)
+
+
+def _embedding_dense_backward(op_schema: OpSchema, dtype):
+    """The embedding weight's gradient: ``(num_weights, grad.size(-1))``, freshly allocated."""
+    grad, num_weights = op_schema.args_schema[0].tensor_meta, op_schema.args_schema[2]
+    if not grad.shape or not isinstance(num_weights, int) or num_weights < 0:
+        return None
+    return _fresh((num_weights, grad.shape[-1]), dtype)
+
+
+def _like_contiguous_self(op_schema: OpSchema, dtype):
+    """index_put (out of place: ``empty_like(self)``) and empty_like (preserve format) of a
+    contiguous ``self``: contiguous at its shape."""
+    x = op_schema.args_schema[0].tensor_meta
+    if op_schema.op is aten.empty_like.default and "memory_format" in op_schema.kwargs_schema:
+        return None
+    return _fresh(x.shape, dtype) if _contiguous(x) else None
+
+
+def _gather_rows(op_schema: OpSchema, dtype):
+    """``x[idx]`` with one integer index tensor on dim 0 of a contiguous ``x`` (the MoE dispatch's
+    token gather): ``idx.shape + x.shape[1:]``, contiguous (the meta kernel follows the restrided
+    input's dim order, which for a contiguous input keeps the index dims first)."""
+    x, indices = op_schema.args_schema
+    if len(indices) != 1 or not isinstance(indices[0], DTensorSpec):
+        return None
+    idx, m = indices[0].tensor_meta, x.tensor_meta
+    if idx.dtype not in (torch.int64, torch.int32) or not m.shape or not _contiguous(m) or 0 in m.shape:
+        return None
+    return _fresh((*idx.shape, *m.shape[1:]), dtype)
+
+
+def _cat(op_schema: OpSchema, dtype):
+    """cat whose first input suggests the contiguous memory format (``cat_compute_output_memory_format``
+    returns contiguous at the first such input; the rotary ``rotate_half`` of heads-first views): a
+    fresh contiguous tensor, the inputs' sizes summed along ``dim``. Inputs of other ranks (legacy
+    empty ones) or a channels-last first input: the meta kernel."""
+    tensors, dim = op_schema.args_schema[0], (op_schema.args_schema[1:2] or [0])[0]
+    metas = [t.tensor_meta for t in tensors]
+    if not metas or op_schema.kwargs_schema or not metas[0].shape or not isinstance(dim, int):
+        return None
+    shape = list(metas[0].shape)
+    dim %= len(shape)
+    rest = shape[:dim] + shape[dim + 1:]
+    if any(len(m.shape) != len(shape) or list(m.shape[:dim]) + list(m.shape[dim + 1:]) != rest for m in metas):
+        return None
+    if not _suggests_contiguous(metas[0]):
+        return None
+    shape[dim] = sum(m.shape[dim] for m in metas)
+    return _fresh(shape, dtype)
+
+
+def _suggests_contiguous(m: TensorMeta) -> bool:
+    if len(m.shape) not in (4, 5):
+        return True
+    t = torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device="meta")
+    return torch._prims_common.suggest_memory_format(t) == torch.contiguous_format
+
+
 _RULES = {
+    aten.cat.default: _cat,
+    aten.histc.default: _histc,
+    aten.embedding_dense_backward.default: _embedding_dense_backward,
+    aten.index_put.default: _like_contiguous_self,
+    aten.empty_like.default: _like_contiguous_self,
+    aten.index.Tensor: _gather_rows,
     aten.floor_divide.default: _elementwise,  # TensorIterator's binary op, without the pointwise tag
     aten.sum.dim_IntList: _reduction,
     aten.mean.dim: _reduction,
@@ -414,6 +515,8 @@ _RULES = {
 }
 
 
+_PAIR_RULES = {aten.topk.default: _topk, aten.sort.default: _sort}
+
 _RULE_OF: dict = {}  # op -> its rule here, or None: decided once per op
 
 
@@ -436,6 +539,8 @@ def fast_outputs(op_schema: OpSchema, dtypes):
             return _nll_loss_forward(op_schema, dtypes) if isinstance(dtypes, tuple) and len(dtypes) == 2 else None
         if op is aten.split.Tensor:
             return _split(op_schema, dtypes) if isinstance(dtypes, tuple) else None
+        if op in _PAIR_RULES:  # values and int64 indices
+            return _PAIR_RULES[op](op_schema, dtypes) if isinstance(dtypes, tuple) and len(dtypes) == 2 else None
         if isinstance(dtypes, tuple):
             return None
         rule = _rule_of(op)
