@@ -1,7 +1,10 @@
-"""Shared fixture of the dispatch tests: a (DP=2, TP=2) mesh on a fake 4-rank world, vescale's
-dispatch installed (test modules that need another set-up define their own ``mesh``)."""
+"""Shared fixtures of the dispatch tests: meshes on a fake 4-rank world with vescale's dispatch
+installed: ``mesh`` (DP=2, TP=2) and ``unit_mesh`` (DP=1, TP=4: a size-1 dim, TP-only training's
+layout). Test modules that need another set-up define their own ``mesh``."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 
@@ -10,11 +13,23 @@ from vescale import dispatch
 from vescale.testing import fake_world
 
 
-@pytest.fixture(scope="module")
-def mesh():
+@contextlib.contextmanager
+def _dispatch_mesh(shape: tuple, names: tuple):
     with fake_world(4):
         dispatch.install()
         try:
-            yield vescale.init_mesh((2, 2), ("DP", "TP"))
+            yield vescale.init_mesh(shape, names)
         finally:
             dispatch.install()
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    with _dispatch_mesh((2, 2), ("DP", "TP")) as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def unit_mesh():
+    with _dispatch_mesh((1, 4), ("DP", "TP")) as m:
+        yield m

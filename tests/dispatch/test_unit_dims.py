@@ -19,21 +19,11 @@ import vescale
 from vescale import dispatch
 from vescale.dispatch import unitdims
 from vescale.dispatch.cache import _Missed, _key, _same_decision
-from vescale.testing import fake_world, forget_dtensor_caches
+from vescale.testing import forget_dtensor_caches
 
 from test_shape_free import _dt, _same, _spec
 
 aten = torch.ops.aten
-
-
-@pytest.fixture(scope="module")
-def unit_mesh():
-    with fake_world(4):
-        dispatch.install()
-        try:
-            yield vescale.init_mesh((1, 4), ("DP", "TP"))
-        finally:
-            dispatch.install()
 
 
 def _index(m, n):  # tokens split over the size-1 DP dim, gathered by a replicated index (MoE dispatch)

@@ -180,8 +180,8 @@ def parallelize(
     for mpath, hook_entries in per_module.items():
         installed = install_module_hooks(modules[mpath], mpath, hook_entries, mesh, scheduler)
         handles += installed
-        gathers = gather_only(hook_entries)
-        if gathers is not None and scheduler is not None:
+        gathers = gather_only(hook_entries) if scheduler is not None else None
+        if gathers is not None:
             gathered_modules[mpath] = (gathers, frozenset(h.id for h in installed))
     handles += install_expert_parallel(model, plan, mesh)  # after the gathers: it sees RUN params
     handles += install_batch_local(model, plan, mesh)  # after the gathers too
