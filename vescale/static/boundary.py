@@ -62,7 +62,7 @@ def _single_dim_move(src: DTensorSpec, dst: DTensorSpec, i: int) -> Optional[Loc
             if nested or p.dim < 0 or src.shape[p.dim] % n:
                 return None
     if type(a) is Shard and type(b) is Replicate:
-        return lambda t, d=a.dim: _gather(t, d, n, group)
+        return lambda t, d=a.dim: direct.all_gather_dim(t, d, group)
     if _is_sum(a) and type(b) is Replicate:
         return lambda t: _all_reduce(t, group)
     if _is_sum(a) and type(b) is Shard:
@@ -73,23 +73,8 @@ def _single_dim_move(src: DTensorSpec, dst: DTensorSpec, i: int) -> Optional[Loc
 
 
 # The collectives are the process group's own calls (vescale.comm.direct): torch.distributed's
-# wrappers cost more than the call itself on small tensors. Complex tensors and shard dim 0 use the
-# contiguous single-buffer forms; another shard dim the list forms on strided views of the full
-# tensor, so there is no stacking copy of our own (but for a reduce-scatter on gloo:
-# direct.reduce_scatter_dim).
-
-
-def _gather(t: torch.Tensor, d: int, n: int, group) -> torch.Tensor:
-    t = t.contiguous()
-    if d == 0 or t.is_complex():
-        out = t.new_empty((n * t.shape[0], *t.shape[1:]))
-        direct.all_gather(out, t, group)
-        return out if d == 0 else torch.cat(out.chunk(n, 0), dim=d)
-    shape = list(t.shape)
-    shape[d] *= n
-    out = t.new_empty(shape)
-    direct.all_gather_pieces(list(out.chunk(n, d)), t, group)
-    return out
+# wrappers cost more than the call itself on small tensors. ``all_gather_dim`` /
+# ``reduce_scatter_dim`` pick the cheapest form for the backend and the shard dim.
 
 
 def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
