@@ -76,3 +76,13 @@ def _compare():
 def test_redistribute_is_dtensors():
     for rank, failures in enumerate(run_on_ranks(_compare, 4)):
         assert not failures, f"rank {rank}: {failures}"
+
+
+def test_a_partial_target_is_refused_as_dtensor_refuses_it():
+    from vescale.testing import fake_world
+
+    with fake_world(4):
+        mesh = vescale.init_mesh((2, 2), ("DP", "TP"))
+        x = DTensor.from_local(torch.ones(2, 3), mesh, (Replicate(), Replicate()), run_check=False)
+        with pytest.raises(RuntimeError, match="redistributing to Partial is for internal use only"):
+            moves.redistribute(x, (Replicate(), Partial()))

@@ -145,5 +145,7 @@ class _Redistribute(torch.autograd.Function):
 def redistribute(d: DTensor, placements: tuple) -> DTensor:
     """``d.redistribute(d.device_mesh, placements)`` (default dtypes, synchronous), with the moves
     compiled once per layout pair; ``placements`` must differ from ``d``'s."""
+    if any(p.is_partial() and p != q for p, q in zip(placements, d.placements)):
+        return d.redistribute(d.device_mesh, placements)  # DTensor's error: a Partial target is its internal use
     move, spec = _move_to(d._spec, tuple(placements), d._spec.tensor_meta)
     return _Redistribute.apply(d, move, spec)
