@@ -409,23 +409,6 @@ def test_miss_path_metadata_for_mm_and_embedding_equals_fake_tensor_propagation(
     assert miss_outputs(OpSchema(aten.mm.default, (s((6, 8)), s((8, 5), dtype=torch.float64)), {})) is None
 
 
-def test_an_interleaved_grouped_mm_decision_is_never_reused(mesh):
-    """vescale's interleaved _grouped_mm rule checks the kernel's 16-byte row rule on the local
-    size of every sharded operand, plainly sharded ones included, which the key does not hold."""
-    from torch.distributed.tensor._op_schema import OutputSharding
-
-    from vescale.placement import InterleavedShard
-
-    cache = dispatch.shape_free_cache()
-    meta = lambda *shape, dtype=torch.float32: TensorMeta(torch.Size(shape), torch.empty(shape).stride(), dtype)  # noqa: E731
-    a = DTensorSpec(mesh, (Replicate(), Shard(1)), tensor_meta=meta(10, 8))
-    offs = DTensorSpec(mesh, (Replicate(), Replicate()), tensor_meta=meta(4, dtype=torch.int32))
-    out = OutputSharding(DTensorSpec(mesh, (Replicate(), Replicate()), tensor_meta=meta(10, 16)))
-    for weight, kind in [((Replicate(), InterleavedShard(2, 2)), None), ((Replicate(), Replicate()), "plain")]:
-        b = DTensorSpec(mesh, weight, tensor_meta=meta(4, 8, 16))
-        assert cache._kind(OpSchema(aten._grouped_mm.default, (a, b, offs), {}), out) == kind
-
-
 def test_a_scalar_of_another_type_is_another_key(mesh):
     """Hits take the output dtype from the learned answer; ``x ** 2`` and ``x ** 2.0`` on an integer
     tensor (``pow.Tensor_Scalar``; 2 == 2.0 as Python values) give different dtypes, so they must

@@ -54,9 +54,10 @@ from torch.distributed.tensor._ops.utils import is_tensor_evenly_shardable
 from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
 from .errors import is_missing_rule, missing_rule_error
-from .interleaved import _SPLIT_OPS, SIZE_DEPENDENT_OPS, _local_split_args
+from .interleaved import _SPLIT_OPS, SIZE_DEPENDENT_OPS, _local_split_args, grouped_mm_layout_key
 from .metas import fast_outputs, meta_outputs
 from .unitdims import lift, reduce_schema, reducible_mesh, unit_placements
+from .zerocost import SameRoom, free_move, scatter_axes
 
 aten = torch.ops.aten
 # View-like ops and the function whose dim-mapping rule PyTorch uses for them.
@@ -187,6 +188,15 @@ _SIZE_ARG_RULES = {
 }
 
 
+# Ops whose rules test sizes beyond what ``_arg_key`` keeps: the function gives what they read.
+_KEY_EXTRAS = {
+    aten.nll_loss_forward.default: _nll_mean_even,
+    aten._grouped_mm.default: grouped_mm_layout_key,
+    aten.scatter.src: scatter_axes,
+    aten.scatter.value: scatter_axes,
+}
+
+
 def _size_arg_keys(prop, op_schema: OpSchema) -> dict:
     sizes = _SIZE_ARG_RULES.get(prop.op_strategy_funcs.get(op_schema.op))
     if sizes is None or op_schema.op is aten.new_empty_strided.default:  # its strides: keyed as they are
@@ -204,8 +214,9 @@ def _key(op_schema: OpSchema, prop=None):
         sized = _size_arg_keys(prop, op_schema)
         args = tuple(sized[i] if i in sized else _arg_key(a) for i, a in enumerate(op_schema.args_schema))
         kwargs = tuple(sorted((k, _arg_key(v)) for k, v in op_schema.kwargs_schema.items()))
-        if op_schema.op is aten.nll_loss_forward.default:
-            args += (_nll_mean_even(op_schema),)
+        extra = _KEY_EXTRAS.get(op_schema.op)
+        if extra is not None:
+            args += (extra(op_schema),)
     except Exception:  # unhashable arguments, a rule that does not apply, ...: not cached
         return None
     return (op_schema.op, args, kwargs)
@@ -321,7 +332,8 @@ class ShapeFreeCache:
     def _kind(self, op_schema: OpSchema, result: OutputSharding) -> str | None:
         """How a decision can be replayed: "plain" (runs on the local shards as they are), "moved"
         (inputs redistributed to placements the key determines, and/or size arguments rewritten to
-        local sizes), or None (never)."""
+        local sizes), "free" (a cost search's zero-cost move of replicated inputs, reused where every
+        dim fits the mesh's shard counts as it did: ``zerocost.SameRoom``), or None (never)."""
         prop, op = self.propagator, op_schema.op
         if op in prop.squeeze_op_to_dims_variant:
             return None
@@ -332,9 +344,11 @@ class ShapeFreeCache:
             return None  # vescale.dispatch.interleaved's cat and _grouped_mm rules read exact sizes
         if not result.needs_redistribute:
             return "plain" if result.redistribute_schema is None else None
-        if result.redistribute_schema is None or not (plain_split or _decided_by_key(prop, op)):
+        if result.redistribute_schema is None:
             return None
-        return "moved"
+        if plain_split or _decided_by_key(prop, op):
+            return "moved"
+        return "free" if free_move(prop, op_schema, result) else None
 
     @staticmethod
     def _outputs(op_schema: OpSchema, dtypes):
@@ -342,7 +356,11 @@ class ShapeFreeCache:
         metas = fast_outputs(op_schema, dtypes)
         return meta_outputs(op_schema) if metas is None else metas
 
-    def _replay(self, op_schema: OpSchema, template, targets, dtypes, built=True) -> OutputSharding | None:
+    def _replay(self, op_schema: OpSchema, template, targets, dtypes, guard=None, built=True) -> OutputSharding | None:
+        """The learned decision with this call's metadata; None where ``guard`` (a test the entry's
+        reuse depends on: ``zerocost.SameRoom``) fails or the metadata is unknown."""
+        if guard is not None and not guard(op_schema):
+            return None
         metas = self._outputs(op_schema, dtypes)
         if metas is None:
             return None
@@ -396,16 +414,18 @@ class ShapeFreeCache:
                 return replayed
         self.misses += 1
         missed = type(entry) is _Missed
-        known = self._outputs(op_schema, entry[0]) if missed and entry[0] is not None else None
         reduced = self._reduced(op_schema) if missed and entry[1] is not None else None
-        asked = op_schema if reduced is None else reduced[0]
+        if reduced is not None:
+            # decided on the mesh without its size-1 dims through this cache: that schema's own key,
+            # learned at the first miss, is a hit at a new length
+            result = lift(self._decide(reduced[0]), *reduced, entry[1])
+            if result is not None:
+                return result
+        known = self._outputs(op_schema, entry[0]) if missed and entry[0] is not None else None
         outer = getattr(self._known, "value", None)  # a miss decided inside another's (decompositions)
-        self._known.value = None if known is None else (asked, known)
+        self._known.value = None if known is None else (op_schema, known)
         try:
-            if reduced is None:
-                return self._miss(op_schema, key, entry)
-            result = lift(self.fallback(asked), *reduced, entry[1])
-            return self._miss(op_schema, key, entry) if result is None else result
+            return self._miss(op_schema, key, entry)
         finally:
             self._known.value = outer
 
@@ -453,14 +473,15 @@ class ShapeFreeCache:
         kind = self._kind(op_schema, result)
         if kind is None:
             return self._missed(op_schema, result, metas, dtypes)
-        targets = result.redistribute_schema.args_spec if kind == "moved" else None
+        targets = None if kind == "plain" else result.redistribute_schema.args_spec
+        guard = SameRoom(op_schema) if kind == "free" else None
         try:  # built by DTensorSpec's constructor here, so that hits may copy them
             replayed = self._replay(op_schema, spec, targets, dtypes, built=False)
         except Exception:
             replayed = None
         if replayed is None or not _same_decision(replayed, result):
             return self._missed(op_schema, result, metas, dtypes)
-        entry = (replayed.output_spec, None if targets is None else _built_targets(replayed, op_schema), dtypes)
+        entry = (replayed.output_spec, None if targets is None else _built_targets(replayed, op_schema), dtypes, guard)
         try:
             again = self._replay(op_schema, *entry)
         except Exception:
@@ -492,7 +513,7 @@ class ShapeFreeCache:
             return None
         units = unit_placements(result, reduced[2])
         try:
-            lifted = lift(self.fallback(reduced[0]), *reduced, units)
+            lifted = lift(self._decide(reduced[0]), *reduced, units)
         except Exception:
             return None
         return units if lifted is not None and _same_decision(lifted, result) else None

@@ -13,7 +13,7 @@ often, on every hit of a new sequence length, so they take it from here:
   (of a contiguous input, or to contiguous format), ``new_*`` and ``slice_backward`` (fresh at their
   size), the softmax / NLL-loss kernels of contiguous inputs, and the router's and MoE dispatch's
   fresh allocations: ``topk``, ``sort`` and ``index_put`` / ``empty_like`` of a contiguous input,
-  ``histc``, ``embedding_dense_backward``, a row gather ``x[idx]`` of a contiguous ``x``, ``cat``
+  ``histc``, ``embedding_dense_backward``, ``_grouped_mm`` (CPU builds), a row gather ``x[idx]`` of a contiguous ``x``, ``cat``
   whose first input suggests the contiguous format. Anything else returns None and the caller runs the meta
   kernel. Output dtypes are not derived: callers pass the dtype(s) PyTorch gave for the same op,
   input dtypes and scalar arguments (promotion depends only on those, which cache keys keep, a
@@ -31,7 +31,7 @@ import torch
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema
 
-__all__ = ["meta_outputs", "fast_outputs", "miss_outputs", "contiguous_strides"]
+__all__ = ["meta_outputs", "fast_outputs", "miss_outputs", "contiguous_strides", "grouped_mm_shape"]
 
 aten = torch.ops.aten
 
@@ -438,6 +438,33 @@ def _like_contiguous_self(op_schema: OpSchema, dtype):
     return _fresh(x.shape, dtype) if _contiguous(x) else None
 
 
+def grouped_mm_shape(op_schema: OpSchema) -> tuple | None:
+    """The output sizes of ``_grouped_mm`` (PyTorch's ``_create_grouped_mm_output_tensor``): 2-D x 3-D
+    one row per token, 3-D x 2-D and 3-D x 3-D per group, 2-D x 2-D one matrix per offset; None for
+    other arguments."""
+    a, b = op_schema.args_schema[:2]
+    offs = op_schema.args_schema[2] if len(op_schema.args_schema) > 2 else op_schema.kwargs_schema.get("offs")
+    if not isinstance(a, DTensorSpec) or not isinstance(b, DTensorSpec):
+        return None
+    sa, sb = a.shape, b.shape
+    if len(sa) == 2 and len(sb) == 3:
+        return (sa[0], sb[2])
+    if len(sa) == 3 and len(sb) == 2:
+        return (sa[1], sb[1])
+    if len(sa) == 2 and len(sb) == 2 and isinstance(offs, DTensorSpec):
+        return (offs.shape[0], sa[0], sb[1])
+    if len(sa) == 3 and len(sb) == 3:
+        return (sa[0], sa[1], sb[2])
+    return None
+
+
+def _grouped_mm(op_schema: OpSchema, dtype):
+    """``_grouped_mm``: a fresh tensor of ``grouped_mm_shape``, contiguous where PyTorch is built
+    without CUDA (a CUDA build pads the last dim's stride to 16 bytes: its meta kernel decides)."""
+    shape = None if torch.version.cuda else grouped_mm_shape(op_schema)
+    return None if shape is None else _fresh(shape, dtype)
+
+
 def _gather_rows(op_schema: OpSchema, dtype):
     """``x[idx]`` with one integer index tensor on dim 0 of a contiguous ``x`` (the MoE dispatch's
     token gather): ``idx.shape + x.shape[1:]``, contiguous (the meta kernel follows the restrided
@@ -496,6 +523,7 @@ _RULES = {
     aten.slice.Tensor: _slice,
     aten.mm.default: _matmul,
     aten.bmm.default: _matmul,
+    aten._grouped_mm.default: _grouped_mm,
     aten.transpose.int: _transpose,
     aten.t.default: _transpose,
     aten.detach.default: _same_as_first,
