@@ -56,7 +56,7 @@ from torch.distributed.tensor.placement_types import Shard, _StridedShard
 from .errors import is_missing_rule, missing_rule_error
 from .interleaved import _SPLIT_OPS, SIZE_DEPENDENT_OPS, _local_split_args, grouped_mm_layout_key
 from .metas import fast_outputs, meta_outputs
-from .unitdims import lift, reduce_schema, reducible_mesh, unit_placements
+from .unitdims import lift, mesh_shape, reduce_schema, reducible_mesh, unit_placements
 from .zerocost import SameRoom, free_move, scatter_axes
 
 aten = torch.ops.aten
@@ -111,19 +111,20 @@ def _shard_fit(spec: DTensorSpec) -> tuple:
     shards: dict = {}
     fit = []
     shape = spec.tensor_meta.shape
-    for mesh_size, p in zip(spec.mesh.shape, spec.placements):
+    for mesh_size, p in zip(mesh_shape(spec.mesh), spec.placements):
         if isinstance(p, _StridedShard):
             fit.append((p.dim, shape[p.dim]))
         elif isinstance(p, Shard):
             shards[p.dim] = shards.get(p.dim, 1) * mesh_size
-    fit.extend((d, shape[d] % n == 0, shape[d] >= n) for d, n in sorted(shards.items()) if d < len(shape))
+    if shards:
+        fit.extend((d, shape[d] % n == 0, shape[d] >= n) for d, n in sorted(shards.items()) if d < len(shape))
     return tuple(fit)
 
 
 def _arg_key(a):
     if isinstance(a, DTensorSpec):
         meta = a.tensor_meta
-        return ("T", a.mesh, a.placements, meta.dtype, tuple(_size_class(n) for n in meta.shape), _shard_fit(a))
+        return ("T", a.mesh, a.placements, meta.dtype, tuple(n if n < 2 else 2 for n in meta.shape), _shard_fit(a))
     if isinstance(a, (list, tuple)):
         return tuple(_arg_key(x) for x in a)
     if isinstance(a, torch.Tensor):  # a plain tensor argument (rare): never shape-free
@@ -144,12 +145,29 @@ def _view_key(op_schema: OpSchema):
     spec, *rest = op_schema.args_schema
     if not isinstance(spec, DTensorSpec) or op_schema.kwargs_schema:
         raise TypeError
-    rule = dim_maps[_VIEW_RULES[op_schema.op]](spec, *rest)
-    target, out = propagate_shape_and_sharding(
-        spec.placements, tuple(spec.shape), rule, spec.mesh.shape, op_schema.op in _STRICT_VIEWS
-    )
-    return (("T", spec.mesh, spec.placements, spec.tensor_meta.dtype, len(spec.shape)), len(rule),
-            tuple(target), tuple(out))
+    return (("T", spec.mesh, spec.placements, spec.tensor_meta.dtype, len(spec.shape)),
+            *_view_decision(op_schema.op, spec, rest))
+
+
+_VIEW_DECISIONS: dict = {}  # (op, sizes, size arguments, placements, mesh shape) -> the view rule's decision
+_VIEW_DECISIONS_LIMIT = 4096
+
+
+def _view_decision(op, spec: DTensorSpec, rest: list) -> tuple:
+    """``(rule length, input placements wanted, output placements)`` of PyTorch's view rule, which
+    reads only these sizes, the size arguments, the placements and the mesh's shape: remembered per
+    those, since a step repeats its views across layers and in backward."""
+    shape, mesh = tuple(spec.shape), mesh_shape(spec.mesh)
+    memo = (op, shape, tuple(tuple(a) if isinstance(a, list) else a for a in rest), spec.placements, mesh)
+    found = _VIEW_DECISIONS.get(memo)
+    if found is None:
+        rule = dim_maps[_VIEW_RULES[op]](spec, *rest)
+        target, out = propagate_shape_and_sharding(spec.placements, shape, rule, mesh, op in _STRICT_VIEWS)
+        found = (len(rule), tuple(target), tuple(out))
+        if len(_VIEW_DECISIONS) >= _VIEW_DECISIONS_LIMIT:
+            _VIEW_DECISIONS.clear()
+        _VIEW_DECISIONS[memo] = found
+    return found
 
 
 def _nll_mean_even(op_schema: OpSchema) -> bool | None:

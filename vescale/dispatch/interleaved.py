@@ -170,7 +170,21 @@ def grouped_mm_layout_key(schema: OpSchema) -> tuple:
     per-mesh-dim strategies of both rules have distinct input placements, and PyTorch prefers a
     strategy that moves nothing), which these bits keep valid or not: with them in the key such a
     decision holds at every size."""
-    return tuple((_kernel_strides(s), _aligned_rows(s)) for s in schema.args_schema[:2])
+    return tuple(_layout_bits(s) for s in schema.args_schema[:2])
+
+
+_LAYOUT_BITS: dict = {}  # (sizes, strides, dtype, placements, mesh) -> _layout_bits: weights repeat at every length
+
+
+def _layout_bits(spec: DTensorSpec) -> tuple:
+    meta = spec.tensor_meta
+    memo = (tuple(meta.shape), meta.stride, meta.dtype, spec.placements, spec.mesh)
+    found = _LAYOUT_BITS.get(memo)
+    if found is None:
+        if len(_LAYOUT_BITS) >= 4096:
+            _LAYOUT_BITS.clear()
+        found = _LAYOUT_BITS[memo] = (_kernel_strides(spec), _aligned_rows(spec))
+    return found
 
 
 def _local_matmul(schema: OpSchema) -> OpStrategy | None:

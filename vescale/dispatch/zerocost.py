@@ -37,6 +37,7 @@ from torch.distributed.tensor._ops import _tensor_ops
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .metas import _is_elementwise
+from .unitdims import mesh_shape
 
 __all__ = ["free_move", "room", "SameRoom", "scatter_axes"]
 
@@ -74,12 +75,13 @@ def _plain_specs(specs) -> bool:
 
 def _thresholds(mesh) -> tuple:
     """The shard counts a dim can get on ``mesh``: the products of its dims' sizes over subsets."""
-    found = _THRESHOLDS.get(mesh.shape)
+    shape = mesh_shape(mesh)
+    found = _THRESHOLDS.get(shape)
     if found is None:
         counts = {1}
-        for n in mesh.shape:
+        for n in shape:
             counts |= {c * n for c in counts}
-        found = _THRESHOLDS[mesh.shape] = tuple(sorted(c for c in counts if c > 1))
+        found = _THRESHOLDS[shape] = tuple(sorted(c for c in counts if c > 1))
     return found
 
 
