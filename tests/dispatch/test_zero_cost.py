@@ -154,3 +154,43 @@ def test_scatter_keys_hold_the_axes_its_rule_may_shard(mesh):
 def test_room_counts_the_mesh_shard_counts_each_dim_fits(mesh):
     s = lambda *shape: DTensorSpec(mesh, (R, R), tensor_meta=_meta(*shape))  # noqa: E731
     assert zerocost.room(OpSchema(aten.add.Tensor, (s(8, 1, 3), s(2, 4, 0)), {})) == ((2, 0, 1), (1, 2, 0))
+
+
+def _ids_and_weight_specs(mesh, n, vocab=32):
+    ids = DTensorSpec(mesh, (Shard(0), R), tensor_meta=_meta(4, n, dtype=torch.int64))
+    weight = DTensorSpec(mesh, (R, Shard(0)), tensor_meta=_meta(vocab, 8))
+    return OpSchema(aten.embedding.default, (weight, ids), {})
+
+
+def test_the_vocabulary_parallel_embedding_is_reused_with_its_masked_partial(mesh):
+    """Indices masked on the vocabulary dim (Replicate -> _MaskPartial, free): at a new length the
+    decision is the learned one, the output and the indices' target sharing one mask buffer (as
+    PyTorch's own cache shares it at a repeated shape), equal to PyTorch's but for that buffer;
+    another vocabulary size is another key (the masked Partial carries the weight's shape)."""
+    from torch.distributed.tensor.placement_types import _MaskPartial
+
+    cache = dispatch.shape_free_cache()
+    cache(_ids_and_weight_specs(mesh, 8))
+    hits = cache.hits
+    ours = cache(_ids_and_weight_specs(mesh, 12))
+    assert cache.hits == hits + 1
+    theirs = cache.fallback(_ids_and_weight_specs(mesh, 12))
+    (_, out), (_, target) = ours.output_spec.placements, ours.redistribute_schema.args_spec[1].placements
+    assert isinstance(out, _MaskPartial) and out is target
+    for a, b in [(ours.output_spec, theirs.output_spec), *zip(ours.redistribute_schema.args_spec, theirs.redistribute_schema.args_spec)]:
+        assert a.tensor_meta == b.tensor_meta
+        assert [(type(p), getattr(p, "offset_shape", None)) for p in a.placements] == [
+            (type(p), getattr(p, "offset_shape", None)) for p in b.placements]
+    assert _key(_ids_and_weight_specs(mesh, 8, vocab=64)) != _key(_ids_and_weight_specs(mesh, 8))
+
+
+def test_the_vocabulary_parallel_embedding_gives_pytorchs_values_at_a_new_length(mesh):
+    def fn(n):
+        weight = _dt(mesh, (32, 8), (R, Shard(0)), 1)
+        ids = DTensor.from_local(torch.arange(4 * n).reshape(4, n)[:2] % 32, mesh, (Shard(0), R), run_check=False,
+                                 shape=(4, n), stride=(n, 1))
+        return torch.nn.functional.embedding(ids, weight).redistribute(mesh, (Shard(0), R))
+
+    ours, hits, misses, theirs = _learn_then_reuse(mesh, fn, 8, 12)
+    assert hits == 1 and misses == 0
+    _same(ours, theirs)

@@ -57,7 +57,7 @@ from .errors import is_missing_rule, missing_rule_error
 from .interleaved import _SPLIT_OPS, SIZE_DEPENDENT_OPS, _local_split_args, grouped_mm_layout_key
 from .metas import fast_outputs, meta_outputs
 from .unitdims import lift, mesh_shape, reduce_schema, reducible_mesh, unit_placements
-from .zerocost import SameRoom, free_move, scatter_axes
+from .zerocost import SameRoom, embedding_key, free_move, scatter_axes
 
 aten = torch.ops.aten
 # View-like ops and the function whose dim-mapping rule PyTorch uses for them.
@@ -210,6 +210,7 @@ _SIZE_ARG_RULES = {
 _KEY_EXTRAS = {
     aten.nll_loss_forward.default: _nll_mean_even,
     aten._grouped_mm.default: grouped_mm_layout_key,
+    aten.embedding.default: embedding_key,
     aten.scatter.src: scatter_axes,
     aten.scatter.value: scatter_axes,
 }

@@ -17,9 +17,11 @@ which zero-cost strategy wins does not depend on sizes either:
 
 Both hold while the candidate list is a function of what the shape-free key keeps. That is checked
 rule by rule (``_size_free_rule``): PyTorch's single-dim rules of elementwise ops (ranks and size-1
-broadcast dims, which the key keeps) and of ``index_put`` (index structure, ranks), and ``scatter``
-(its shardable axes are those where the operands' sizes agree: ``scatter_axes`` puts them in the
-key). The one size test left is shardability: a candidate that shards a dim needs at least as many
+broadcast dims, which the key keeps), of ``index_put`` (index structure, ranks) and of ``embedding``
+(ranks, and the weight's shape, which its masked Partial carries: ``embedding_key`` puts it in the
+key), and ``scatter`` (its shardable axes are those where the operands' sizes agree: ``scatter_axes``
+puts them in the key). A reused masked Partial shares its mask buffer between calls, as PyTorch's
+own sharding cache does at a repeated shape. The one size test left is shardability: a candidate that shards a dim needs at least as many
 rows as shards there. ``room`` says, per dim, which of the mesh's possible shard counts fit; an
 entry is reused only at the ``room`` it was learned at (``SameRoom``), so every candidate passes or
 fails that test as it did.
@@ -39,7 +41,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from .metas import _is_elementwise
 from .unitdims import mesh_shape
 
-__all__ = ["free_move", "room", "SameRoom", "scatter_axes"]
+__all__ = ["free_move", "room", "SameRoom", "scatter_axes", "embedding_key"]
 
 aten = torch.ops.aten
 
@@ -61,7 +63,12 @@ def _size_free_rule(prop, op_schema: OpSchema) -> bool:
         return False  # their result must keep a tensor's placements: another selection
     if op is aten.scatter.src:
         return _scatter_rule(prop, op)
-    return (op is aten.index_put.default or _is_elementwise(op)) and _single_dim(prop, op)
+    return (op in _SINGLE_DIM_OPS or _is_elementwise(op)) and _single_dim(prop, op)
+
+
+# Ops whose PyTorch single-dim rule reads only what the key keeps: index_put (which dims are
+# indexed, ranks), embedding (ranks, and the weight's shape for its masked Partial: ``embedding_key``).
+_SINGLE_DIM_OPS = (aten.index_put.default, aten.embedding.default)
 
 
 def _moves_only_replicate(given: DTensorSpec, wanted: DTensorSpec) -> bool:
@@ -123,6 +130,12 @@ def free_move(prop, op_schema: OpSchema, result: OutputSharding) -> bool:
         return False
     return (_size_free_rule(prop, op_schema) and room(op_schema) is not None
             and all(_moves_only_replicate(g, w) for g, w in zip(given, wanted)))
+
+
+def embedding_key(op_schema: OpSchema) -> tuple:
+    """The weight's shape: the vocabulary-parallel rule's ``_MaskPartial`` (on the output and the
+    indices' target) carries it to mask the indices each rank does not hold."""
+    return tuple(op_schema.args_schema[0].shape)
 
 
 def scatter_axes(op_schema: OpSchema) -> tuple:
