@@ -112,13 +112,29 @@ def _shard_fit(spec: DTensorSpec) -> tuple:
     fit = []
     shape = spec.tensor_meta.shape
     for mesh_size, p in zip(mesh_shape(spec.mesh), spec.placements):
-        if isinstance(p, _StridedShard):
+        kind = _shard_kind(type(p))
+        if kind is _STRIDED:
             fit.append((p.dim, shape[p.dim]))
-        elif isinstance(p, Shard):
+        elif kind is _SHARD:
             shards[p.dim] = shards.get(p.dim, 1) * mesh_size
     if shards:
         fit.extend((d, shape[d] % n == 0, shape[d] >= n) for d, n in sorted(shards.items()) if d < len(shape))
     return tuple(fit)
+
+
+_STRIDED, _SHARD = "strided", "shard"
+_SHARD_KINDS: dict = {}  # placement type -> _STRIDED, _SHARD or None
+
+
+def _shard_kind(cls):
+    """What ``isinstance`` says of a placement type, asked once per type: placements' metaclass
+    answers ``isinstance`` in Python (~0.5 us a call, several per tensor per key)."""
+    try:
+        return _SHARD_KINDS[cls]
+    except KeyError:
+        kind = _STRIDED if issubclass(cls, _StridedShard) else _SHARD if issubclass(cls, Shard) else None
+        _SHARD_KINDS[cls] = kind
+        return kind
 
 
 def _arg_key(a):
@@ -145,29 +161,10 @@ def _view_key(op_schema: OpSchema):
     spec, *rest = op_schema.args_schema
     if not isinstance(spec, DTensorSpec) or op_schema.kwargs_schema:
         raise TypeError
-    return (("T", spec.mesh, spec.placements, spec.tensor_meta.dtype, len(spec.shape)),
-            *_view_decision(op_schema.op, spec, rest))
-
-
-_VIEW_DECISIONS: dict = {}  # (op, sizes, size arguments, placements, mesh shape) -> the view rule's decision
-_VIEW_DECISIONS_LIMIT = 4096
-
-
-def _view_decision(op, spec: DTensorSpec, rest: list) -> tuple:
-    """``(rule length, input placements wanted, output placements)`` of PyTorch's view rule, which
-    reads only these sizes, the size arguments, the placements and the mesh's shape: remembered per
-    those, since a step repeats its views across layers and in backward."""
-    shape, mesh = tuple(spec.shape), mesh_shape(spec.mesh)
-    memo = (op, shape, tuple(tuple(a) if isinstance(a, list) else a for a in rest), spec.placements, mesh)
-    found = _VIEW_DECISIONS.get(memo)
-    if found is None:
-        rule = dim_maps[_VIEW_RULES[op]](spec, *rest)
-        target, out = propagate_shape_and_sharding(spec.placements, shape, rule, mesh, op in _STRICT_VIEWS)
-        found = (len(rule), tuple(target), tuple(out))
-        if len(_VIEW_DECISIONS) >= _VIEW_DECISIONS_LIMIT:
-            _VIEW_DECISIONS.clear()
-        _VIEW_DECISIONS[memo] = found
-    return found
+    op, shape, mesh = op_schema.op, tuple(spec.shape), mesh_shape(spec.mesh)
+    rule = dim_maps[_VIEW_RULES[op]](spec, *rest)
+    target, out = propagate_shape_and_sharding(spec.placements, shape, rule, mesh, op in _STRICT_VIEWS)
+    return (("T", spec.mesh, spec.placements, spec.tensor_meta.dtype, len(shape)), len(rule), tuple(target), tuple(out))
 
 
 def _nll_mean_even(op_schema: OpSchema) -> bool | None:
