@@ -109,6 +109,22 @@ def test_the_lifted_decision_is_pytorchs_at_each_size(unit_mesh, n):
     assert _same_decision(cache(schema), cache.fallback(schema))
 
 
+def test_a_lift_of_a_replayed_sub_mesh_decision_is_replayed_itself(unit_mesh, monkeypatch):
+    """The DP-split tokens' gather moves them off the size-1 dim (PyTorch prices that above zero,
+    so the full-mesh decision is not kept as such), but on the (4,) mesh it moves nothing and is
+    replayed there: its lift is learned as an entry of its own (a hit at a new length, neither
+    mesh's search asked), whose answer is PyTorch's (values: the parametrized test above)."""
+    forget_dtensor_caches()
+    cache = dispatch.shape_free_cache()
+    _index(unit_mesh, 8)
+    full = [e for k, e in cache.entries.items() if k[0] is aten.index.Tensor and k[1][0][1].shape == (1, 4)]
+    assert full and all(type(e) is tuple for e in full)
+    _clear_sharding_prop_cache()
+    asked, hits = _asked_meshes(monkeypatch, cache), cache.hits
+    _index(unit_mesh, 12)
+    assert not asked and cache.hits > hits
+
+
 @pytest.mark.parametrize("n", [8, 12, 4096])
 def test_a_unit_dim_between_two_others(unit_mesh, n):
     """(DP=2, EP=1, TP=2): the size-1 dim in the middle is dropped and put back in its place."""

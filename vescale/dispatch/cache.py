@@ -29,12 +29,17 @@ decision are reused:
 On a hit the output metadata comes from ``metas.py`` (arithmetic where certain, else the op's meta
 kernel), not from a FakeTensor run. Every key is verified once: the first time it is seen, the fast
 answer is computed beside PyTorch's full one and the key is served only if the two are equal
-(output specs, metadata, redistribution and rewritten arguments). Decisions of the cost-based search
-(``search.py``) that move inputs, squeeze and data-dependent ops always go to PyTorch; for such a key
-the first miss also checks ``metas.py``'s answer against PyTorch's metadata, and later misses
-(``_Missed``) run PyTorch's strategy on that answer instead of a FakeTensor run; on a mesh with
-size-1 dims (TP-only training's ``(1, N)``) it also checks whether deciding on the mesh without them
-gives PyTorch's answer, and later misses are decided there (``unitdims.py``).
+(output specs, metadata, redistribution and rewritten arguments). A fourth kind, "free": a cost
+search's move of replicated inputs alone, which costs 0 at any size and is chosen among zero-cost
+candidates in a size-free order, for rules whose candidates the key determines (``zerocost.py``),
+reused where every dim fits the mesh's shard counts as it did. ``_grouped_mm`` keys hold its
+16-byte stride rule (``interleaved.grouped_mm_layout_key``), so its decisions that move nothing are
+"plain". Other decisions of the cost-based search (``search.py``) that move inputs, squeeze and
+data-dependent ops always go to PyTorch; for such a key the first miss also checks ``metas.py``'s
+answer against PyTorch's metadata, and later misses (``_Missed``) run PyTorch's strategy on that
+answer instead of a FakeTensor run; on a mesh with size-1 dims (TP-only training's ``(1, N)``) it
+also checks whether deciding on the mesh without them gives PyTorch's answer, and later misses are
+decided there (``unitdims.py``), through this cache: the sub-mesh schema's own key is a hit.
 """
 
 
@@ -490,26 +495,44 @@ class ShapeFreeCache:
         if kind is None:
             return self._missed(op_schema, result, metas, dtypes)
         targets = None if kind == "plain" else result.redistribute_schema.args_spec
-        guard = SameRoom(op_schema) if kind == "free" else None
+        entry = self._replayable(op_schema, result, targets, dtypes, SameRoom(op_schema) if kind == "free" else None)
+        return entry if entry is not None else self._missed(op_schema, result, metas, dtypes)
+
+    def _replayable(self, op_schema: OpSchema, result: OutputSharding, targets, dtypes, guard):
+        """The entry that replays ``result`` (inputs moved to ``targets``, if any), or None where
+        replaying, once from ``result``'s specs and once from the entry, does not give it back."""
         try:  # built by DTensorSpec's constructor here, so that hits may copy them
-            replayed = self._replay(op_schema, spec, targets, dtypes, built=False)
+            replayed = self._replay(op_schema, result.output_spec, targets, dtypes, built=False)
         except Exception:
             replayed = None
         if replayed is None or not _same_decision(replayed, result):
-            return self._missed(op_schema, result, metas, dtypes)
+            return None
         entry = (replayed.output_spec, None if targets is None else _built_targets(replayed, op_schema), dtypes, guard)
         try:
             again = self._replay(op_schema, *entry)
         except Exception:
             again = None
-        return entry if again is not None and _same_decision(again, result) else self._missed(
-            op_schema, result, metas, dtypes)
+        return entry if again is not None and _same_decision(again, result) else None
 
     def _missed(self, op_schema: OpSchema, result: OutputSharding, metas, dtypes):
         """The entry of a key whose decision is not replayed: ``_Missed`` where a shortcut for its
         misses gave PyTorch's answer, else ``_NEVER``."""
         known, units = self._known_metas(op_schema, metas, dtypes), self._unit_dims(op_schema, result)
+        lifted = None if units is None else self._lifted_entry(op_schema, result, dtypes)
+        if lifted is not None:
+            return lifted
         return _NEVER if known is None and units is None else _Missed((known, units))
+
+    def _lifted_entry(self, op_schema: OpSchema, result: OutputSharding, dtypes):
+        """A replay entry for a decision that ``_unit_dims`` found to be the sub-mesh's, lifted,
+        where the sub-mesh schema's own entry is replayed (its decision holds at every size, and so
+        does the lift, which reads placements only); else None (the sub-mesh is asked per miss)."""
+        reduced = self._reduced(op_schema)
+        sub = self.entries.get(_key(reduced[0], self.propagator)) if reduced is not None else None
+        if type(sub) is not tuple:
+            return None
+        targets = None if result.redistribute_schema is None else result.redistribute_schema.args_spec
+        return self._replayable(op_schema, result, targets, dtypes, None if sub[3] is None else SameRoom(op_schema))
 
     def _known_metas(self, op_schema: OpSchema, metas, dtypes):
         """For a not-replayable key: ``dtypes`` where ``_outputs`` equals PyTorch's metadata, else None."""
