@@ -143,7 +143,7 @@ def _shard_kind(cls):
 
 
 def _arg_key(a):
-    if isinstance(a, DTensorSpec):
+    if type(a) is DTensorSpec or isinstance(a, DTensorSpec):
         meta = a.tensor_meta
         return ("T", a.mesh, a.placements, meta.dtype, tuple(n if n < 2 else 2 for n in meta.shape), _shard_fit(a))
     if isinstance(a, (list, tuple)):
@@ -229,18 +229,23 @@ def _key(op_schema: OpSchema, prop=None):
     """The shape-free key of ``op_schema`` (None: not cached). ``prop``: the sharding propagator
     whose rules decide (DTensor's own by default)."""
     prop = prop or DTensor._op_dispatcher.sharding_propagator
+    op = op_schema.op
     try:
-        if op_schema.op in _VIEW_RULES:
-            return (op_schema.op, _view_key(op_schema))
+        if op in _VIEW_RULES:
+            return (op, _view_key(op_schema))
         sized = _size_arg_keys(prop, op_schema)
-        args = tuple(sized[i] if i in sized else _arg_key(a) for i, a in enumerate(op_schema.args_schema))
-        kwargs = tuple(sorted((k, _arg_key(v)) for k, v in op_schema.kwargs_schema.items()))
-        extra = _KEY_EXTRAS.get(op_schema.op)
+        if sized:
+            args = tuple(sized[i] if i in sized else _arg_key(a) for i, a in enumerate(op_schema.args_schema))
+        else:  # most ops: a plain map (this runs for every op at a new length)
+            args = tuple(map(_arg_key, op_schema.args_schema))
+        kwargs = op_schema.kwargs_schema
+        kwargs = tuple(sorted((k, _arg_key(v)) for k, v in kwargs.items())) if kwargs else ()
+        extra = _KEY_EXTRAS.get(op)
         if extra is not None:
             args += (extra(op_schema),)
     except Exception:  # unhashable arguments, a rule that does not apply, ...: not cached
         return None
-    return (op_schema.op, args, kwargs)
+    return (op, args, kwargs)
 
 
 # PyTorch strategies that return exactly one strategy, derived from the input placements alone
