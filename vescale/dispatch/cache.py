@@ -367,7 +367,7 @@ class ShapeFreeCache:
         if op in prop.op_to_scalar_shape_adjuster and not plain_split:
             return None
         if op in SIZE_DEPENDENT_OPS and (_any_interleaved(result.output_spec) or _any_interleaved(op_schema.args_spec)):
-            return None  # vescale.dispatch.interleaved's cat and _grouped_mm rules read exact sizes
+            return None  # vescale.dispatch.interleaved's cat rule compares exact section sizes
         if not result.needs_redistribute:
             return "plain" if result.redistribute_schema is None else None
         if result.redistribute_schema is None:
@@ -520,8 +520,9 @@ class ShapeFreeCache:
         return entry if again is not None and _same_decision(again, result) else None
 
     def _missed(self, op_schema: OpSchema, result: OutputSharding, metas, dtypes):
-        """The entry of a key whose decision is not replayed: ``_Missed`` where a shortcut for its
-        misses gave PyTorch's answer, else ``_NEVER``."""
+        """The entry of a key whose decision is not replayed as PyTorch gave it: the lift of a
+        replayed sub-mesh entry where that is PyTorch's answer (``_lifted_entry``), else ``_Missed``
+        where a shortcut for its misses gave PyTorch's answer, else ``_NEVER``."""
         known, units = self._known_metas(op_schema, metas, dtypes), self._unit_dims(op_schema, result)
         lifted = None if units is None else self._lifted_entry(op_schema, result, dtypes)
         if lifted is not None:
