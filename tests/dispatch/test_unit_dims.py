@@ -76,9 +76,11 @@ def test_a_miss_at_a_new_length_is_decided_without_the_unit_dim_and_gives_pytorc
     cache = dispatch.shape_free_cache()
     fn(unit_mesh, 8)
     _clear_sharding_prop_cache()
-    asked = _asked_meshes(monkeypatch, cache)
+    asked, hits = _asked_meshes(monkeypatch, cache), cache.hits
     ours = fn(unit_mesh, 12)
-    assert asked and all(shape == (4,) for shape in asked), asked  # the (1, 4) mesh's search not run
+    # the (1, 4) mesh's search not run; the (4,) mesh's only where its own key is not a hit there
+    assert all(shape == (4,) for shape in asked), asked
+    assert asked or cache.hits > hits, "decided by neither the sub-mesh's key nor PyTorch's search on it"
     monkeypatch.undo()
     forget_dtensor_caches()
     dispatch.uninstall()
@@ -105,6 +107,22 @@ def test_the_lifted_decision_is_pytorchs_at_each_size(unit_mesh, n):
     assert type(entry) is _Missed and entry[1] is not None
     schema = _mm_schema(unit_mesh, n)
     assert _same_decision(cache(schema), cache.fallback(schema))
+
+
+def test_a_lift_of_a_replayed_sub_mesh_decision_is_replayed_itself(unit_mesh, monkeypatch):
+    """The DP-split tokens' gather moves them off the size-1 dim (PyTorch prices that above zero,
+    so the full-mesh decision is not kept as such), but on the (4,) mesh it moves nothing and is
+    replayed there: its lift is learned as an entry of its own (a hit at a new length, neither
+    mesh's search asked), whose answer is PyTorch's (values: the parametrized test above)."""
+    forget_dtensor_caches()
+    cache = dispatch.shape_free_cache()
+    _index(unit_mesh, 8)
+    full = [e for k, e in cache.entries.items() if k[0] is aten.index.Tensor and k[1][0][1].shape == (1, 4)]
+    assert full and all(type(e) is tuple for e in full)
+    _clear_sharding_prop_cache()
+    asked, hits = _asked_meshes(monkeypatch, cache), cache.hits
+    _index(unit_mesh, 12)
+    assert not asked and cache.hits > hits
 
 
 @pytest.mark.parametrize("n", [8, 12, 4096])

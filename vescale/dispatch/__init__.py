@@ -4,7 +4,8 @@
   Partial DTensor is the global value).
 * ``search``: cheap sharding-propagation misses on N-D meshes (match the inputs as they are before
   any search; PyTorch's priority-queue search before its exhaustive expansion).
-* ``cache``: a sharding cache keyed without sizes, so a new sequence length is a hit.
+* ``cache``: a sharding cache keyed without sizes, so a new sequence length is a hit; ``zerocost``:
+  which cost-searched decisions it may reuse (moves of replicated inputs, free at any size).
 * ``sized``: a repeated call of an op with size arguments (``view``, ``_unsafe_view``, ``expand``,
   ``slice_backward``, ...) replays PyTorch's decision from a table instead of DTensor's Python slow
   path, when the decision moves no input.

@@ -29,12 +29,17 @@ decision are reused:
 On a hit the output metadata comes from ``metas.py`` (arithmetic where certain, else the op's meta
 kernel), not from a FakeTensor run. Every key is verified once: the first time it is seen, the fast
 answer is computed beside PyTorch's full one and the key is served only if the two are equal
-(output specs, metadata, redistribution and rewritten arguments). Decisions of the cost-based search
-(``search.py``) that move inputs, squeeze and data-dependent ops always go to PyTorch; for such a key
-the first miss also checks ``metas.py``'s answer against PyTorch's metadata, and later misses
-(``_Missed``) run PyTorch's strategy on that answer instead of a FakeTensor run; on a mesh with
-size-1 dims (TP-only training's ``(1, N)``) it also checks whether deciding on the mesh without them
-gives PyTorch's answer, and later misses are decided there (``unitdims.py``).
+(output specs, metadata, redistribution and rewritten arguments). A fourth kind, "free": a cost
+search's move of replicated inputs alone, which costs 0 at any size and is chosen among zero-cost
+candidates in a size-free order, for rules whose candidates the key determines (``zerocost.py``),
+reused where every dim fits the mesh's shard counts as it did. ``_grouped_mm`` keys hold its
+16-byte stride rule (``interleaved.grouped_mm_layout_key``), so its decisions that move nothing are
+"plain". Other decisions of the cost-based search (``search.py``) that move inputs, squeeze and
+data-dependent ops always go to PyTorch; for such a key the first miss also checks ``metas.py``'s
+answer against PyTorch's metadata, and later misses (``_Missed``) run PyTorch's strategy on that
+answer instead of a FakeTensor run; on a mesh with size-1 dims (TP-only training's ``(1, N)``) it
+also checks whether deciding on the mesh without them gives PyTorch's answer, and later misses are
+decided there (``unitdims.py``), through this cache: the sub-mesh schema's own key is a hit.
 """
 
 
@@ -54,9 +59,10 @@ from torch.distributed.tensor._ops.utils import is_tensor_evenly_shardable
 from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
 from .errors import is_missing_rule, missing_rule_error
-from .interleaved import _SPLIT_OPS, SIZE_DEPENDENT_OPS, _local_split_args
+from .interleaved import _SPLIT_OPS, SIZE_DEPENDENT_OPS, _local_split_args, grouped_mm_layout_key
 from .metas import fast_outputs, meta_outputs
-from .unitdims import lift, reduce_schema, reducible_mesh, unit_placements
+from .unitdims import lift, mesh_shape, reduce_schema, reducible_mesh, unit_placements
+from .zerocost import SameRoom, embedding_key, free_move, scatter_axes
 
 aten = torch.ops.aten
 # View-like ops and the function whose dim-mapping rule PyTorch uses for them.
@@ -110,19 +116,36 @@ def _shard_fit(spec: DTensorSpec) -> tuple:
     shards: dict = {}
     fit = []
     shape = spec.tensor_meta.shape
-    for mesh_size, p in zip(spec.mesh.shape, spec.placements):
-        if isinstance(p, _StridedShard):
+    for mesh_size, p in zip(mesh_shape(spec.mesh), spec.placements):
+        kind = _shard_kind(type(p))
+        if kind is _STRIDED:
             fit.append((p.dim, shape[p.dim]))
-        elif isinstance(p, Shard):
+        elif kind is _SHARD:
             shards[p.dim] = shards.get(p.dim, 1) * mesh_size
-    fit.extend((d, shape[d] % n == 0, shape[d] >= n) for d, n in sorted(shards.items()) if d < len(shape))
+    if shards:
+        fit.extend((d, shape[d] % n == 0, shape[d] >= n) for d, n in sorted(shards.items()) if d < len(shape))
     return tuple(fit)
 
 
+_STRIDED, _SHARD = "strided", "shard"
+_SHARD_KINDS: dict = {}  # placement type -> _STRIDED, _SHARD or None
+
+
+def _shard_kind(cls):
+    """What ``isinstance`` says of a placement type, asked once per type: placements' metaclass
+    answers ``isinstance`` in Python (~0.5 us a call, several per tensor per key)."""
+    try:
+        return _SHARD_KINDS[cls]
+    except KeyError:
+        kind = _STRIDED if issubclass(cls, _StridedShard) else _SHARD if issubclass(cls, Shard) else None
+        _SHARD_KINDS[cls] = kind
+        return kind
+
+
 def _arg_key(a):
-    if isinstance(a, DTensorSpec):
+    if type(a) is DTensorSpec or isinstance(a, DTensorSpec):
         meta = a.tensor_meta
-        return ("T", a.mesh, a.placements, meta.dtype, tuple(_size_class(n) for n in meta.shape), _shard_fit(a))
+        return ("T", a.mesh, a.placements, meta.dtype, tuple(n if n < 2 else 2 for n in meta.shape), _shard_fit(a))
     if isinstance(a, (list, tuple)):
         return tuple(_arg_key(x) for x in a)
     if isinstance(a, torch.Tensor):  # a plain tensor argument (rare): never shape-free
@@ -143,12 +166,10 @@ def _view_key(op_schema: OpSchema):
     spec, *rest = op_schema.args_schema
     if not isinstance(spec, DTensorSpec) or op_schema.kwargs_schema:
         raise TypeError
-    rule = dim_maps[_VIEW_RULES[op_schema.op]](spec, *rest)
-    target, out = propagate_shape_and_sharding(
-        spec.placements, tuple(spec.shape), rule, spec.mesh.shape, op_schema.op in _STRICT_VIEWS
-    )
-    return (("T", spec.mesh, spec.placements, spec.tensor_meta.dtype, len(spec.shape)), len(rule),
-            tuple(target), tuple(out))
+    op, shape, mesh = op_schema.op, tuple(spec.shape), mesh_shape(spec.mesh)
+    rule = dim_maps[_VIEW_RULES[op]](spec, *rest)
+    target, out = propagate_shape_and_sharding(spec.placements, shape, rule, mesh, op in _STRICT_VIEWS)
+    return (("T", spec.mesh, spec.placements, spec.tensor_meta.dtype, len(shape)), len(rule), tuple(target), tuple(out))
 
 
 def _nll_mean_even(op_schema: OpSchema) -> bool | None:
@@ -187,6 +208,16 @@ _SIZE_ARG_RULES = {
 }
 
 
+# Ops whose rules test sizes beyond what ``_arg_key`` keeps: the function gives what they read.
+_KEY_EXTRAS = {
+    aten.nll_loss_forward.default: _nll_mean_even,
+    aten._grouped_mm.default: grouped_mm_layout_key,
+    aten.embedding.default: embedding_key,
+    aten.scatter.src: scatter_axes,
+    aten.scatter.value: scatter_axes,
+}
+
+
 def _size_arg_keys(prop, op_schema: OpSchema) -> dict:
     sizes = _SIZE_ARG_RULES.get(prop.op_strategy_funcs.get(op_schema.op))
     if sizes is None or op_schema.op is aten.new_empty_strided.default:  # its strides: keyed as they are
@@ -198,17 +229,23 @@ def _key(op_schema: OpSchema, prop=None):
     """The shape-free key of ``op_schema`` (None: not cached). ``prop``: the sharding propagator
     whose rules decide (DTensor's own by default)."""
     prop = prop or DTensor._op_dispatcher.sharding_propagator
+    op = op_schema.op
     try:
-        if op_schema.op in _VIEW_RULES:
-            return (op_schema.op, _view_key(op_schema))
+        if op in _VIEW_RULES:
+            return (op, _view_key(op_schema))
         sized = _size_arg_keys(prop, op_schema)
-        args = tuple(sized[i] if i in sized else _arg_key(a) for i, a in enumerate(op_schema.args_schema))
-        kwargs = tuple(sorted((k, _arg_key(v)) for k, v in op_schema.kwargs_schema.items()))
-        if op_schema.op is aten.nll_loss_forward.default:
-            args += (_nll_mean_even(op_schema),)
+        if sized:
+            args = tuple(sized[i] if i in sized else _arg_key(a) for i, a in enumerate(op_schema.args_schema))
+        else:  # most ops: a plain map (this runs for every op at a new length)
+            args = tuple(map(_arg_key, op_schema.args_schema))
+        kwargs = op_schema.kwargs_schema
+        kwargs = tuple(sorted((k, _arg_key(v)) for k, v in kwargs.items())) if kwargs else ()
+        extra = _KEY_EXTRAS.get(op)
+        if extra is not None:
+            args += (extra(op_schema),)
     except Exception:  # unhashable arguments, a rule that does not apply, ...: not cached
         return None
-    return (op_schema.op, args, kwargs)
+    return (op, args, kwargs)
 
 
 # PyTorch strategies that return exactly one strategy, derived from the input placements alone
@@ -321,7 +358,8 @@ class ShapeFreeCache:
     def _kind(self, op_schema: OpSchema, result: OutputSharding) -> str | None:
         """How a decision can be replayed: "plain" (runs on the local shards as they are), "moved"
         (inputs redistributed to placements the key determines, and/or size arguments rewritten to
-        local sizes), or None (never)."""
+        local sizes), "free" (a cost search's zero-cost move of replicated inputs, reused where every
+        dim fits the mesh's shard counts as it did: ``zerocost.SameRoom``), or None (never)."""
         prop, op = self.propagator, op_schema.op
         if op in prop.squeeze_op_to_dims_variant:
             return None
@@ -329,12 +367,14 @@ class ShapeFreeCache:
         if op in prop.op_to_scalar_shape_adjuster and not plain_split:
             return None
         if op in SIZE_DEPENDENT_OPS and (_any_interleaved(result.output_spec) or _any_interleaved(op_schema.args_spec)):
-            return None  # vescale.dispatch.interleaved's cat and _grouped_mm rules read exact sizes
+            return None  # vescale.dispatch.interleaved's cat rule compares exact section sizes
         if not result.needs_redistribute:
             return "plain" if result.redistribute_schema is None else None
-        if result.redistribute_schema is None or not (plain_split or _decided_by_key(prop, op)):
+        if result.redistribute_schema is None:
             return None
-        return "moved"
+        if plain_split or _decided_by_key(prop, op):
+            return "moved"
+        return "free" if free_move(prop, op_schema, result) else None
 
     @staticmethod
     def _outputs(op_schema: OpSchema, dtypes):
@@ -342,7 +382,11 @@ class ShapeFreeCache:
         metas = fast_outputs(op_schema, dtypes)
         return meta_outputs(op_schema) if metas is None else metas
 
-    def _replay(self, op_schema: OpSchema, template, targets, dtypes, built=True) -> OutputSharding | None:
+    def _replay(self, op_schema: OpSchema, template, targets, dtypes, guard=None, built=True) -> OutputSharding | None:
+        """The learned decision with this call's metadata; None where ``guard`` (a test the entry's
+        reuse depends on: ``zerocost.SameRoom``) fails or the metadata is unknown."""
+        if guard is not None and not guard(op_schema):
+            return None
         metas = self._outputs(op_schema, dtypes)
         if metas is None:
             return None
@@ -396,16 +440,18 @@ class ShapeFreeCache:
                 return replayed
         self.misses += 1
         missed = type(entry) is _Missed
-        known = self._outputs(op_schema, entry[0]) if missed and entry[0] is not None else None
         reduced = self._reduced(op_schema) if missed and entry[1] is not None else None
-        asked = op_schema if reduced is None else reduced[0]
+        if reduced is not None:
+            # decided on the mesh without its size-1 dims through this cache: that schema's own key,
+            # learned at the first miss, is a hit at a new length
+            result = lift(self._decide(reduced[0]), *reduced, entry[1])
+            if result is not None:
+                return result
+        known = self._outputs(op_schema, entry[0]) if missed and entry[0] is not None else None
         outer = getattr(self._known, "value", None)  # a miss decided inside another's (decompositions)
-        self._known.value = None if known is None else (asked, known)
+        self._known.value = None if known is None else (op_schema, known)
         try:
-            if reduced is None:
-                return self._miss(op_schema, key, entry)
-            result = lift(self.fallback(asked), *reduced, entry[1])
-            return self._miss(op_schema, key, entry) if result is None else result
+            return self._miss(op_schema, key, entry)
         finally:
             self._known.value = outer
 
@@ -453,26 +499,46 @@ class ShapeFreeCache:
         kind = self._kind(op_schema, result)
         if kind is None:
             return self._missed(op_schema, result, metas, dtypes)
-        targets = result.redistribute_schema.args_spec if kind == "moved" else None
+        targets = None if kind == "plain" else result.redistribute_schema.args_spec
+        entry = self._replayable(op_schema, result, targets, dtypes, SameRoom(op_schema) if kind == "free" else None)
+        return entry if entry is not None else self._missed(op_schema, result, metas, dtypes)
+
+    def _replayable(self, op_schema: OpSchema, result: OutputSharding, targets, dtypes, guard):
+        """The entry that replays ``result`` (inputs moved to ``targets``, if any), or None where
+        replaying, once from ``result``'s specs and once from the entry, does not give it back."""
         try:  # built by DTensorSpec's constructor here, so that hits may copy them
-            replayed = self._replay(op_schema, spec, targets, dtypes, built=False)
+            replayed = self._replay(op_schema, result.output_spec, targets, dtypes, built=False)
         except Exception:
             replayed = None
         if replayed is None or not _same_decision(replayed, result):
-            return self._missed(op_schema, result, metas, dtypes)
-        entry = (replayed.output_spec, None if targets is None else _built_targets(replayed, op_schema), dtypes)
+            return None
+        entry = (replayed.output_spec, None if targets is None else _built_targets(replayed, op_schema), dtypes, guard)
         try:
             again = self._replay(op_schema, *entry)
         except Exception:
             again = None
-        return entry if again is not None and _same_decision(again, result) else self._missed(
-            op_schema, result, metas, dtypes)
+        return entry if again is not None and _same_decision(again, result) else None
 
     def _missed(self, op_schema: OpSchema, result: OutputSharding, metas, dtypes):
-        """The entry of a key whose decision is not replayed: ``_Missed`` where a shortcut for its
-        misses gave PyTorch's answer, else ``_NEVER``."""
+        """The entry of a key whose decision is not replayed as PyTorch gave it: the lift of a
+        replayed sub-mesh entry where that is PyTorch's answer (``_lifted_entry``), else ``_Missed``
+        where a shortcut for its misses gave PyTorch's answer, else ``_NEVER``."""
         known, units = self._known_metas(op_schema, metas, dtypes), self._unit_dims(op_schema, result)
+        lifted = None if units is None else self._lifted_entry(op_schema, result, dtypes)
+        if lifted is not None:
+            return lifted
         return _NEVER if known is None and units is None else _Missed((known, units))
+
+    def _lifted_entry(self, op_schema: OpSchema, result: OutputSharding, dtypes):
+        """A replay entry for a decision that ``_unit_dims`` found to be the sub-mesh's, lifted,
+        where the sub-mesh schema's own entry is replayed (its decision holds at every size, and so
+        does the lift, which reads placements only); else None (the sub-mesh is asked per miss)."""
+        reduced = self._reduced(op_schema)
+        sub = self.entries.get(_key(reduced[0], self.propagator)) if reduced is not None else None
+        if type(sub) is not tuple:
+            return None
+        targets = None if result.redistribute_schema is None else result.redistribute_schema.args_spec
+        return self._replayable(op_schema, result, targets, dtypes, None if sub[3] is None else SameRoom(op_schema))
 
     def _known_metas(self, op_schema: OpSchema, metas, dtypes):
         """For a not-replayable key: ``dtypes`` where ``_outputs`` equals PyTorch's metadata, else None."""
@@ -492,7 +558,7 @@ class ShapeFreeCache:
             return None
         units = unit_placements(result, reduced[2])
         try:
-            lifted = lift(self.fallback(reduced[0]), *reduced, units)
+            lifted = lift(self._decide(reduced[0]), *reduced, units)
         except Exception:
             return None
         return units if lifted is not None and _same_decision(lifted, result) else None

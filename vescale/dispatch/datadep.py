@@ -42,7 +42,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from .cache import shape_free_cache
 from .local import why_rule_not_local
-from .metas import miss_outputs
+from .metas import contiguous_strides, grouped_mm_shape, miss_outputs
 from .semantics import DTensorRule
 
 __all__ = ["install_datadep_handlers", "uninstall_datadep_handlers", "DATADEP_OPS"]
@@ -261,23 +261,14 @@ _ACCUMULATE_OPS = {
 
 def _grouped_mm_meta(op_schema) -> TensorMeta | None:
     """Output TensorMeta of ``_grouped_mm`` from the shapes (its meta function insists on bf16)."""
-    a, b = op_schema.args_schema[:2]
-    offs = op_schema.args_schema[2] if len(op_schema.args_schema) > 2 else op_schema.kwargs_schema.get("offs")
-    if not isinstance(a, DTensorSpec) or not isinstance(b, DTensorSpec) or a.tensor_meta.dtype == torch.bfloat16:
+    a = op_schema.args_schema[0]
+    if not isinstance(a, DTensorSpec) or a.tensor_meta.dtype == torch.bfloat16:
         return None
-    sa, sb = a.shape, b.shape
-    if len(sa) == 2 and len(sb) == 3:
-        shape = (sa[0], sb[2])
-    elif len(sa) == 3 and len(sb) == 2:
-        shape = (sa[1], sb[1])
-    elif len(sa) == 2 and len(sb) == 2 and isinstance(offs, DTensorSpec):
-        shape = (offs.shape[0], sa[0], sb[1])
-    elif len(sa) == 3 and len(sb) == 3:
-        shape = (sa[0], sa[1], sb[2])
-    else:
+    shape = grouped_mm_shape(op_schema)
+    if shape is None:
         return None
     dtype = op_schema.kwargs_schema.get("out_dtype") or a.tensor_meta.dtype
-    return TensorMeta(torch.Size(shape), torch.empty(shape, device="meta").stride(), dtype)
+    return TensorMeta(torch.Size(shape), contiguous_strides(shape), dtype)
 
 
 class _MetaWithGroupedMM:

@@ -28,22 +28,22 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset, compute_local_stride
 from torch.distributed.tensor.placement_types import _is_shard_like
 
 from ..placement import InterleavedShard, interleave_of, is_interleaved
 
-__all__ = ["install_interleaved_rules", "uninstall_interleaved_rules", "SIZE_DEPENDENT_OPS"]
+__all__ = ["install_interleaved_rules", "uninstall_interleaved_rules", "SIZE_DEPENDENT_OPS", "grouped_mm_layout_key"]
 
 aten = torch.ops.aten
 _SPLIT_OPS = (aten.split.Tensor, aten.split_with_sizes.default)
 _CAT_OPS = (aten.cat.default,)
 _MATMUL_OPS = (aten.mm.default, aten.bmm.default, aten._grouped_mm.default)
 # Ops whose decision, where an operand or the result is interleaved, depends on exact sizes, which a
-# shape-free cache key leaves out: cat compares section sizes, _grouped_mm's 16-byte row rule reads
-# the local size of a plainly sharded operand too (_aligned_rows). (Split of an interleaved tensor
-# is never cached either: its size argument is rewritten per call; cache.py reuses only splits
-# without a _StridedShard placement.)
-SIZE_DEPENDENT_OPS = frozenset(_CAT_OPS + (aten._grouped_mm.default,))
+# shape-free cache key leaves out: cat compares section sizes. (Split of an interleaved tensor is
+# never cached either: its size argument is rewritten per call; cache.py reuses only splits without
+# a _StridedShard placement. _grouped_mm's 16-byte row rule is in its key: grouped_mm_layout_key.)
+SIZE_DEPENDENT_OPS = frozenset(_CAT_OPS)
 _LOCK = threading.Lock()
 _SAVED: dict = {}  # op -> PyTorch's strategy function, while installed
 
@@ -144,6 +144,47 @@ def _aligned_rows(spec: DTensorSpec) -> bool:
             if spec.tensor_meta is None or local * spec.tensor_meta.dtype.itemsize % 16:
                 return False
     return True
+
+
+def _kernel_strides(spec: DTensorSpec) -> bool:
+    """Whether the local shard at the spec's placements passes ``_grouped_mm``'s stride rule (the
+    meta kernel's ``check_valid_strides``, which PyTorch's strategy filter applies to every
+    candidate's local metadata): the last two dims row- or column-major, the leading stride a
+    multiple of 16 bytes."""
+    meta = spec.tensor_meta
+    shape, _ = compute_local_shape_and_global_offset(meta.shape, spec.mesh, spec.placements, skip_offset=True)
+    stride = compute_local_stride(meta.stride, shape)
+    end, align = len(shape) - 1, 16 // meta.dtype.itemsize
+    if stride[end - 1] == 1 and stride[end] >= max(1, shape[end - 1]):
+        return stride[end] % align == 0
+    if stride[end] == 1 and stride[end - 1] >= max(1, shape[end]):
+        return stride[end - 1] % align == 0
+    return False
+
+
+def grouped_mm_layout_key(schema: OpSchema) -> tuple:
+    """What ``_grouped_mm``'s decision reads of the operands' sizes beyond a shape-free cache key:
+    per operand, whether its local shard as it is placed keeps the kernel's stride rule, as
+    PyTorch's filter tests it and as ``_aligned_rows`` does for the interleaved rule above. A
+    decision that moves no input is the one strategy that matches the inputs as they are (the
+    per-mesh-dim strategies of both rules have distinct input placements, and PyTorch prefers a
+    strategy that moves nothing), which these bits keep valid or not: with them in the key such a
+    decision holds at every size."""
+    return tuple(_layout_bits(s) for s in schema.args_schema[:2])
+
+
+_LAYOUT_BITS: dict = {}  # (sizes, strides, dtype, placements, mesh) -> _layout_bits: weights repeat at every length
+
+
+def _layout_bits(spec: DTensorSpec) -> tuple:
+    meta = spec.tensor_meta
+    memo = (tuple(meta.shape), meta.stride, meta.dtype, spec.placements, spec.mesh)
+    found = _LAYOUT_BITS.get(memo)
+    if found is None:
+        if len(_LAYOUT_BITS) >= 4096:
+            _LAYOUT_BITS.clear()
+        found = _LAYOUT_BITS[memo] = (_kernel_strides(spec), _aligned_rows(spec))
+    return found
 
 
 def _local_matmul(schema: OpSchema) -> OpStrategy | None:

@@ -13,7 +13,7 @@ often, on every hit of a new sequence length, so they take it from here:
   (of a contiguous input, or to contiguous format), ``new_*`` and ``slice_backward`` (fresh at their
   size), the softmax / NLL-loss kernels of contiguous inputs, and the router's and MoE dispatch's
   fresh allocations: ``topk``, ``sort`` and ``index_put`` / ``empty_like`` of a contiguous input,
-  ``histc``, ``embedding_dense_backward``, a row gather ``x[idx]`` of a contiguous ``x``, ``cat``
+  ``histc``, ``embedding_dense_backward``, ``_grouped_mm`` (CPU builds), a row gather ``x[idx]`` of a contiguous ``x``, ``cat``
   whose first input suggests the contiguous format. Anything else returns None and the caller runs the meta
   kernel. Output dtypes are not derived: callers pass the dtype(s) PyTorch gave for the same op,
   input dtypes and scalar arguments (promotion depends only on those, which cache keys keep, a
@@ -31,7 +31,7 @@ import torch
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema
 
-__all__ = ["meta_outputs", "fast_outputs", "miss_outputs", "contiguous_strides"]
+__all__ = ["meta_outputs", "fast_outputs", "miss_outputs", "contiguous_strides", "grouped_mm_shape"]
 
 aten = torch.ops.aten
 
@@ -42,6 +42,16 @@ def _is_elementwise(op) -> bool:
     schema = op._schema
     return (torch.Tag.pointwise in op.tags and not schema.is_mutable
             and not any(a.is_out for a in schema.arguments))
+
+
+def _is_in_place_elementwise(op) -> bool:
+    """An in-place TensorIterator op (``div_``, ``mul_``): pointwise, writing its first argument,
+    which it returns."""
+    schema = op._schema
+    args = schema.arguments
+    return (torch.Tag.pointwise in op.tags and op._opname.endswith("_") and len(schema.returns) == 1
+            and bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
+            and not any(a.is_out for a in args))
 
 
 def _meta_of(x):
@@ -222,9 +232,14 @@ def _transpose(op_schema: OpSchema, dtype):
 
 def _view(op_schema: OpSchema, dtype):
     """A view (or reshape) of a contiguous tensor is contiguous in its new shape (checked against
-    the meta kernel on every factorisation of small shapes, size-1 dims included, in the tests)."""
+    the meta kernel on every factorisation of small shapes, size-1 dims included, in the tests);
+    a view of any tensor as its own shape keeps its strides."""
     x, size = op_schema.args_schema[0].tensor_meta, op_schema.args_schema[1]
-    if not _contiguous(x) or not isinstance(size, (list, tuple)):
+    if not isinstance(size, (list, tuple)):
+        return None
+    if tuple(size) == tuple(x.shape):  # a view as its own shape keeps every stride (computeStride)
+        return TensorMeta(x.shape, tuple(x.stride), dtype)
+    if not _contiguous(x):
         return None
     numel = 1
     for n in x.shape:
@@ -356,6 +371,50 @@ def _unsqueeze(op_schema: OpSchema, dtype):
     return TensorMeta(torch.Size(shape), tuple(stride), dtype)
 
 
+def _squeeze(op_schema: OpSchema, dtype):
+    """squeeze(dim) is a view: the dim dropped with its stride where its size is 1, else the input
+    as it is (``inferSqueezeGeometry``)."""
+    m, dim = op_schema.args_schema[0].tensor_meta, op_schema.args_schema[1]
+    ndim = len(m.shape)
+    if not isinstance(dim, int) or not ndim or not -ndim <= dim < ndim:
+        return None
+    dim %= ndim
+    if m.shape[dim] != 1:
+        return TensorMeta(m.shape, tuple(m.stride), dtype)
+    keep = [i for i in range(ndim) if i != dim]
+    return TensorMeta(torch.Size(m.shape[i] for i in keep), tuple(m.stride[i] for i in keep), dtype)
+
+
+def _in_place(op_schema: OpSchema, dtype):
+    """An in-place elementwise op or ``index_put_`` returns ``self``: its sizes, strides and dtype."""
+    m = op_schema.args_schema[0].tensor_meta
+    return TensorMeta(m.shape, tuple(m.stride), m.dtype) if m.dtype == dtype else None
+
+
+def _to_copy(op_schema: OpSchema, dtype):
+    """``_to_copy`` (``.to(dtype)``, preserve format) of a contiguous tensor: contiguous."""
+    m = op_schema.args_schema[0].tensor_meta
+    fmt = op_schema.kwargs_schema.get("memory_format")
+    if fmt not in (None, torch.preserve_format) or not _contiguous(m):
+        return None
+    return _fresh(m.shape, dtype)
+
+
+def _constant_pad(op_schema: OpSchema, dtype):
+    """``constant_pad_nd`` (F.pad; the causal-LM loss shifts its labels so) of a contiguous tensor
+    the reference allocates with the input's suggested memory format: contiguous, each padded dim
+    grown by its pair of pads (from the last dim backwards)."""
+    m, pad = op_schema.args_schema[0].tensor_meta, op_schema.args_schema[1]
+    if not isinstance(pad, (list, tuple)) or len(pad) % 2 or len(pad) // 2 > len(m.shape):
+        return None
+    if not _contiguous(m) or not _suggests_contiguous(m):
+        return None
+    shape = list(m.shape)
+    for i in range(len(pad) // 2):
+        shape[-1 - i] += pad[2 * i] + pad[2 * i + 1]
+    return _fresh(shape, dtype) if min(shape, default=0) >= 0 else None
+
+
 def _softmax_backward(op_schema: OpSchema, dtype):
     grad, out = op_schema.args_schema[0].tensor_meta, op_schema.args_schema[1].tensor_meta
     if not (_contiguous(grad) and _contiguous(out)) or tuple(grad.shape) != tuple(out.shape):
@@ -438,6 +497,41 @@ def _like_contiguous_self(op_schema: OpSchema, dtype):
     return _fresh(x.shape, dtype) if _contiguous(x) else None
 
 
+def _embedding(op_schema: OpSchema, dtype):
+    """embedding of a 2-D weight by integer indices: the rows gathered into a fresh contiguous
+    tensor shaped ``indices.shape + (dim,)``."""
+    w, ids = op_schema.args_schema[0].tensor_meta, op_schema.args_schema[1].tensor_meta
+    if len(w.shape) != 2 or not ids.shape or ids.dtype not in (torch.int64, torch.int32):
+        return None
+    return _fresh((*ids.shape, w.shape[1]), dtype)
+
+def grouped_mm_shape(op_schema: OpSchema) -> tuple | None:
+    """The output sizes of ``_grouped_mm`` (PyTorch's ``_create_grouped_mm_output_tensor``): 2-D x 3-D
+    one row per token, 3-D x 2-D and 3-D x 3-D per group, 2-D x 2-D one matrix per offset; None for
+    other arguments."""
+    a, b = op_schema.args_schema[:2]
+    offs = op_schema.args_schema[2] if len(op_schema.args_schema) > 2 else op_schema.kwargs_schema.get("offs")
+    if not isinstance(a, DTensorSpec) or not isinstance(b, DTensorSpec):
+        return None
+    sa, sb = a.shape, b.shape
+    if len(sa) == 2 and len(sb) == 3:
+        return (sa[0], sb[2])
+    if len(sa) == 3 and len(sb) == 2:
+        return (sa[1], sb[1])
+    if len(sa) == 2 and len(sb) == 2 and isinstance(offs, DTensorSpec):
+        return (offs.shape[0], sa[0], sb[1])
+    if len(sa) == 3 and len(sb) == 3:
+        return (sa[0], sa[1], sb[2])
+    return None
+
+
+def _grouped_mm(op_schema: OpSchema, dtype):
+    """``_grouped_mm``: a fresh tensor of ``grouped_mm_shape``, contiguous where PyTorch is built
+    without CUDA (a CUDA build pads the last dim's stride to 16 bytes: its meta kernel decides)."""
+    shape = None if torch.version.cuda else grouped_mm_shape(op_schema)
+    return None if shape is None else _fresh(shape, dtype)
+
+
 def _gather_rows(op_schema: OpSchema, dtype):
     """``x[idx]`` with one integer index tensor on dim 0 of a contiguous ``x`` (the MoE dispatch's
     token gather): ``idx.shape + x.shape[1:]``, contiguous (the meta kernel follows the restrided
@@ -483,6 +577,13 @@ _RULES = {
     aten.histc.default: _histc,
     aten.embedding_dense_backward.default: _embedding_dense_backward,
     aten.index_put.default: _like_contiguous_self,
+    aten.scatter.src: _like_contiguous_self,
+    aten.scatter.value: _like_contiguous_self,
+    aten.index_put_.default: _in_place,
+    aten.squeeze.dim: _squeeze,
+    aten._to_copy.default: _to_copy,
+    aten.constant_pad_nd.default: _constant_pad,
+    aten.embedding.default: _embedding,
     aten.empty_like.default: _like_contiguous_self,
     aten.index.Tensor: _gather_rows,
     aten.floor_divide.default: _elementwise,  # TensorIterator's binary op, without the pointwise tag
@@ -496,6 +597,7 @@ _RULES = {
     aten.slice.Tensor: _slice,
     aten.mm.default: _matmul,
     aten.bmm.default: _matmul,
+    aten._grouped_mm.default: _grouped_mm,
     aten.transpose.int: _transpose,
     aten.t.default: _transpose,
     aten.detach.default: _same_as_first,
@@ -524,7 +626,7 @@ def _rule_of(op):
     try:
         return _RULE_OF[op]
     except KeyError:
-        rule = _RULES.get(op) or (_elementwise if _is_elementwise(op) else None)
+        rule = _RULES.get(op) or (_elementwise if _is_elementwise(op) else _in_place if _is_in_place_elementwise(op) else None)
         _RULE_OF[op] = rule
         return rule
 
@@ -561,7 +663,7 @@ def miss_outputs(op_schema: OpSchema):
     a, b = args[0].tensor_meta, args[1].tensor_meta
     if op in (aten.mm.default, aten.bmm.default) and len(args) == 2 and a.dtype == b.dtype:
         return _matmul(op_schema, a.dtype)
-    if (op is aten.embedding.default and len(a.shape) == 2 and len(b.shape) >= 1
-            and b.dtype in (torch.int64, torch.int32)):
-        return _fresh((*b.shape, a.shape[1]), a.dtype)
+    if op is aten.embedding.default:
+        return _embedding(op_schema, a.dtype)
     return None
+

@@ -151,6 +151,7 @@ def _searched(info):
         expand = _expand_single_dim_strategy_to_mesh(mesh, strategy_schema, info, out_meta)
         return expand(strategy_schema.op, strategy_schema.args_meta, strategy_schema.kwargs_meta)
 
+    strategy.single_dim_info = info  # marks the rule as PyTorch's single-dim one, searched here (zerocost.py)
     return strategy
 
 
