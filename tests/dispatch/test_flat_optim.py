@@ -116,22 +116,25 @@ def test_flat_steps_equal_the_per_tensor_steps(mesh, cls, kw, foreach):
     _train(mesh, cls, dict(kw, foreach=foreach))
 
 
-def _flat_state(opt, params):
-    """The storages holding these parameters' per-element state."""
-    return {
-        _local(v).untyped_storage().data_ptr()
-        for p in params
-        for v in opt.state[p].values() if isinstance(v, torch.Tensor) and v.ndim > 0
-    }
+def _layouts(opt):
+    return [layout for kept in opt._vescale_flat.values() for layout in kept[2]]
 
 
-def test_per_element_state_lives_in_one_buffer_per_key(mesh):
+def test_shards_and_state_live_in_the_flat_buffers(mesh):
+    """Each layout's parameters' local shards are slots of its parameter buffer, their
+    per-element state slots of one buffer per key; the float64 parameter (alone in its dtype)
+    has no layout."""
     opt, params = _train(mesh, torch.optim.AdamW, {"lr": 0.01, "amsgrad": True})
-    # exp_avg, exp_avg_sq, max_exp_avg_sq: 3 buffers per layout (group 0's parameters; group 1's
-    # float32 ones), the float64 parameter alone in its dtype: per tensor
-    assert len(_flat_state(opt, params[:4])) == 3
-    assert len(_flat_state(opt, params[5:])) == 3
-    assert len(_flat_state(opt, params)) == 6 + 3
+    layouts = _layouts(opt)
+    assert sorted(len(layout.params) for layout in layouts) == [2, 4]  # group 1: two float32 ones
+    for layout in layouts:
+        assert set(layout.state) == {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}
+        for i, p in enumerate(layout.params):
+            offset = layout.bounds[i] * 4
+            assert _local(p).data_ptr() == layout.param_buf.data_ptr() + offset
+            for key, buf in layout.state.items():
+                assert _local(opt.state[p][key]).data_ptr() == buf.data_ptr() + offset, key
+    assert not any(params[4] is p for layout in layouts for p in layout.params)
     steps = [opt.state[p]["step"].item() for p in params]
     assert steps == [4.0, 5.0, 3.0, 5.0, 5.0, 4.0, 5.0], steps  # each parameter's own count (NO_GRAD)
 
@@ -212,7 +215,7 @@ def test_fused_steps_stay_per_tensor(mesh, kw):
         opt.step()
         ref.step()
         _assert_same(opt, params, ref, twins, f"step {step}")
-    assert "_vescale_flat" not in opt.__dict__ or not any(v[2] for v in opt._vescale_flat.values())
+    assert "_vescale_flat" not in opt.__dict__ or not _layouts(opt)
 
 
 def test_a_parameter_added_later_gets_a_layout(mesh):
@@ -246,6 +249,11 @@ def test_state_dict_of_flat_state_saves_and_deep_copies(mesh, tmp_path):
     opt, params = _train(mesh, torch.optim.AdamW, {"lr": 0.01}, steps=2)
     sd = opt.state_dict()
     torch.save(sd, tmp_path / "opt.pt")
+    # the parameters moved into the buffer, and DTensors made from them (DCP detaches them)
+    weights = [p.detach() for p in params]
+    torch.save(weights, tmp_path / "weights.pt")
+    for got in (copy.deepcopy(weights), torch.load(tmp_path / "weights.pt", weights_only=False)):
+        assert all(torch.equal(_local(a), _local(b)) for a, b in zip(got, weights))
     for got in (copy.deepcopy(sd), torch.load(tmp_path / "opt.pt", weights_only=False)):
         for i, s in sd["state"].items():
             for key, value in s.items():

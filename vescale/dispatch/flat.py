@@ -1,36 +1,45 @@
 """Flat-buffer optimiser steps: a param group's local shards stepped as a few flat tensors.
 
 An elementwise optimiser's per-tensor loop costs ~10 small ops per parameter (39 tensors of the
-zoo LLaMA: ~400 ops, most of the step); the same update over one flat tensor is ~10 ops. The
+zoo LLaMA: ~400 ops, most of the step on CPU); the same update over one flat tensor is ~10 ops. The
 non-fused kernels compute every element alike wherever it sits in a tensor, so stepping a flat
 tensor gives the per-tensor step's bits (``tests/dispatch/test_flat_optim.py`` checks SGD, Adam,
-AdamW, ... against it with ``torch.equal``). Fused kernels are not position-independent (their
-vectorised body and scalar tail round differently): groups with ``fused=True`` stay per-tensor.
+AdamW, ... with ``torch.equal``). Fused kernels are not position-independent (their vectorised body
+and scalar tail round differently): groups with ``fused=True`` stay per tensor.
 
-What is flat, and what is copied. ``FlatLayout`` covers the parameters of one param group with one
-dtype and device. Per-element optimiser state (``exp_avg``, ``momentum_buffer``, ...) lives in one
-flat buffer per key for good: each parameter's state entry is a view of it (a DTensor laid out like
-the parameter for a DTensor parameter), so ``state_dict``, DCP and resharding see per-parameter
-state as before, and in-place changes to an entry land in the buffer. Parameters and gradients are
-*not* re-homed: their local tensors belong to others (Static Eager's plain leaves, ZeRO-3's
-gathers, ``model.to()``, ``load_state_dict``), and moving their storage could leave one of them on a
-stale copy. Each step copies the local shards and gradients into two scratch buffers (one
-``_foreach_copy_`` each), steps there, and copies the stepped shards back: three copies of the
-shards against ~400 per-tensor ops, measured in docs/performance.md.
+``FlatLayout`` covers the parameters of one param group with one dtype and device. What is flat:
+
+* parameters: at the layout's first step (the optimiser's pre-step hook: backward is done, the
+  update has not started) each contiguous local shard is copied into its slot of ``param_buf`` and
+  moved there with ``set_``, so the tensor objects stay: the DTensor parameter, its
+  ``_local_tensor`` and whoever holds them see the new storage. The slot is handed out as a
+  storage of its own at offset 0 (a DLPack alias of the slot, which keeps the buffer alive): a
+  DTensor takes its local tensor's storage offset, and ``deepcopy``, ``torch.save`` and DCP's
+  async staging fail on a DTensor with a nonzero one. State entries are made the same way. vescale's own aliases check the
+  storage (Static Eager's plain leaves compare data pointers and are remade; ZeRO-3 gathers from
+  ``_local_tensor`` each time). A tensor made from the shard before the move (``p.detach()``,
+  ``p.to_local()``) keeps the old storage (docs/architecture.md, known limits).
+* per-element state (``exp_avg``, ``momentum_buffer``, ...): one buffer per key for good; each
+  parameter's entry is a view of it (a DTensor laid out like the parameter), so ``state_dict``,
+  DCP and resharding see per-parameter state as before, and in-place writes land in the buffer.
+* gradients: not ours (autograd and vescale.comm make new ones every backward), so each step
+  copies them into a flat buffer with one ``cat``; the buffer is dropped after the step (no second
+  copy of the shards at rest).
+
+Every step checks the layout before using it: a shard no longer in its slot (``model.to()``, a
+``load_state_dict`` that replaced storage, ``param.data = ...``) is stepped on a copy in its slot
+and copied back, never moved again by this layout; state entries that are not the objects the
+layout installed (``load_state_dict``, DCP, a relayout), or scalar tensors written since (version
+counter), are *adopted*: values copied into the buffers, entries made views again; state the
+buffers cannot hold (another shape or dtype) sends its parameter to the per-tensor step. A local
+shard of another shape, dtype or device makes the caller rebuild the layout.
 
 A step runs over *runs*: maximal sequences of consecutive parameters with a gradient whose scalar
-state (Adam's ``step``, NAdam's ``mu_product``, ...) is equal, each run a slice of the buffers.
-A parameter without a gradient is not stepped and splits the run; after such a step its ``step``
-differs from its neighbours', so it keeps splitting runs, which stays correct. A run's scalar state
-is a copy of its first parameter's, written back into every parameter's own scalar tensors after
-the step, so each parameter keeps its own ``step``.
-
-Every step checks that each parameter's state entries are still the objects the layout installed
-(and its scalar tensors unchanged since, by version counter). Entries replaced by anyone
-(``load_state_dict``, DCP, a relayout) are *adopted*: their values are copied into the buffers and
-the entries become views again; state that cannot be adopted (another shape or dtype) sends its
-parameter to the per-tensor step. A parameter whose local shape, dtype or device changed makes the
-caller rebuild the layout.
+state (Adam's ``step``, NAdam's ``mu_product``, ...) is equal, each run a slice of the buffers. A
+parameter without a gradient is not stepped and splits the run; its ``step`` then differs from its
+neighbours', so it keeps splitting runs, which stays correct. A run's scalar state is a copy of its
+first parameter's, written back into every parameter's own scalar tensors after the step, so each
+parameter keeps its own ``step``.
 """
 
 from __future__ import annotations
@@ -102,16 +111,43 @@ class FlatLayout:
         self.shapes = [t.shape for t in locals_]
         self.dtype, self.device = locals_[0].dtype, locals_[0].device
         self.bounds = list(itertools.accumulate([0] + [t.numel() for t in locals_]))
-        self.param_buf = self._empty(self.dtype)
-        self.grad_buf = self._empty(self.dtype)
+        self.param_buf = torch.cat([t.detach().reshape(-1) for t in locals_])
+        self.itemsize = self.param_buf.element_size()
         self.param_views = self._views(self.param_buf)
-        self.grad_views = self._views(self.grad_buf)
+        self.grad_buf = None  # allocated for a step only: no second copy of the shards at rest
         self.state: dict[str, torch.Tensor] = {}  # per-element key -> flat buffer
         self.installed: list[dict | None] = [None] * len(params)  # per parameter: key -> its entry
         self.versions: list[dict] = [{} for _ in params]  # scalar tensors' version when installed
         self.sigs: list = [None] * len(params)  # per parameter: its state signature
-        self.runs: list = []  # this step's (first, end, run tensor)
-        self.stepped: list = []  # this step's (parameter index, local tensor)
+        self.runs: list = []  # this step's (first, end, run tensor, state given)
+        self.copied: list = []  # this step's stepped (index, local) living outside param_buf
+        self.homed: list = []  # and those living in it
+        self._home(locals_)
+
+    @torch.no_grad()
+    def _home(self, locals_: list) -> None:
+        """Move each contiguous local shard into its slot of ``param_buf``, keeping the tensor
+        object (``set_``): whoever holds the parameter or its local tensor sees the new storage.
+        Called from the optimiser's pre-step hook, between backward and the update; see the module
+        docstring for who may still hold the old storage."""
+        shared = _overlapping(locals_)
+        for i, local in enumerate(locals_):
+            # shards overlapping another parameter's (views of one tensor) stay where they are
+            if local.is_contiguous() and i not in shared:
+                slot = self._alias(self.param_buf, i)
+                local.set_(slot.untyped_storage(), 0, local.shape, local.stride())
+
+    def _homed(self, i: int, local: torch.Tensor, buf_ptr: int) -> bool:
+        """Whether ``local`` still lives in its slot (nobody moved it since the layout was built)."""
+        return (
+            local.untyped_storage().data_ptr() == buf_ptr + self.bounds[i] * self.itemsize
+            and local.storage_offset() == 0
+            and local.is_contiguous()
+        )
+
+    @property
+    def _buf_ptr(self) -> int:
+        return self.param_buf.untyped_storage().data_ptr()
 
     def _empty(self, dtype) -> torch.Tensor:
         return torch.zeros(self.bounds[-1], dtype=dtype, device=self.device)
@@ -123,9 +159,9 @@ class FlatLayout:
 
     @torch.no_grad()  # hooks run outside the step's no_grad; plain parameters require grad
     def begin(self, opt) -> list | None:
-        """Copy this step's shards and gradients in and put one run tensor per run in ``opt.state``;
-        returns the parameters to step per tensor, or None where a local tensor changed shape,
-        dtype or device (the caller rebuilds the layout)."""
+        """Copy this step's gradients (and shards no longer in their slots) in and put one run
+        tensor per run in ``opt.state``; returns the parameters to step per tensor, or None where a
+        local tensor changed shape, dtype or device (the caller rebuilds the layout)."""
         locals_, keys = [], []
         for i, (p, shape) in enumerate(zip(self.params, self.shapes)):
             local = _local(p)
@@ -133,17 +169,24 @@ class FlatLayout:
                 return None
             locals_.append(local)
             keys.append(self._key(opt, i, p))
-        self.stepped = [(i, locals_[i]) for i, k in enumerate(keys) if k is not _SKIP and k is not _ALONE]
-        if len(self.stepped) == len(self.params):
-            # One cat per buffer: _foreach_copy_ on CPU is a loop of copies, ~4 us apiece
-            torch.cat([t.reshape(-1) for t in locals_], out=self.param_buf)
+        stepped = [i for i, k in enumerate(keys) if k is not _SKIP and k is not _ALONE]
+        ptr = self._buf_ptr
+        self.copied, self.homed = [], []
+        for i in stepped:
+            (self.homed if self._homed(i, locals_[i], ptr) else self.copied).append((i, locals_[i]))
+        if self.copied:  # moved by someone since the layout was built: stepped on a copy
+            torch._foreach_copy_([self.param_views[i] for i, _ in self.copied], [t for _, t in self.copied])
+        self.grad_buf = torch.empty(self.bounds[-1], dtype=self.dtype, device=self.device)
+        if len(stepped) == len(self.params):
+            # one cat: _foreach_copy_ on CPU is a loop of copies, ~4 us apiece
             torch.cat([_local(p.grad).reshape(-1) for p in self.params], out=self.grad_buf)
-        elif self.stepped:
-            idx = [i for i, _ in self.stepped]
-            torch._foreach_copy_([self.param_views[i] for i in idx], [t for _, t in self.stepped])
-            torch._foreach_copy_([self.grad_views[i] for i in idx], [_local(self.params[i].grad) for i in idx])
+        elif stepped:
+            torch._foreach_copy_([self._grad_view(i) for i in stepped], [_local(self.params[i].grad) for i in stepped])
         self.runs = [self._run_tensor(opt, i, j, keys[i]) for i, j in _runs(keys)]
         return [p for p, k in zip(self.params, keys) if k is _ALONE]
+
+    def _grad_view(self, i: int) -> torch.Tensor:
+        return self.grad_buf[self.bounds[i]:self.bounds[i + 1]].view(self.shapes[i])
 
     def run_tensors(self) -> list:
         """This step's run tensors: what the optimiser steps in place of the layout's parameters."""
@@ -215,9 +258,17 @@ class FlatLayout:
     def _view_of(self, buf: torch.Tensor, i: int) -> torch.Tensor:
         return buf[self.bounds[i]:self.bounds[i + 1]].view(self.shapes[i])
 
+    def _alias(self, buf: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter ``i``'s slot of ``buf`` as a tensor of its own storage at offset 0 (DLPack
+        makes one over the slot's memory and keeps ``buf`` alive). A DTensor's wrapper takes its
+        local tensor's storage offset, and ``copy.deepcopy``, ``torch.save`` and DCP's async
+        staging read a wrapper with a nonzero one and fail: every local tensor and state entry
+        the layout hands out therefore starts its storage."""
+        return torch.from_dlpack(self._view_of(buf, i))
+
     def _entry(self, buf: torch.Tensor, i: int, p):
-        view = self._view_of(buf, i)
-        return _dtensor_over(view, p._spec) if isinstance(p, DTensor) else view
+        alias = self._alias(buf, i)
+        return DTensor(alias, p._spec, requires_grad=False) if isinstance(p, DTensor) else alias
 
     def _run_tensor(self, opt, i: int, j: int, key):
         a, b = self.bounds[i], self.bounds[j]
@@ -239,23 +290,25 @@ class FlatLayout:
     @torch.no_grad()
     def finish(self, opt) -> None:
         """Copy the stepped shards back and keep each run's state as the parameters' state."""
-        if self.stepped:
-            idx = [i for i, _ in self.stepped]
-            torch._foreach_copy_([t for _, t in self.stepped], [self.param_views[i] for i in idx])
+        if self.copied:
+            torch._foreach_copy_([t for _, t in self.copied], [self.param_views[i] for i, _ in self.copied])
+        if self.homed:  # updated through the buffer: tell autograd, as an in-place step on them would
+            torch.autograd.graph.increment_version([t for _, t in self.homed])
         for i, j, run, given in self.runs:
             run.grad = None
             state = opt.state.pop(run, None) or {}
             if not self._kept_in_place(i, j, state, given):
                 self._keep(opt, i, j, state)
-        self.runs, self.stepped = [], []
+        self.runs, self.copied, self.homed, self.grad_buf = [], [], [], None
 
     def abandon(self, opt) -> None:
-        """A step that raised: drop the runs; the parameters were not written (the step ran on
-        copies), per-element state keeps what the step wrote into it, as a per-tensor step would."""
+        """A step that raised: drop the runs. Shards in their slots and per-element state keep
+        what the step wrote into them, as after a per-tensor step that raised; shards stepped on
+        a copy are not written back; scalar state (``step``) is left as it was."""
         for _, _, run, _ in self.runs:
             run.grad = None
             opt.state.pop(run, None)
-        self.runs, self.stepped = [], []
+        self.runs, self.copied, self.homed, self.grad_buf = [], [], [], None
 
     def _kept_in_place(self, i: int, j: int, state: dict, given: dict | None) -> bool:
         """The common step: the run's per-element state is still the buffer slices it was given
@@ -325,17 +378,17 @@ class FlatLayout:
         self.installed[k] = mine
 
 
-def _dtensor_over(view: torch.Tensor, spec) -> DTensor:
-    """A DTensor over a view of a flat buffer. ``DTensor(view, spec)`` gives the wrapper the view's
-    storage offset, and a wrapper's storage is not real: with a nonzero offset ``torch.save`` and
-    ``copy.deepcopy`` (of ``optimizer.state_dict()``) read it and fail. The wrapper is made here as
-    DTensor's constructor makes it, at offset 0."""
-    meta = spec.tensor_meta
-    out = torch.Tensor._make_wrapper_subclass(
-        DTensor, meta.shape, strides=meta.stride, storage_offset=0, dtype=view.dtype, device=view.device,
-        layout=view.layout, requires_grad=False,
+def _overlapping(tensors: list) -> set:
+    """Indices of tensors whose memory overlaps another's (same storage, intersecting spans)."""
+    spans = sorted(
+        (t.untyped_storage().data_ptr(), t.storage_offset() * t.element_size(),
+         (t.storage_offset() + t.numel()) * t.element_size(), k)
+        for k, t in enumerate(tensors)
     )
-    out._spec, out._local_tensor = spec, view
+    out = set()
+    for (ptr, _, end, k), (ptr2, start2, _, k2) in zip(spans, spans[1:]):
+        if ptr == ptr2 and start2 < end:
+            out.update((k, k2))
     return out
 
 
