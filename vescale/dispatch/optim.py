@@ -116,8 +116,7 @@ def _flat_runs(opt: torch.optim.Optimizer, group: dict, begun: list) -> tuple[li
 def _forget_replaced_groups(opt: torch.optim.Optimizer, cache: dict) -> None:
     """Drop the layouts of param groups the optimiser no longer has (``load_state_dict`` makes new
     group dicts): their buffers would otherwise stay alive with the layout."""
-    current = {id(g) for g in opt.param_groups}
-    for key in [k for k, v in cache.items() if k not in current or not any(v[0] is g for g in opt.param_groups)]:
+    for key in [k for k, kept in cache.items() if not any(kept[0] is g for g in opt.param_groups)]:
         del cache[key]
 
 
