@@ -1,7 +1,7 @@
 """Gradient and ZeRO-3 communication: per-tensor vs bucketed vs bucketed + N-D fused.
 
     .venv/bin/python benchmarks/bench_comm.py            # all three parts
-    .venv/bin/python benchmarks/bench_comm.py --part 1   # or 2, 3
+    .venv/bin/python benchmarks/bench_comm.py --part 1   # or 2, 3, 4
 
 Part 1 (4 gloo ranks, DP=2 x TP=2 with sequence parallelism): a model with many small parameters
 (``--depth`` blocks of a norm vector and two small linears). Every weight's gradient is Partial on
@@ -18,6 +18,10 @@ not communicate, so the time is vescale's CPU cost of issuing them; the cost mod
 Part 3 (4 gloo ranks): the zoo LLaMA (4 layers), DP=2 x TP=2 + SP + ZeRO-3: vescale per-tensor vs
 vescale bucketed (eager and Static Eager) vs a TorchTitan-style stack on plain PyTorch (``parallelize_module`` TP + SP,
 ``fully_shard`` per block + root on DP): collectives and bytes per step, median step time.
+
+Part 4 (2 and 4 gloo ranks): one collective at a time, ``vescale.comm.direct`` (all-gathers and
+two-member reduce-scatters over gloo's all-to-all) against gloo's own ``all_gather_single`` /
+``reduce_scatter_single``, interleaved: wall and process-CPU microseconds per call, medians.
 """
 
 from __future__ import annotations
@@ -334,9 +338,50 @@ def part3(steps: int, rounds: int = 2):
           "the TorchTitan-style loss is rank 0's half of the batch)")
 
 
+def _gloo_calls(sizes: list[int], rounds: int, calls: int) -> list[tuple]:
+    from vescale.comm import direct
+
+    group, n = dist.group.WORLD, dist.get_world_size()
+    rows = []
+    for numel in sizes:
+        x = torch.randn(n * numel)
+        gathered, part = torch.empty(n * n * numel), torch.empty(numel)
+        arms = {
+            ("all_gather", "gloo"): lambda: dist.all_gather_single(gathered, x, group=group),
+            ("all_gather", "vescale"): lambda: direct.all_gather(gathered, x, group),
+            ("reduce_scatter", "gloo"): lambda: dist.reduce_scatter_single(part, x, group=group),
+            ("reduce_scatter", "vescale"): lambda: direct.reduce_scatter(part, x, group),
+        }
+        times = {k: ([], []) for k in arms}
+        for _ in range(rounds):
+            for key, call in arms.items():
+                dist.barrier()
+                t0, c0 = time.perf_counter(), time.process_time()
+                for _ in range(calls):
+                    call()
+                times[key][0].append((time.perf_counter() - t0) / calls)
+                times[key][1].append((time.process_time() - c0) / calls)
+        for (kind, arm), (wall, cpu) in times.items():
+            rows.append((numel * 4, kind, arm, statistics.median(wall), statistics.median(cpu)))
+    return rows
+
+
+def part4(rounds: int = 7, calls: int = 20):
+    print("\nPart 4: one collective on gloo ranks, vescale.comm.direct vs gloo's own (us per call: wall / process CPU)")
+    print(f"{'ranks':>5} {'KiB in':>7} {'collective':>15} {'gloo':>14} {'vescale':>14} {'x gloo (wall)':>14}")
+    for world in (2, 4):
+        rows = run_on_ranks(_gloo_calls, world, [2048, 32768, 131072], rounds, calls)[0]
+        got = {(b, k, a): (w, c) for b, k, a, w, c in rows}
+        for b, k in dict.fromkeys((b, k) for b, k, _, _, _ in rows):
+            g, v = got[b, k, "gloo"], got[b, k, "vescale"]
+            print(f"{world:>5} {b // 1024:>7} {k:>15} {g[0]*1e6:>6.0f} / {g[1]*1e6:>5.0f} {v[0]*1e6:>6.0f} / {v[1]*1e6:>5.0f} "
+                  f"{v[0] / g[0]:>14.2f}")
+    print("  (reduce-scatters of 4 members stay gloo's own: see vescale/comm/direct.py)")
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--part", type=int, choices=(1, 2, 3))
+    ap.add_argument("--part", type=int, choices=(1, 2, 3, 4))
     ap.add_argument("--depth", type=int, default=64, help="blocks of the part 1 model")
     ap.add_argument("--fake-depth", type=int, default=32, help="blocks of the part 2 model")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per run (each run twice)")
@@ -350,6 +395,8 @@ def main():
         _report_parts12(out, None, (8, 8), f"Part 2: {args.fake_depth} blocks (width {width}), fake process group, DP=8 x TP=8 + SP")
     if args.part in (None, 3):
         part3(args.steps)
+    if args.part in (None, 4):
+        part4()
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@ DTensor's planner. Static steps run both as precompiled moves between the record
 these tests check that
 
 * static steps with the root's moves give the losses and gradients of the general path (the root's
-  moves off) bit for bit, issue the same collectives, call DTensor's ``redistribute`` nowhere (the
-  general path calls it at the root every step), and hand the decoder this rank's part of the batch;
+  moves off) bit for bit, issue the same collectives, redistribute no DTensor anywhere (the
+  general path does at the root every step), and hand the decoder this rank's part of the batch;
 * the input contract still sees the global inputs: ranks given different batches fail with
   ``DataContractError`` in a static step;
 * a hook the user put on the root before ``parallelize`` keeps the general path, and sees the loss
@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import vescale
+from vescale.comm import moves
 from vescale.debug import CollectiveCounter
 from vescale.parallel.contract import DataContractError
 from vescale.testing import run_on_ranks
@@ -36,17 +37,22 @@ STEPS = 5
 
 @contextlib.contextmanager
 def _counting_redistributes(counts: list):
-    real = DTensor.redistribute
+    """Counts DTensor redistributions: DTensor's own and the plan hooks' (vescale.comm.moves)."""
+    real, ours = DTensor.redistribute, moves.redistribute
 
     def counted(self, *args, **kwargs):
         counts[0] += 1
         return real(self, *args, **kwargs)
 
-    DTensor.redistribute = counted
+    def counted_ours(d, placements):
+        counts[0] += 1
+        return ours(d, placements)
+
+    DTensor.redistribute, moves.redistribute = counted, counted_ours
     try:
         yield
     finally:
-        DTensor.redistribute = real
+        DTensor.redistribute, moves.redistribute = real, ours
 
 
 def _train(root_moves: bool, user_root_hook: bool = False) -> dict:

@@ -6,15 +6,26 @@ buffers of a ZeRO-3 unit or a gradient bucket, and vescale.comm issues several p
 applies here: contiguous real tensors, a process group of a mesh this rank belongs to, outside any
 coalescing block. Complex tensors take the wrappers (they view them as real). The ops still go
 through the c10d dispatcher, so ``vescale.debug.CollectiveCounter`` and profilers see them.
+
+On gloo (CPU training), all-gathers and the reduce-scatters of two-member groups go over gloo's
+all-to-all instead (``_over_all_to_all``). gloo's all-gather is a ring and its reduce-scatter is a
+whole all-reduce followed by taking one chunk; an all-to-all moves only the bytes each member needs,
+in one exchange, and costs 0.3-0.7x of either on 2-4 CPU processes (``benchmarks/bench_comm.py
+--part gloo``). The results are gloo's own bits: an all-gather does no arithmetic, and a
+two-member sum is ``a + b`` in either order. From three members on, gloo's all-reduce sums in ring
+segments that do not line up with the chunks, so those reduce-scatters stay gloo's own (DTensor's
+redistributions call it, and static steps must sum as they do).
 """
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, ReduceScatterOptions
+from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions, ReduceScatterOptions
 
-__all__ = ["all_gather", "all_gather_pieces", "reduce_scatter", "reduce_scatter_dim", "all_reduce", "wait"]
+__all__ = ["all_gather", "all_gather_dim", "reduce_scatter", "reduce_scatter_dim", "all_reduce", "wait", "meant"]
 
 
 def _options(kind, async_op: bool, **fields):
@@ -35,6 +46,48 @@ _OPTIONS = {
     )
     for a in (False, True)
 }
+_OPTIONS["all_to_all", False] = _options(AllToAllOptions, False)
+_OPTIONS["all_to_all", True] = _options(AllToAllOptions, True)
+
+# process group -> whether its gathers and two-member reduce-scatters go over all-to-all (gloo)
+_ALL_TO_ALL: dict = {}
+# The kind of collective an all-to-all in flight stands for (read by vescale.debug.CollectiveCounter).
+_MEANT = threading.local()
+
+
+def _over_all_to_all(group) -> bool:
+    known = _ALL_TO_ALL.get(group)
+    if known is None:
+        known = _ALL_TO_ALL[group] = dist.get_backend(group) == "gloo" and group.size() > 1
+    return known
+
+
+def meant() -> str | None:
+    """While vescale issues an all-to-all in place of another collective: that one's kind."""
+    return getattr(_MEANT, "kind", None)
+
+
+class _Then:
+    """A collective in flight and the local step that completes it once its data has arrived."""
+
+    def __init__(self, work, then):
+        self.work, self.then = work, then
+
+    def wait(self) -> bool:
+        if self.work is not None:
+            work, self.work = self.work, None
+            wait(work)
+            self.then()
+        return True
+
+
+def _all_to_all(out: torch.Tensor, t: torch.Tensor, group, kind: str, async_op: bool):
+    """Member i's i-th 1/size of ``t`` lands in this rank's i-th 1/size of ``out`` (flat views)."""
+    _MEANT.kind = kind
+    try:
+        return group.alltoall_base(out.view(-1), t.view(-1), [], [], _OPTIONS["all_to_all", async_op])
+    finally:
+        _MEANT.kind = None
 
 
 def all_gather(out: torch.Tensor, t: torch.Tensor, group, async_op: bool = False):
@@ -42,6 +95,9 @@ def all_gather(out: torch.Tensor, t: torch.Tensor, group, async_op: bool = False
     returns the work to wait for when ``async_op`` (else None)."""
     if t.is_complex():
         return dist.all_gather_single(out, t, group=group, async_op=async_op)
+    if _over_all_to_all(group):  # every member is sent the whole of ``t``
+        sent = t.reshape(1, -1).expand(group.size(), -1).contiguous()
+        return _settle(_all_to_all(out, sent, group, "all_gather", async_op), async_op)
     return _settle(group.all_gather_single(out, t, _OPTIONS["all_gather", async_op]), async_op)
 
 
@@ -49,13 +105,31 @@ def reduce_scatter(out: torch.Tensor, t: torch.Tensor, group, async_op: bool = F
     """``out`` gets the sum over members of this rank's 1/size part of ``t`` (summed)."""
     if t.is_complex():
         return dist.reduce_scatter_single(out, t, group=group, async_op=async_op)
+    if group.size() == 2 and _over_all_to_all(group):  # the two summands of this rank's part, then a + b
+        both = torch.empty_like(t, memory_format=torch.contiguous_format).view(2, -1)
+        work = _all_to_all(both, t, group, "reduce_scatter", async_op=True)
+        done = _Then(work, lambda: torch.add(both[0], both[1], out=out.view(-1)))
+        return _settle(done, async_op)
     return _settle(group.reduce_scatter_single(out, t, _OPTIONS["reduce_scatter", async_op]), async_op)
 
 
-def all_gather_pieces(pieces: list[torch.Tensor], t: torch.Tensor, group) -> None:
-    """``pieces[i]`` gets member i's ``t`` (real tensors). The pieces may be strided views of one
-    tensor (the chunks of a non-leading dim): the backend copies into them where they lie."""
-    wait(group.allgather([pieces], [t], _OPTIONS["all_gather", False]))
+def all_gather_dim(t: torch.Tensor, d: int, group) -> torch.Tensor:
+    """Every member's ``t`` joined along dim ``d`` in rank order, as a new contiguous tensor.
+
+    A non-leading dim goes through the backend's list form, which writes each member's part where
+    it lies in the result (strided views): no copy of our own. Not on gloo, whose all-to-all is
+    cheaper than that ring even with the joining copy, nor for complex tensors."""
+    t = t.contiguous()
+    n = group.size()
+    if d != 0 and not t.is_complex() and not _over_all_to_all(group):
+        shape = list(t.shape)
+        shape[d] *= n
+        out = t.new_empty(shape)
+        wait(group.allgather([list(out.chunk(n, d))], [t], _OPTIONS["all_gather", False]))
+        return out
+    out = t.new_empty((n * t.shape[0], *t.shape[1:]))
+    all_gather(out, t, group)
+    return out if d == 0 else torch.cat(out.chunk(n, 0), dim=d)
 
 
 def reduce_scatter_dim(t: torch.Tensor, d: int, group) -> torch.Tensor:
@@ -66,7 +140,8 @@ def reduce_scatter_dim(t: torch.Tensor, d: int, group) -> torch.Tensor:
     (strided views): no stacking copy. Not on gloo, nor for complex tensors: gloo's list form sums
     the members in another order than its single-buffer form (the one DTensor's redistribution
     calls), so from 4 ranks on the bits differ, and it is slower on CPU than stacking the chunks
-    along dim 0 and calling the single-buffer form (``tests/static/test_boundary.py``)."""
+    along dim 0 and calling the single-buffer form (``tests/static/test_boundary.py``), which is an
+    all-to-all for two members (see the module's docstring)."""
     n = group.size()
     if d != 0 and not t.is_complex() and dist.get_backend(group) != "gloo":
         pieces = list(t.chunk(n, d))

@@ -8,7 +8,8 @@ module hooks. Waits and barriers are not counted. Ops on DTensors are left to DT
 still open (as PyTorch's ``CommDebugMode`` does), so the collectives of implicit redistributions inside
 DTensor's dispatch are counted too, unless another dispatch mode is open beneath this one (a Static
 Eager recording step's watcher): then those modes see the op first and its implicit collectives are
-not counted.
+not counted. An all-to-all that ``vescale.comm`` issues in place of an all-gather or reduce-scatter
+(on gloo, see ``vescale.comm.direct``) counts as the collective it stands for.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_leaves
+
+from ..comm import direct
 
 __all__ = ["CollectiveCounter"]
 
@@ -62,6 +65,8 @@ class CollectiveCounter(TorchDispatchMode):
             return NotImplemented
         if func.namespace in ("c10d", "_c10d_functional", "c10d_functional"):
             kind = _KINDS.get(func._opname)
+            if kind == "all_to_all":  # vescale.comm's gloo all-gathers and reduce-scatters are all-to-alls
+                kind = direct.meant() or kind
             if kind is not None:
                 out = func(*args, **(kwargs or {}))
                 self.counts[kind] += 1

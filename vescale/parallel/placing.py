@@ -17,6 +17,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from torch.distributed.tensor.placement_types import _is_shard_like
 
+from ..comm import moves
 from ..placement import InterleavedShard, interleave_of, is_interleaved
 from ..plan.ir import PlanError
 
@@ -55,7 +56,7 @@ def place(t, mesh: DeviceMesh, targets: Sequence[Optional[Placement]], what: str
         return d
     if moves_nothing(mesh, d.placements, want):
         return relabel(d, want)
-    return d.redistribute(mesh, want)
+    return moves.redistribute(d, want)  # DTensor's redistribute, with its moves compiled once
 
 
 def _counted_from_start(p: Placement, ndim: int) -> Placement:

@@ -10,106 +10,28 @@ hook to those after it) and the backward move (the gradient's recorded placement
 DTensor's own backward would hand back: the source placements with Partial as Replicate, which is
 what ``from_local``'s default gradient layout is). One autograd node runs both.
 
-The common one-mesh-dim moves run as a single collective (the process group's own, called
-directly: no functional-collective wrapper, whose Python autograd registration costs more than the
-call on small tensors, nor torch.distributed's checking wrappers). A shard dim other than 0 needs
-no stacking copy: the list forms of all-gather and reduce-scatter take the n pieces as strided
-views of the full tensor, and the backend copies into / reads from them where they lie. Everything else (several mesh dims at once, nested or uneven shards, other Partial ops)
-goes through DTensor's ``redistribute_local_tensor`` with the same specs, so every move computes
-what DTensor would.
+The moves themselves are ``vescale.comm.moves.compile_move``'s: the common one-mesh-dim moves as
+a single collective, everything else through DTensor's ``redistribute_local_tensor`` with the same
+specs, so every move computes what DTensor would.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Optional
 
 import torch
 from torch._prims_common import make_contiguous_strides_for
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
 
-from ..comm import direct
+from ..comm.moves import compile_move
 from ..parallel.placing import grad_layout
 
 __all__ = [
     "Move", "ParamShadow", "accumulate_grad", "compile_move", "grad_layout", "grad_spec", "local_of", "dtensor_of",
     "settled_on_unit_dims", "HandOvers",
 ]
-
-LocalFn = Callable[[torch.Tensor], torch.Tensor]
-
-
-def _is_sum(p) -> bool:
-    return type(p) is Partial and p.reduce_op == "sum"
-
-
-def _single_dim_move(src: DTensorSpec, dst: DTensorSpec, i: int) -> Optional[LocalFn]:
-    """A move that changes mesh dim ``i`` only, as one collective, or None if it is not a common
-    even case (then DTensor's own redistribution runs)."""
-    a, b = src.placements[i], dst.placements[i]
-    mesh = src.mesh
-    n, rank = mesh.size(i), mesh.get_local_rank(i)
-    group = mesh.get_group(i)
-    every = (*src.placements, *dst.placements)
-    if any(type(p) not in (Shard, Replicate, Partial) for p in every):
-        return None  # strided or custom placements: DTensor's own path
-    for p in (a, b):
-        if type(p) is Shard:
-            # Even, and not nested: no other mesh dim cuts the same tensor dim.
-            nested = any(type(q) is Shard and q.dim == p.dim for j, q in enumerate(every) if j % mesh.ndim != i)
-            if nested or p.dim < 0 or src.shape[p.dim] % n:
-                return None
-    if type(a) is Shard and type(b) is Replicate:
-        return lambda t, d=a.dim: _gather(t, d, n, group)
-    if _is_sum(a) and type(b) is Replicate:
-        return lambda t: _all_reduce(t, group)
-    if _is_sum(a) and type(b) is Shard:
-        return lambda t, d=b.dim: direct.reduce_scatter_dim(t, d, group)
-    if type(a) is Replicate and type(b) is Shard:
-        return lambda t, d=b.dim: t.chunk(n, d)[rank].contiguous()
-    return None
-
-
-# The collectives are the process group's own calls (vescale.comm.direct): torch.distributed's
-# wrappers cost more than the call itself on small tensors. Complex tensors and shard dim 0 use the
-# contiguous single-buffer forms; another shard dim the list forms on strided views of the full
-# tensor, so there is no stacking copy of our own (but for a reduce-scatter on gloo:
-# direct.reduce_scatter_dim).
-
-
-def _gather(t: torch.Tensor, d: int, n: int, group) -> torch.Tensor:
-    t = t.contiguous()
-    if d == 0 or t.is_complex():
-        out = t.new_empty((n * t.shape[0], *t.shape[1:]))
-        direct.all_gather(out, t, group)
-        return out if d == 0 else torch.cat(out.chunk(n, 0), dim=d)
-    shape = list(t.shape)
-    shape[d] *= n
-    out = t.new_empty(shape)
-    direct.all_gather_pieces(list(out.chunk(n, d)), t, group)
-    return out
-
-
-def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
-    out = t.clone(memory_format=torch.contiguous_format)  # the input may be saved for backward
-    direct.all_reduce(out, group)
-    return out
-
-
-def compile_move(src: DTensorSpec, dst: DTensorSpec) -> Optional[LocalFn]:
-    """The local function taking a shard laid out as ``src`` to one laid out as ``dst`` (same
-    global tensor), or None when nothing moves."""
-    if src.placements == dst.placements:
-        return None
-    changed = [i for i, (a, b) in enumerate(zip(src.placements, dst.placements)) if a != b]
-    if len(changed) == 1:
-        fn = _single_dim_move(src, dst, changed[0])
-        if fn is not None:
-            return fn
-    return lambda t: redistribute_local_tensor(t.contiguous(), src, dst)
-
 
 class _MoveFn(torch.autograd.Function):
     @staticmethod

@@ -1,0 +1,151 @@
+"""Moves between two DTensor layouts, compiled once per pair of specs.
+
+``compile_move(src, dst)`` gives the plain-tensor function that takes a local shard laid out as
+``src`` to one laid out as ``dst`` (the same global tensor). The common one-mesh-dim moves run as a
+single collective, the process group's own call (``vescale.comm.direct``: no functional-collective
+wrapper, whose Python autograd registration costs more than the call on small tensors, nor
+torch.distributed's checking wrappers; ``all_gather_dim`` / ``reduce_scatter_dim`` pick the
+cheapest form for the backend and the shard dim). Everything else (several mesh dims at once,
+nested or uneven shards, other Partial ops) goes through DTensor's ``redistribute_local_tensor``
+with the same specs, so every move computes what DTensor would, bit for bit
+(``tests/static/test_boundary.py``).
+
+Static Eager's boundary moves are built from these (``vescale.static.boundary``). In eager mode,
+``redistribute`` is ``DTensor.redistribute`` (same result, same gradient placements) with the
+forward and backward moves looked up by spec instead of planned by DTensor's Python redistribution
+planner on every call, forward and backward.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._redistribute import redistribute_local_tensor
+from torch.distributed.tensor.placement_types import _is_shard_like
+
+from . import direct
+
+__all__ = ["compile_move", "redistribute"]
+
+LocalFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _is_sum(p) -> bool:
+    return type(p) is Partial and p.reduce_op == "sum"
+
+
+def _single_dim_move(src: DTensorSpec, dst: DTensorSpec, i: int) -> Optional[LocalFn]:
+    """A move that changes mesh dim ``i`` only, as one collective, or None if it is not a common
+    even case (then DTensor's own redistribution runs)."""
+    a, b = src.placements[i], dst.placements[i]
+    mesh = src.mesh
+    n, rank = mesh.size(i), mesh.get_local_rank(i)
+    group = mesh.get_group(i)
+    every = (*src.placements, *dst.placements)
+    if any(type(p) not in (Shard, Replicate, Partial) for p in every):
+        return None  # strided or custom placements: DTensor's own path
+    for p in (a, b):
+        if type(p) is Shard:
+            # Even, and not nested: no other mesh dim cuts the same tensor dim.
+            nested = any(type(q) is Shard and q.dim == p.dim for j, q in enumerate(every) if j % mesh.ndim != i)
+            if nested or p.dim < 0 or src.shape[p.dim] % n:
+                return None
+    if type(a) is Shard and type(b) is Replicate:
+        return lambda t, d=a.dim: direct.all_gather_dim(t, d, group)
+    if _is_sum(a) and type(b) is Replicate:
+        return lambda t: _all_reduce(t, group)
+    if _is_sum(a) and type(b) is Shard:
+        return lambda t, d=b.dim: direct.reduce_scatter_dim(t, d, group)
+    if type(a) is Replicate and type(b) is Shard:
+        return lambda t, d=b.dim: t.chunk(n, d)[rank].contiguous()
+    return None
+
+
+def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
+    out = t.clone(memory_format=torch.contiguous_format)  # the input may be saved for backward
+    direct.all_reduce(out, group)
+    return out
+
+
+def compile_move(src: DTensorSpec, dst: DTensorSpec) -> Optional[LocalFn]:
+    """The local function taking a shard laid out as ``src`` to one laid out as ``dst`` (same
+    global tensor), or None when nothing moves."""
+    if src.placements == dst.placements:
+        return None
+    changed = [i for i, (a, b) in enumerate(zip(src.placements, dst.placements)) if a != b]
+    if len(changed) == 1:
+        fn = _single_dim_move(src, dst, changed[0])
+        if fn is not None:
+            return fn
+    return lambda t: redistribute_local_tensor(t.contiguous(), src, dst)
+
+
+# ---------------------------------------------------------------------------------------------
+# Eager mode: DTensor.redistribute through compiled moves
+# ---------------------------------------------------------------------------------------------
+
+# (source spec, target placements) -> (move, target spec); (gradient spec, target placements) ->
+# (move, target spec) for backward. Specs hold shapes, so a model run at many sequence lengths
+# adds entries: the table is dropped when it grows past _MOVES_KEPT (rebuilt at a few us each).
+_MOVES: dict = {}
+_MOVES_KEPT = 4096
+
+
+def _move_to(spec: DTensorSpec, placements: tuple, meta: TensorMeta) -> tuple:
+    key = (spec, placements)
+    hit = _MOVES.get(key)
+    if hit is None:
+        if len(_MOVES) >= _MOVES_KEPT:
+            _MOVES.clear()
+        target = DTensorSpec(spec.mesh, placements, tensor_meta=spec.tensor_meta)
+        hit = _MOVES[key] = (compile_move(spec, target), DTensorSpec(spec.mesh, placements, tensor_meta=meta))
+    return hit
+
+
+def _grad_placements(grad: tuple, src: tuple) -> tuple:
+    """Where DTensor's redistribute hands a gradient back: the source placements, but a Partial
+    source takes a gradient that arrives Shard or Replicate as Replicate (no reduce is undone)."""
+    return tuple(Replicate() if (_is_shard_like(g) or g.is_replicate()) and s.is_partial() else s
+                 for g, s in zip(grad, src))
+
+
+def _own(moved: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``moved`` in storage of its own. A compiled ``Replicate -> Shard`` move returns a view of its
+    input (a static step's activations need no copy); DTensor's redistribute clones there, and a
+    parameter sharded by ``parallelize`` must not keep the whole tensor alive."""
+    if moved.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+        return moved.clone()
+    return moved
+
+
+class _Redistribute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, d: DTensor, move, spec: DTensorSpec):
+        ctx.src = d._spec
+        local = d._local_tensor
+        return DTensor(_own(move(local), local), spec, requires_grad=d.requires_grad)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):
+        src = ctx.src
+        want = _grad_placements(grad.placements, src.placements)
+        if torch.is_grad_enabled():  # a differentiable backward (double backward): DTensor's own
+            return grad.redistribute(src.mesh, want), None, None
+        if tuple(grad.placements) == want:
+            return grad, None, None
+        meta = TensorMeta(grad.shape, grad.stride(), grad.dtype)
+        move, spec = _move_to(grad._spec, want, meta)
+        local = grad._local_tensor
+        return DTensor(_own(move(local), local), spec, requires_grad=False), None, None
+
+
+def redistribute(d: DTensor, placements: tuple) -> DTensor:
+    """``d.redistribute(d.device_mesh, placements)`` (default dtypes, synchronous), with the moves
+    compiled once per layout pair; ``placements`` must differ from ``d``'s."""
+    if any(p.is_partial() and p != q for p, q in zip(placements, d.placements)):
+        return d.redistribute(d.device_mesh, placements)  # DTensor's error: a Partial target is its internal use
+    move, spec = _move_to(d._spec, tuple(placements), d._spec.tensor_meta)
+    return _Redistribute.apply(d, move, spec)
