@@ -337,6 +337,9 @@ class FlatLayout:
         return True
 
     def _keep(self, opt, i: int, j: int, state: dict) -> None:
+        """The slow path: install the run's state as the parameters' own (views, scalar copies)."""
+        if not state:  # a stateless step (SGD without momentum): no entries, as per tensor
+            return
         a, b = self.bounds[i], self.bounds[j]
         sig, scalars, per_element = [], {}, []
         for key, value in state.items():
