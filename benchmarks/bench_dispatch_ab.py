@@ -10,9 +10,15 @@ interleaved round by round in one process, so the arms see the same machine load
   extensions);
 * ``eager-gradR`` (an experiment, not a plan vescale has): eager mode with a hook that all-reduces the
   routing weights' Partial gradient where it leaves each MoE router (``mlp.gate``), so the router's
-  backward runs replicated instead of DTensor's reduce-scatter choice.
+  backward runs replicated instead of DTensor's reduce-scatter choice;
+* ``static``: Static Eager mode as installed;
+* ``eager-pertensor``, ``static-pertensor``: the optimiser step per tensor on local shards, without
+  ``vescale.dispatch.flat``'s flat runs (``optim.flat_allowed`` answering no around the arm's steps).
+
+Each arm's forward / backward / optimiser-step medians (the step includes ``zero_grad``) follow.
 
     .venv/bin/python benchmarks/bench_dispatch_ab.py [--config dp2tp4] [--model moe] [--rounds 15] [--arms torch,eager-off,eager]
+    .venv/bin/python benchmarks/bench_dispatch_ab.py --model llama --config tp8 --arms static-pertensor,static
 """
 
 from __future__ import annotations
@@ -25,10 +31,20 @@ from torch.distributed.tensor import DTensor, Replicate
 
 import bench_dispatch as B
 from vescale import dispatch
-from vescale.dispatch import attention, sized
+from vescale.dispatch import attention, optim, sized
 
 _HANDLERS = DTensor._op_dispatcher._custom_op_handlers
 _INSTALL = dispatch.install
+_FLAT_ALLOWED = optim.flat_allowed
+
+
+def _variant(arm: str) -> str:
+    return "torch" if arm == "torch" else "static" if arm.startswith("static") else "eager"
+
+
+def _flat_steps(arm: str) -> None:
+    """Flat optimiser runs on, or off for a ``-pertensor`` arm (read by the pre-step hook)."""
+    optim.flat_allowed = (lambda group: False) if arm.endswith("-pertensor") else _FLAT_ALLOWED
 
 
 def _sdpa_forgetting(op, args, kwargs):
@@ -88,23 +104,29 @@ def main() -> None:
     for arm in arms:
         dispatch.install = _installer(arm.endswith("-off"))
         dispatch.install()
-        runners[arm] = B.Runner("torch" if arm == "torch" else "eager", mesh, *shape, sp, zero3, args.model)
+        runners[arm] = B.Runner(_variant(arm), mesh, *shape, sp, zero3, args.model)
         if arm == "eager-gradR":
             _replicate_routing_grads(runners[arm].model)
     times = {arm: [] for arm in arms}
+    phases = {arm: [] for arm in arms}
     for i in range(args.rounds + 3):  # 3 warm-up rounds
         for arm in arms:
             dispatch.install = _installer(arm.endswith("-off"))
+            _flat_steps(arm)
             t = runners[arm].step()
             if i >= 3:
                 times[arm].append(t)
+                phases[arm].append(runners[arm].phases)
     dispatch.install = _INSTALL
+    optim.flat_allowed = _FLAT_ALLOWED
     base = statistics.median(times[arms[0]])
     print(f"## {args.model} {args.config} (fake group, thread clock), {args.rounds} interleaved rounds")
     for arm in arms:
         q = statistics.quantiles(times[arm], n=4)
         med = statistics.median(times[arm])
-        print(f"{arm:12s} {med * 1e3:7.1f} ms ({q[0] * 1e3:.1f}-{q[2] * 1e3:.1f})  x {arms[0]} {med / base:.3f}")
+        parts = " / ".join(f"{statistics.median(p[k] for p in phases[arm]) * 1e3:.2f}" for k in range(3))
+        print(f"{arm:16s} {med * 1e3:7.1f} ms ({q[0] * 1e3:.1f}-{q[2] * 1e3:.1f})  x {arms[0]} {med / base:.3f}"
+              f"   fwd / bwd / opt {parts}")
     dist.destroy_process_group()
 
 
