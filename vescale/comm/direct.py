@@ -11,7 +11,7 @@ On gloo (CPU training), all-gathers and the reduce-scatters of two-member groups
 all-to-all instead (``_over_all_to_all``). gloo's all-gather is a ring and its reduce-scatter is a
 whole all-reduce followed by taking one chunk; an all-to-all moves only the bytes each member needs,
 in one exchange, and costs 0.3-0.7x of either on 2-4 CPU processes (``benchmarks/bench_comm.py
---part gloo``). The results are gloo's own bits: an all-gather does no arithmetic, and a
+--part 4``). The results are gloo's own bits: an all-gather does no arithmetic, and a
 two-member sum is ``a + b`` in either order. From three members on, gloo's all-reduce sums in ring
 segments that do not line up with the chunks, so those reduce-scatters stay gloo's own (DTensor's
 redistributions call it, and static steps must sum as they do).

@@ -22,13 +22,13 @@ from typing import Callable, Optional
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from torch.distributed.tensor.placement_types import _is_shard_like
 
 from . import direct
 
-__all__ = ["compile_move", "redistribute"]
+__all__ = ["compile_move", "grad_placements", "redistribute"]
 
 LocalFn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -94,18 +94,18 @@ _MOVES: dict = {}
 _MOVES_KEPT = 4096
 
 
-def _move_to(spec: DTensorSpec, placements: tuple, meta: TensorMeta) -> tuple:
+def _move_to(spec: DTensorSpec, placements: tuple) -> tuple:
     key = (spec, placements)
     hit = _MOVES.get(key)
     if hit is None:
         if len(_MOVES) >= _MOVES_KEPT:
             _MOVES.clear()
         target = DTensorSpec(spec.mesh, placements, tensor_meta=spec.tensor_meta)
-        hit = _MOVES[key] = (compile_move(spec, target), DTensorSpec(spec.mesh, placements, tensor_meta=meta))
+        hit = _MOVES[key] = (compile_move(spec, target), target)
     return hit
 
 
-def _grad_placements(grad: tuple, src: tuple) -> tuple:
+def grad_placements(grad: tuple, src: tuple) -> tuple:
     """Where DTensor's redistribute hands a gradient back: the source placements, but a Partial
     source takes a gradient that arrives Shard or Replicate as Replicate (no reduce is undone)."""
     return tuple(Replicate() if (_is_shard_like(g) or g.is_replicate()) and s.is_partial() else s
@@ -131,13 +131,12 @@ class _Redistribute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: DTensor):
         src = ctx.src
-        want = _grad_placements(grad.placements, src.placements)
+        want = grad_placements(grad.placements, src.placements)
         if torch.is_grad_enabled():  # a differentiable backward (double backward): DTensor's own
             return grad.redistribute(src.mesh, want), None, None
         if tuple(grad.placements) == want:
             return grad, None, None
-        meta = TensorMeta(grad.shape, grad.stride(), grad.dtype)
-        move, spec = _move_to(grad._spec, want, meta)
+        move, spec = _move_to(grad._spec, want)  # laid out anew, shaped as the gradient
         local = grad._local_tensor
         return DTensor(_own(move(local), local), spec, requires_grad=False), None, None
 
@@ -147,5 +146,5 @@ def redistribute(d: DTensor, placements: tuple) -> DTensor:
     compiled once per layout pair; ``placements`` must differ from ``d``'s."""
     if any(p.is_partial() and p != q for p, q in zip(placements, d.placements)):
         return d.redistribute(d.device_mesh, placements)  # DTensor's error: a Partial target is its internal use
-    move, spec = _move_to(d._spec, tuple(placements), d._spec.tensor_meta)
+    move, spec = _move_to(d._spec, tuple(placements))
     return _Redistribute.apply(d, move, spec)

@@ -97,8 +97,7 @@ class _Relabel(torch.autograd.Function):
         # What Redistribute's backward hands back: the source placements, except that a Partial
         # source takes a gradient that arrives Shard or Replicate as Replicate.
         src, mesh = ctx.src, ctx.src.mesh
-        want = tuple(Replicate() if s.is_partial() and (_is_shard_like(g) or g.is_replicate()) else s
-                     for g, s in zip(grad.placements, src.placements))
+        want = moves.grad_placements(grad.placements, src.placements)
         if tuple(grad.placements) == want:
             return grad, None
         if not moves_nothing(mesh, grad.placements, want):
