@@ -47,7 +47,7 @@ def fake_world(world_size: int, rank: int = 0):
 
 def forget_dtensor_caches() -> None:
     """Clear DTensor's process-wide caches (sharding propagation, transform plans, redistribute
-    planners, and vescale.dispatch's shape-free cache, sized-op table and SDPA decisions). Their keys do not include the rank, so entries made while this process simulated
+    planners, and vescale.dispatch's shape-free cache, sized-op table, view decisions and SDPA decisions). Their keys do not include the rank, so entries made while this process simulated
     another rank (fake process group) would be wrong for a real rank forked from it."""
     from torch.distributed.tensor._redistribute import _gen_transform_infos, clear_redistribute_planner_cache
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
@@ -55,6 +55,7 @@ def forget_dtensor_caches() -> None:
     from vescale.dispatch import shape_free_cache
     from vescale.dispatch.attention import clear_sdpa_decisions
     from vescale.dispatch.sized import clear_sized_ops_table
+    from vescale.dispatch.viewkey import clear_view_decisions
 
     _clear_sharding_prop_cache()
     _gen_transform_infos.cache_clear()
@@ -62,6 +63,7 @@ def forget_dtensor_caches() -> None:
     if shape_free_cache() is not None:  # vescale's own cache in front of DTensor's miss path
         shape_free_cache().clear()
     clear_sized_ops_table()
+    clear_view_decisions()
     clear_sdpa_decisions()
 
 

@@ -14,8 +14,9 @@ decision are reused:
 
 * "plain": no redistribution and no argument rewriting; any op.
 * view-like ops (view, _unsafe_view, reshape, expand): the key holds the decision PyTorch's own view
-  rule makes at these sizes (``propagate_shape_and_sharding`` over ``dim_maps``), computed on every
-  call (pure Python, microseconds), instead of the sizes. Flattening or splitting a dim whose size
+  rule makes at these sizes (``propagate_shape_and_sharding`` over ``dim_maps``), instead of the
+  sizes; ``viewkey.py`` asks that rule once per summary of what it reads of the sizes (how dims
+  group, whether sharded sizes divide the mesh), not at every new size. Flattening or splitting a dim whose size
   changed is a hit when the decision is the same; an uneven split or a new ``_StridedShard`` split
   factor is a different decision, so a different key. The local size arguments are re-derived with
   PyTorch's ``_adjust_shape_and_stride_args``, inputs moved as the decision says.
@@ -54,7 +55,6 @@ from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
 from torch.distributed.tensor._ops import _math_ops, _tensor_ops
 from torch.distributed.tensor._ops._math_ops import _skip_dim, replicate_reduction_dims
 from torch.distributed.tensor._ops._tensor_ops import split_strategy
-from torch.distributed.tensor._ops._view_ops import dim_maps, propagate_shape_and_sharding
 from torch.distributed.tensor._ops.utils import is_tensor_evenly_shardable
 from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
@@ -62,6 +62,7 @@ from .errors import is_missing_rule, missing_rule_error
 from .interleaved import _SPLIT_OPS, SIZE_DEPENDENT_OPS, _local_split_args, grouped_mm_layout_key
 from .metas import fast_outputs, meta_outputs
 from .unitdims import lift, mesh_shape, reduce_schema, reducible_mesh, unit_placements
+from .viewkey import decision as view_decision
 from .zerocost import SameRoom, embedding_key, free_move, scatter_axes
 
 aten = torch.ops.aten
@@ -159,17 +160,19 @@ def _arg_key(a):
 
 
 def _view_key(op_schema: OpSchema):
-    """A view-like op's key: its input placements and the decision PyTorch's own rule makes for
-    them at these sizes (``propagate_shape_and_sharding`` over the ``dim_maps`` rule: which input
-    dims stay sharded and where their shards land in the output). Computing that decision is plain
-    Python on placements and sizes, microseconds; what a miss costs is everything around it."""
-    spec, *rest = op_schema.args_schema
+    """A view-like op's key: its input placements and the decision PyTorch's own view rule makes
+    for them at these sizes (which input dims stay sharded and where their shards land in the
+    output), taken from ``viewkey.decision``: PyTorch's rule asked once per summary of what the
+    rule reads of the sizes, not at every new size."""
+    spec = op_schema.args_schema[0]
     if not isinstance(spec, DTensorSpec) or op_schema.kwargs_schema:
         raise TypeError
-    op, shape, mesh = op_schema.op, tuple(spec.shape), mesh_shape(spec.mesh)
-    rule = dim_maps[_VIEW_RULES[op]](spec, *rest)
-    target, out = propagate_shape_and_sharding(spec.placements, shape, rule, mesh, op in _STRICT_VIEWS)
-    return (("T", spec.mesh, spec.placements, spec.tensor_meta.dtype, len(shape)), len(rule), tuple(target), tuple(out))
+    op = op_schema.op
+    try:
+        rank, target, out = view_decision(op_schema, _VIEW_RULES[op], op in _STRICT_VIEWS, mesh_shape(spec.mesh))
+    except ValueError:  # the rule raises at these sizes: PyTorch's path gives its error (or gathers)
+        raise TypeError from None
+    return (("T", spec.mesh, spec.placements, spec.tensor_meta.dtype, spec.ndim), rank, target, out)
 
 
 def _nll_mean_even(op_schema: OpSchema) -> bool | None:
