@@ -60,7 +60,7 @@ from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
 from .errors import is_missing_rule, missing_rule_error
 from .interleaved import _SPLIT_OPS, SIZE_DEPENDENT_OPS, _local_split_args, grouped_mm_layout_key
-from .metas import fast_outputs, meta_outputs
+from .metas import fast_outputs, meta_outputs, with_meta
 from .unitdims import lift, mesh_shape, reduce_schema, reducible_mesh, unit_placements
 from .viewkey import decision as view_decision
 from .zerocost import SameRoom, embedding_key, free_move, scatter_axes
@@ -292,22 +292,15 @@ def _output_metas(spec):
 
 def _with_metas(template, metas, mesh, built=False):
     """The template's placements with new metadata, on ``mesh``: the op's own mesh object, never
-    the one the template was learned on (DeviceMesh equality ignores the rank that built it, so a
-    mesh from another process or simulated rank compares equal but holds other coordinates).
-
-    ``built``: the template came out of ``DTensorSpec``'s constructor with these placements and
-    flag (``_learn`` stores only such templates), so the new spec is that spec's fields with the
-    mesh and metadata replaced. The constructor would derive the same shard order again (from the
-    placements alone) at ~15 us a spec, several per hit."""
+    the one the template was learned on (``metas.with_meta``). ``built``: the template came out of
+    ``DTensorSpec``'s constructor with these placements and flag (``_learn`` stores only such
+    templates), so the new spec is a copy of its fields (``with_meta``), several per hit."""
 
     def one(spec, meta):
         if spec is None:
             return None
         if built:
-            new = object.__new__(DTensorSpec)
-            new.__dict__.update(spec.__dict__)
-            new.__dict__.update(mesh=mesh, tensor_meta=meta, _hash=None)
-            return new
+            return with_meta(spec, meta, mesh)
         return DTensorSpec(mesh, spec.placements, tensor_meta=meta,
                            use_strided_shard_as_shard_order=spec.use_strided_shard_as_shard_order)
 

@@ -31,9 +31,37 @@ import torch
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema
 
-__all__ = ["meta_outputs", "fast_outputs", "miss_outputs", "contiguous_strides", "grouped_mm_shape"]
+__all__ = ["meta_outputs", "fast_outputs", "miss_outputs", "contiguous_strides", "grouped_mm_shape", "with_meta", "spec_of"]
 
 aten = torch.ops.aten
+
+
+def with_meta(spec: DTensorSpec, meta: TensorMeta | None, mesh=None) -> DTensorSpec:
+    """``spec`` with other metadata (and, given, another mesh object): what ``DTensorSpec(mesh,
+    spec.placements, tensor_meta=meta, use_strided_shard_as_shard_order=...)`` builds, without the
+    constructor. The constructor derives the shard order from the placements and the flag alone
+    (~10-15 us a spec), so a copy of a constructor-made spec's fields is that spec. The mesh is
+    always the caller's: DeviceMesh equality ignores the rank that built it, so a mesh learned on
+    another (simulated) rank compares equal but holds other coordinates."""
+    new = object.__new__(DTensorSpec)
+    new.__dict__.update(spec.__dict__)
+    new.__dict__.update(mesh=spec.mesh if mesh is None else mesh, tensor_meta=meta, _hash=None)
+    return new
+
+
+_TEMPLATES: dict = {}  # (mesh, placements) -> a constructor-made spec without metadata
+
+
+def spec_of(mesh, placements: tuple, meta: TensorMeta | None) -> DTensorSpec:
+    """``DTensorSpec(mesh, placements, tensor_meta=meta)``, built once per mesh and placements and
+    copied (``with_meta``) after that."""
+    key = (mesh, placements)
+    template = _TEMPLATES.get(key)
+    if template is None:
+        if len(_TEMPLATES) >= 4096:  # placements are few; a bound for programs that make many meshes
+            _TEMPLATES.clear()
+        template = _TEMPLATES[key] = DTensorSpec(mesh, placements)
+    return with_meta(template, meta, mesh)
 
 
 def _is_elementwise(op) -> bool:

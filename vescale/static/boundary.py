@@ -26,6 +26,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
 
 from ..comm.moves import compile_move
+from ..dispatch.metas import spec_of
 from ..parallel.placing import grad_layout
 
 __all__ = [
@@ -53,8 +54,8 @@ class Move:
 
     def __init__(self, src: DTensorSpec, dst: DTensorSpec, grad_placements: tuple | None, grad_out_placements: tuple | None = None):
         self.forward_fn = compile_move(src, dst)
-        grad_in = DTensorSpec(dst.mesh, tuple(grad_placements or grad_layout(dst.placements)), tensor_meta=dst.tensor_meta)
-        grad_out = DTensorSpec(src.mesh, tuple(grad_out_placements or grad_layout(src.placements)), tensor_meta=src.tensor_meta)
+        grad_in = spec_of(dst.mesh, tuple(grad_placements or grad_layout(dst.placements)), dst.tensor_meta)
+        grad_out = spec_of(src.mesh, tuple(grad_out_placements or grad_layout(src.placements)), src.tensor_meta)
         self.backward_fn = compile_move(grad_in, grad_out)
         self.layouts = (src.placements, dst.placements, grad_in.placements, grad_out.placements)  # for reports
 
@@ -80,7 +81,7 @@ def grad_spec(spec: DTensorSpec, placements: tuple | None) -> DTensorSpec:
     """The spec of a contiguous gradient of a tensor laid out as ``spec``, in ``placements``
     (None: ``from_local``'s default, the forward placements with Partial as Replicate)."""
     meta = TensorMeta(spec.shape, tuple(make_contiguous_strides_for(spec.shape)), spec.tensor_meta.dtype)
-    return DTensorSpec(spec.mesh, tuple(placements or grad_layout(spec.placements)), tensor_meta=meta)
+    return spec_of(spec.mesh, tuple(placements or grad_layout(spec.placements)), meta)
 
 
 def settled_on_unit_dims(placements: tuple | None, spec: DTensorSpec) -> tuple | None:

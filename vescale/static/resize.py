@@ -51,6 +51,7 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from ..dispatch.metas import with_meta
 from ..plan.ir import PlanError
 
 __all__ = ["ResizeMismatch", "size_factors", "derive", "data_dependent_op", "Pending", "ShapeCandidates", "settle", "finish"]
@@ -204,6 +205,7 @@ class _Shared:
     specs: dict = dataclasses.field(default_factory=dict)  # (recorded spec, new shape) -> spec
     moves: dict = dataclasses.field(default_factory=dict)  # (src spec, dst spec, grad placements) -> Move
     opened: dict = dataclasses.field(default_factory=dict)  # (recorded spec, grad placements) -> (candidates, counts)
+    local_shapes: dict = dataclasses.field(default_factory=dict)  # id(spec) -> (spec, this rank's shard shape)
 
 
 @dataclasses.dataclass
@@ -238,11 +240,18 @@ class Pending:
         # Every dim, open or not, must give this rank's shard its size (DTensor's own arithmetic:
         # uneven and Shard-like dims too), or the tensor is not the one derived for this spot.
         spec = self._spec_for(tuple(shape))
-        local, _ = compute_local_shape_and_global_offset(spec.shape, spec.mesh, spec.placements, skip_offset=True)
-        if tuple(local) != tuple(local_shape):
+        if self._local_shape(spec) != tuple(local_shape):
             raise self._mismatch(local_shape)
         self.settled = spec
         return spec
+
+    def _local_shape(self, spec: DTensorSpec) -> tuple:
+        """This rank's shard shape of ``spec``, once per spec of this record (many spots share one)."""
+        found = self.shared.local_shapes.get(id(spec))
+        if found is None or found[0] is not spec:
+            local, _ = compute_local_shape_and_global_offset(spec.shape, spec.mesh, spec.placements, skip_offset=True)
+            found = self.shared.local_shapes[id(spec)] = (spec, tuple(local))
+        return found[1]
 
     def settle_global(self, shape: tuple) -> DTensorSpec:
         """The spec with global ``shape`` (a move's target: the same global tensor as its source)."""
@@ -261,7 +270,7 @@ class Pending:
         if spec is None:
             stride = _restride(tuple(meta.shape), tuple(meta.stride), shape)
             meta = TensorMeta(torch.Size(shape), stride, meta.dtype)
-            spec = self.shared.specs[key] = DTensorSpec(self.spec.mesh, self.spec.placements, tensor_meta=meta)
+            spec = self.shared.specs[key] = with_meta(self.spec, meta)
         return spec
 
     def _mismatch(self, local_shape) -> ResizeMismatch:
