@@ -16,13 +16,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch.testing._internal.distributed.fake_pg  # noqa: F401
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 from vescale import dispatch
+from vescale.placement import InterleavedShard
 from vescale.dispatch.cache import _NEVER, _key
 from vescale.dispatch.metas import fast_outputs, miss_outputs
 from vescale.testing import forget_dtensor_caches
@@ -150,6 +151,65 @@ def test_a_split_of_the_sharded_dim_is_reused_only_with_as_many_pieces(mesh):
     ours, hits, misses, theirs = _learn_then_reuse(mesh, fn, 8, 12)  # 4+4, then 4+4+4
     assert hits == 0 and misses == 1 and len(ours) == 3
     _same(ours, theirs)
+
+
+def _reused_vs_decided_afresh(fn, learn_size, new_size):
+    """fn(size) at learn_size, then at new_size with PyTorch's cache cleared (vescale's kept); then
+    at new_size again with every cache cleared, so that vescale's rules decide it afresh (ops whose
+    placements PyTorch's own rules do not handle: interleaved shards). Returns (reused, hits,
+    misses, afresh)."""
+    forget_dtensor_caches()
+    cache = dispatch.shape_free_cache()
+    fn(learn_size)
+    _clear_sharding_prop_cache()
+    hits, misses = cache.hits, cache.misses
+    ours = fn(new_size)
+    hits, misses = cache.hits - hits, cache.misses - misses
+    forget_dtensor_caches()
+    return ours, hits, misses, fn(new_size)
+
+
+def test_a_split_into_interleaved_sections_is_a_hit_at_a_new_length(mesh):
+    """The experts' fused gate|up output (tokens, 2 * inter), interleaved over TP, split into its two
+    sections: local at every token count, each section a Shard; reused at a new count. Another
+    width of the split dim is another decision (a miss), never the learned one."""
+    fn = lambda n: _dt(mesh, (n, 16), (Replicate(), InterleavedShard(1, 2)), n).split(8, -1)  # noqa: E731
+    ours, hits, misses, afresh = _reused_vs_decided_afresh(fn, 6, 10)
+    assert hits == 1 and misses == 0
+    assert all(o.placements == (Replicate(), Shard(1)) for o in ours) and ours[0]._local_tensor.shape == (10, 4)
+    _same(ours, afresh)
+    wider = lambda w: _dt(mesh, (6, w), (Replicate(), InterleavedShard(1, 2)), w).split(w // 2, -1)  # noqa: E731
+    ours, hits, misses, afresh = _reused_vs_decided_afresh(wider, 16, 24)
+    assert hits == 0 and misses == 1
+    _same(ours, afresh)
+
+
+def test_a_cat_into_interleaved_sections_is_a_hit_at_a_new_length_only_for_equal_pieces(mesh):
+    """The backward of that split: cat of two equally shaped Shard(1) pieces is InterleavedShard(1, 2)
+    (vescale's rule, no communication), reused at a new token count; pieces of different widths
+    are another key (PyTorch's rule gathers), never served the interleaved decision."""
+    def cat(n, widths=(8, 8)):
+        pieces = [_dt(mesh, (n, w), (Replicate(), Shard(1)), n + w) for w in widths]
+        return torch.cat(pieces, dim=1)
+
+    ours, hits, misses, afresh = _reused_vs_decided_afresh(cat, 6, 10)
+    assert hits == 1 and misses == 0 and ours.placements == (Replicate(), InterleavedShard(1, 2))
+    _same(ours, afresh)
+    ours, hits, misses, afresh = _reused_vs_decided_afresh(lambda n: cat(n, (8, 16) if n == 10 else (8, 8)), 6, 10)
+    assert hits == 0 and ours.placements != (Replicate(), InterleavedShard(1, 2))
+    _same(ours, afresh)
+
+
+@pytest.mark.parametrize("placements", [(Shard(0), Partial()), (Shard(0), Shard(1))], ids=["Partial", "Shard"])
+def test_a_squeeze_is_a_hit_at_a_new_length_with_pytorchs_answer(mesh, placements):
+    """squeeze(dim) rewritten to squeeze.dims of the globally singleton dims (PyTorch's rewrite, replayed
+    from the key's size classes); a dim that is not of size 1 is left, at both lengths."""
+    for dim in (2, 1):
+        fn = lambda s: _dt(mesh, (4, s, 1), placements, s).squeeze(dim)  # noqa: E731, B023
+        ours, hits, misses, theirs = _learn_then_reuse(mesh, fn, 6, 10)
+        assert hits == 1 and misses == 0
+        assert ours.ndim == (2 if dim == 2 else 3)
+        _same(ours, theirs)
 
 
 # --- the loss ops: decisions that redistribute --------------------------------------------------

@@ -26,6 +26,11 @@ decision are reused:
 * ops whose PyTorch rule reads a size argument only as the key keeps it (``_SIZE_ARG_RULES``:
   ``new_zeros`` & co. follow a sharded input only at its own shape; ``slice_backward`` ignores its
   sizes and bounds): keyed without those sizes, their size arguments made local at every hit.
+* squeezes (a view rule over the dims of size 1, which the key's size classes keep): PyTorch's
+  rewrite to ``squeeze.dims`` of the globally singleton dims is replayed.
+* splits (``_keyed_split``) and the cat of equal ``Shard`` pieces into an interleaved tensor: their
+  key holds the split dim's length where the input is interleaved, and whether the cat's pieces
+  have equal shapes (what vescale's interleaved rules read of the sizes), not the sequence length.
 
 On a hit the output metadata comes from ``metas.py`` (arithmetic where certain, else the op's meta
 kernel), not from a FakeTensor run. Every key is verified once: the first time it is seen, the fast
@@ -35,8 +40,8 @@ search's move of replicated inputs alone, which costs 0 at any size and is chose
 candidates in a size-free order, for rules whose candidates the key determines (``zerocost.py``),
 reused where every dim fits the mesh's shard counts as it did. ``_grouped_mm`` keys hold its
 16-byte stride rule (``interleaved.grouped_mm_layout_key``), so its decisions that move nothing are
-"plain". Other decisions of the cost-based search (``search.py``) that move inputs, squeeze and
-data-dependent ops always go to PyTorch; for such a key the first miss also checks ``metas.py``'s
+"plain". Other decisions of the cost-based search (``search.py``) that move inputs, a cat of
+interleaved inputs and data-dependent ops always go to PyTorch; for such a key the first miss also checks ``metas.py``'s
 answer against PyTorch's metadata, and later misses (``_Missed``) run PyTorch's strategy on that
 answer instead of a FakeTensor run; on a mesh with size-1 dims (TP-only training's ``(1, N)``) it
 also checks whether deciding on the mesh without them gives PyTorch's answer, and later misses are
@@ -211,8 +216,27 @@ _SIZE_ARG_RULES = {
 }
 
 
+def _interleaved_split_length(op_schema: OpSchema) -> int | None:
+    """A split of a tensor with an interleaved (``_StridedShard``) placement stays local only where
+    its pieces are the sections (``interleaved._local_split``), which the split dim's length
+    decides: the key keeps that length (the other dims, the sequence among them, stay out)."""
+    spec, args = op_schema.args_schema[0], op_schema.args_schema
+    if not any(isinstance(p, _StridedShard) for p in spec.placements):
+        return None
+    return spec.shape[(args[2] if len(args) > 2 else 0) % spec.ndim]
+
+
+def _equal_cat_shapes(op_schema: OpSchema) -> bool:
+    """``cat`` of equally shaped ``Shard(d)`` tensors along ``d`` is an interleaved tensor
+    (``interleaved._local_cat``); whether the shapes are equal is all it reads of the sizes."""
+    specs = op_schema.args_schema[0]
+    return len({tuple(s.shape) for s in specs}) == 1
+
+
 # Ops whose rules test sizes beyond what ``_arg_key`` keeps: the function gives what they read.
 _KEY_EXTRAS = {
+    aten.split.Tensor: _interleaved_split_length,
+    aten.cat.default: _equal_cat_shapes,
     aten.nll_loss_forward.default: _nll_mean_even,
     aten._grouped_mm.default: grouped_mm_layout_key,
     aten.embedding.default: embedding_key,
@@ -266,22 +290,27 @@ _ONE_STRATEGY_RULES = (
 
 def _decided_by_key(prop, op) -> bool:
     """Whether the key determines a decision that moves inputs or rewrites size arguments: view-like
-    ops (their key holds PyTorch's own decision) and ops still ruled by a one-strategy function
-    above or a size-argument rule (``_SIZE_ARG_RULES``)."""
+    ops (their key holds PyTorch's own decision), squeezes (a view rule over the dims of size 1,
+    which the key keeps; the rewrite to ``squeeze.dims`` of the globally singleton dims reads those
+    alone) and ops still ruled by a one-strategy function above or a size-argument rule
+    (``_SIZE_ARG_RULES``)."""
     rule = prop.op_strategy_funcs.get(op)
-    return op in _VIEW_RULES or rule in _SIZE_ARG_RULES or any(rule is f for f in _ONE_STRATEGY_RULES)
+    return (op in _VIEW_RULES or op in prop.squeeze_op_to_dims_variant or rule in _SIZE_ARG_RULES
+            or any(rule is f for f in _ONE_STRATEGY_RULES))
 
 
-def _plain_split(prop, op_schema: OpSchema) -> bool:
-    """A split of a tensor with no interleaved (``_StridedShard``) placement: vescale's interleaved
-    rule passes it to PyTorch's ``split_strategy`` (one strategy: the split dim unsharded, every
-    piece laid out alike; the number of pieces is checked against the metadata on replay) and
-    vescale's size adjuster returns the schema as it is."""
+def _keyed_split(prop, op_schema: OpSchema) -> bool:
+    """A split that vescale's interleaved rule decides from what the key keeps: it passes a tensor
+    with no interleaved (``_StridedShard``) placement to PyTorch's ``split_strategy`` (one strategy:
+    the split dim unsharded, every piece laid out alike; the number of pieces is checked against
+    the metadata on replay), and splits an interleaved one locally where the pieces are its sections
+    (the split dim's length is in the key: ``_interleaved_split_length``, or ``split_with_sizes``'
+    sizes). The size adjuster
+    (``_local_split_args``) makes the section sizes local at every replay."""
     op, spec = op_schema.op, op_schema.args_schema[0]
     return (op in _SPLIT_OPS and isinstance(spec, DTensorSpec)
             and getattr(prop.op_strategy_funcs.get(op), "__wrapped__", None) is split_strategy
-            and prop.op_to_scalar_shape_adjuster.get(op) is _local_split_args
-            and not any(isinstance(p, _StridedShard) for p in spec.placements))
+            and prop.op_to_scalar_shape_adjuster.get(op) is _local_split_args)
 
 
 def _output_metas(spec):
@@ -357,18 +386,16 @@ class ShapeFreeCache:
         local sizes), "free" (a cost search's zero-cost move of replicated inputs, reused where every
         dim fits the mesh's shard counts as it did: ``zerocost.SameRoom``), or None (never)."""
         prop, op = self.propagator, op_schema.op
-        if op in prop.squeeze_op_to_dims_variant:
+        keyed_split = _keyed_split(prop, op_schema)
+        if op in prop.op_to_scalar_shape_adjuster and not keyed_split:
             return None
-        plain_split = _plain_split(prop, op_schema)
-        if op in prop.op_to_scalar_shape_adjuster and not plain_split:
-            return None
-        if op in SIZE_DEPENDENT_OPS and (_any_interleaved(result.output_spec) or _any_interleaved(op_schema.args_spec)):
-            return None  # vescale.dispatch.interleaved's cat rule compares exact section sizes
+        if op in SIZE_DEPENDENT_OPS and _any_interleaved(op_schema.args_spec):
+            return None  # a cat of interleaved inputs: PyTorch's rule compares their sizes
         if not result.needs_redistribute:
             return "plain" if result.redistribute_schema is None else None
         if result.redistribute_schema is None:
             return None
-        if plain_split or _decided_by_key(prop, op):
+        if keyed_split or _decided_by_key(prop, op):
             return "moved"
         return "free" if free_move(prop, op_schema, result) else None
 
@@ -414,10 +441,14 @@ class ShapeFreeCache:
         ):
             suggestion = prop._adjust_shape_and_stride_args(metas, suggestion or op_schema, spec)
             needs = local_args = True
-        adjuster = prop.op_to_scalar_shape_adjuster.get(op_schema.op)  # only a plain split gets here
+        adjuster = prop.op_to_scalar_shape_adjuster.get(op_schema.op)  # only a keyed split gets here
         if adjuster is not None and any(isinstance(p, (Shard, _StridedShard)) for e in expected for p in e.placements):
             suggestion = adjuster(list(expected), suggestion or op_schema)
             needs = local_args = True
+        if op_schema.op in prop.squeeze_op_to_dims_variant:
+            adjusted = prop._adjust_squeeze_to_global_singletons(suggestion or op_schema)
+            if adjusted is not None:
+                suggestion, needs, local_args = adjusted, True, True
         return OutputSharding(spec, suggestion, needs_redistribute=needs, use_val_from_redistribute_schema=local_args)
 
     def __call__(self, op_schema: OpSchema) -> OutputSharding:

@@ -39,10 +39,11 @@ aten = torch.ops.aten
 _SPLIT_OPS = (aten.split.Tensor, aten.split_with_sizes.default)
 _CAT_OPS = (aten.cat.default,)
 _MATMUL_OPS = (aten.mm.default, aten.bmm.default, aten._grouped_mm.default)
-# Ops whose decision, where an operand or the result is interleaved, depends on exact sizes, which a
-# shape-free cache key leaves out: cat compares section sizes. (Split of an interleaved tensor is
-# never cached either: its size argument is rewritten per call; cache.py reuses only splits without
-# a _StridedShard placement. _grouped_mm's 16-byte row rule is in its key: grouped_mm_layout_key.)
+# Ops whose decision, where an operand is interleaved, depends on exact sizes, which a shape-free
+# cache key leaves out (PyTorch's cat rule compares them). A cat of equal Shard pieces into an
+# interleaved result reads only whether the pieces' shapes are equal, and a split of an interleaved
+# tensor only its split dim's length: cache.py keeps those in their keys. _grouped_mm's 16-byte row
+# rule is in its key too: grouped_mm_layout_key.
 SIZE_DEPENDENT_OPS = frozenset(_CAT_OPS)
 _LOCK = threading.Lock()
 _SAVED: dict = {}  # op -> PyTorch's strategy function, while installed
