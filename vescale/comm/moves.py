@@ -26,6 +26,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from torch.distributed.tensor.placement_types import _is_shard_like
 
+from ..dispatch.metas import spec_of
 from . import direct
 
 __all__ = ["compile_move", "grad_placements", "redistribute"]
@@ -70,6 +71,26 @@ def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
+# (mesh, source placements, target placements, the sizes' evenness) -> (mesh, the one-collective
+# move or None): such a move reads the global shape only through whether the mesh divides its shard
+# dims, so a new sequence length finds it compiled. Keyed by the mesh object (equal meshes of
+# other simulated ranks hold other coordinates), which the entry keeps and checks.
+_SINGLE: dict = {}
+
+
+def _single_dim_move_for(src: DTensorSpec, dst: DTensorSpec, i: int) -> Optional[LocalFn]:
+    n = src.mesh.size(i)
+    even = tuple(d < 0 or d >= src.ndim or src.shape[d] % n == 0 for p in (src.placements[i], dst.placements[i])
+                 if type(p) is Shard for d in (p.dim,))
+    key = (id(src.mesh), src.placements, dst.placements, even)
+    hit = _SINGLE.get(key)
+    if hit is None or hit[0] is not src.mesh:
+        if len(_SINGLE) >= 4096:
+            _SINGLE.clear()
+        hit = _SINGLE[key] = (src.mesh, _single_dim_move(src, dst, i))
+    return hit[1]
+
+
 def compile_move(src: DTensorSpec, dst: DTensorSpec) -> Optional[LocalFn]:
     """The local function taking a shard laid out as ``src`` to one laid out as ``dst`` (same
     global tensor), or None when nothing moves."""
@@ -77,7 +98,7 @@ def compile_move(src: DTensorSpec, dst: DTensorSpec) -> Optional[LocalFn]:
         return None
     changed = [i for i, (a, b) in enumerate(zip(src.placements, dst.placements)) if a != b]
     if len(changed) == 1:
-        fn = _single_dim_move(src, dst, changed[0])
+        fn = _single_dim_move_for(src, dst, changed[0])
         if fn is not None:
             return fn
     return lambda t: redistribute_local_tensor(t.contiguous(), src, dst)
@@ -100,7 +121,7 @@ def _move_to(spec: DTensorSpec, placements: tuple) -> tuple:
     if hit is None:
         if len(_MOVES) >= _MOVES_KEPT:
             _MOVES.clear()
-        target = DTensorSpec(spec.mesh, placements, tensor_meta=spec.tensor_meta)
+        target = spec_of(spec.mesh, placements, spec.tensor_meta)
         hit = _MOVES[key] = (compile_move(spec, target), target)
     return hit
 

@@ -37,9 +37,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch._prims_common import make_contiguous_strides_for
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..dispatch.metas import contiguous_strides
 from ..plan.ir import PlanError
 from ..plan.lower import runs_forward
 from .hooks import _map_tensors
@@ -139,7 +139,7 @@ class _ToSub(torch.autograd.Function):
         local = x._local_tensor
         if sub is None:
             return local.view_as(local)
-        stride = x.stride() if tuple(shape) == tuple(x.shape) else make_contiguous_strides_for(shape)
+        stride = x.stride() if tuple(shape) == tuple(x.shape) else contiguous_strides(shape)
         return _dtensor(local, sub, _without(x.placements, dp), shape, stride)
 
     @staticmethod
@@ -164,7 +164,7 @@ class _FromSub(torch.autograd.Function):
         shape = list(y.shape)
         shape[dim] *= mesh.size(dp)  # every DP rank holds as many tokens (the batch splits evenly)
         local = _local(y)
-        return _dtensor(local, mesh, _with(sub_placements, dp, Shard(dim)), shape, make_contiguous_strides_for(shape))
+        return _dtensor(local, mesh, _with(sub_placements, dp, Shard(dim)), shape, contiguous_strides(shape))
 
     @staticmethod
     def backward(ctx, grad):

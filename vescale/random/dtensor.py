@@ -27,12 +27,12 @@ from typing import Sequence
 
 import torch
 import torch.distributed.tensor._random as dtensor_random
-from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Partial, _is_shard_like
 
 from vescale.dispatch import install_semantic_handlers
+from vescale.dispatch.metas import contiguous_strides
 from vescale.random import kernel, ops
 
 __all__ = ["VescaleRNGTracker", "install", "uninstall", "is_installed", "local_indices", "handle_random_op"]
@@ -91,7 +91,7 @@ def _result_spec(spec: DTensorSpec, dtype: torch.dtype, tensor_meta: TensorMeta 
     return DTensorSpec(
         spec.mesh,
         placements,
-        tensor_meta=tensor_meta or TensorMeta(shape, make_contiguous_strides_for(shape), dtype),
+        tensor_meta=tensor_meta or TensorMeta(shape, contiguous_strides(shape), dtype),
         shard_order=None if spec.use_strided_shard_as_shard_order else spec.shard_order,
         use_strided_shard_as_shard_order=spec.use_strided_shard_as_shard_order,
     )

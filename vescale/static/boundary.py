@@ -20,13 +20,12 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
 
 from ..comm.moves import compile_move
-from ..dispatch.metas import spec_of
+from ..dispatch.metas import contiguous_strides, spec_of
 from ..parallel.placing import grad_layout
 
 __all__ = [
@@ -80,7 +79,7 @@ class Move:
 def grad_spec(spec: DTensorSpec, placements: tuple | None) -> DTensorSpec:
     """The spec of a contiguous gradient of a tensor laid out as ``spec``, in ``placements``
     (None: ``from_local``'s default, the forward placements with Partial as Replicate)."""
-    meta = TensorMeta(spec.shape, tuple(make_contiguous_strides_for(spec.shape)), spec.tensor_meta.dtype)
+    meta = TensorMeta(spec.shape, tuple(contiguous_strides(spec.shape)), spec.tensor_meta.dtype)
     return spec_of(spec.mesh, tuple(placements or grad_layout(spec.placements)), meta)
 
 

@@ -46,12 +46,11 @@ import itertools
 import math
 
 import torch
-from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from ..dispatch.metas import with_meta
+from ..dispatch.metas import contiguous_strides, with_meta
 from ..plan.ir import PlanError
 
 __all__ = ["ResizeMismatch", "size_factors", "derive", "data_dependent_op", "Pending", "ShapeCandidates", "settle", "finish"]
@@ -180,8 +179,8 @@ def _outer_only(shape, stride, open_dims: list) -> bool:
 
 def _restride(old_shape, old_stride, new_shape) -> tuple:
     """The stride a tensor laid out like the old one has at ``new_shape``."""
-    if tuple(old_stride) == tuple(make_contiguous_strides_for(old_shape)):
-        return tuple(make_contiguous_strides_for(new_shape))
+    if tuple(old_stride) == tuple(contiguous_strides(old_shape)):
+        return tuple(contiguous_strides(new_shape))
     order = _dense_order(old_shape, old_stride)
     if order is None:  # a view with gaps whose outermost dim changed (``_outer_only``)
         return tuple(old_stride)
