@@ -17,6 +17,7 @@ from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 import vescale
 from vescale import dispatch
+from vescale.dispatch import cache as cache_module
 from vescale.dispatch import unitdims
 from vescale.dispatch.cache import _Missed, _key, _same_decision
 from vescale.testing import forget_dtensor_caches
@@ -117,7 +118,8 @@ def test_a_lift_of_a_replayed_sub_mesh_decision_is_replayed_itself(unit_mesh, mo
     forget_dtensor_caches()
     cache = dispatch.shape_free_cache()
     _index(unit_mesh, 8)
-    full = [e for k, e in cache.entries.items() if k[0] is aten.index.Tensor and k[1][0][1].shape == (1, 4)]
+    mesh_of = {token: mesh for (mesh, _), token in cache_module._TOKENS.items()}  # keys hold layout tokens
+    full = [e for k, e in cache.entries.items() if k[0] == id(aten.index.Tensor) and mesh_of[k[1][0][1]].shape == (1, 4)]
     assert full and all(type(e) is tuple for e in full)
     _clear_sharding_prop_cache()
     asked, hits = _asked_meshes(monkeypatch, cache), cache.hits

@@ -60,7 +60,8 @@ def _pytorchs(shape, placements, sizes, mesh_shape, strict):
 
 def _ours(schema, rule_fn, strict, mesh_shape):
     try:
-        _, target, out = viewkey.decision(schema, rule_fn, strict, mesh_shape)
+        spec = schema.args_schema[0]
+        _, target, out = viewkey.decision(schema, rule_fn, strict, mesh_shape, (spec.mesh, spec.placements))
     except ValueError:
         return "raises"
     return target, out

@@ -51,6 +51,7 @@ decided there (``unitdims.py``), through this cache: the sub-mesh schema's own k
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import torch
@@ -114,25 +115,6 @@ def _size_class(n: int) -> int:
     return n if n < 2 else 2  # 0 and 1 change broadcasting and shardability; larger sizes do not
 
 
-def _shard_fit(spec: DTensorSpec) -> tuple:
-    """Per sharded tensor dim: whether the mesh divides it and whether every rank gets a piece.
-    PyTorch's rules test exactly these (``is_tensor_evenly_shardable``, ``is_tensor_shardable``);
-    e.g. nll_loss's mean refuses an uneven split, and strategies that would leave a rank empty are
-    dropped. A ``_StridedShard`` dim keeps its exact size (its tests involve the split factor)."""
-    shards: dict = {}
-    fit = []
-    shape = spec.tensor_meta.shape
-    for mesh_size, p in zip(mesh_shape(spec.mesh), spec.placements):
-        kind = _shard_kind(type(p))
-        if kind is _STRIDED:
-            fit.append((p.dim, shape[p.dim]))
-        elif kind is _SHARD:
-            shards[p.dim] = shards.get(p.dim, 1) * mesh_size
-    if shards:
-        fit.extend((d, shape[d] % n == 0, shape[d] >= n) for d, n in sorted(shards.items()) if d < len(shape))
-    return tuple(fit)
-
-
 _STRIDED, _SHARD = "strided", "shard"
 _SHARD_KINDS: dict = {}  # placement type -> _STRIDED, _SHARD or None
 
@@ -148,10 +130,59 @@ def _shard_kind(cls):
         return kind
 
 
+_TOKENS: dict = {}  # (mesh, placements) -> a number standing for them in keys (never reused)
+_NEXT_TOKEN = itertools.count()
+_LAYOUTS: dict = {}  # (id(mesh), id(placements)) -> (mesh, placements, token, shard counts, strided dims)
+
+
+def _layout(spec: DTensorSpec) -> tuple:
+    """What a key needs of a spec's mesh and placements, worked out once per pair of objects:
+    ``(mesh, placements, token, ((tensor dim, ranks splitting it), ...), strided dims)``. Keys hold
+    the token instead of the mesh and placements, whose hashes run Python per placement on every
+    lookup; replayed specs share their template's placements tuple, so the same objects come back
+    step after step. The entry keeps both objects alive, so their ids stay theirs."""
+    mesh, placements = spec.mesh, spec.placements
+    found = _LAYOUTS.get((id(mesh), id(placements)))
+    if found is not None and found[0] is mesh and found[1] is placements:
+        return found
+    token = _TOKENS.get((mesh, placements))
+    if token is None:
+        token = _TOKENS[(mesh, placements)] = next(_NEXT_TOKEN)
+    shards: dict = {}
+    strided = []
+    for mesh_size, p in zip(mesh_shape(mesh), placements):
+        kind = _shard_kind(type(p))
+        if kind is _STRIDED:
+            strided.append(p.dim)
+        elif kind is _SHARD:
+            shards[p.dim] = shards.get(p.dim, 1) * mesh_size
+    if len(_LAYOUTS) >= 8192:  # layouts are few; a bound for programs that make many meshes
+        _LAYOUTS.clear()
+    found = _LAYOUTS[(id(mesh), id(placements))] = (mesh, placements, token, tuple(sorted(shards.items())), tuple(strided))
+    return found
+
+
+def _shard_fit(shape, layout: tuple) -> tuple:
+    """Per sharded tensor dim: whether the mesh divides it and whether every rank gets a piece.
+    PyTorch's rules test exactly these (``is_tensor_evenly_shardable``, ``is_tensor_shardable``);
+    e.g. nll_loss's mean refuses an uneven split, and strategies that would leave a rank empty are
+    dropped. A ``_StridedShard`` dim keeps its exact size (its tests involve the split factor)."""
+    fit = tuple((d, shape[d]) for d in layout[4])
+    shards = layout[3]
+    if shards:
+        fit += tuple((d, shape[d] % n == 0, shape[d] >= n) for d, n in shards if d < len(shape))
+    return fit
+
+
 def _arg_key(a):
     if type(a) is DTensorSpec or isinstance(a, DTensorSpec):
-        meta = a.tensor_meta
-        return ("T", a.mesh, a.placements, meta.dtype, tuple(n if n < 2 else 2 for n in meta.shape), _shard_fit(a))
+        meta, layout = a.tensor_meta, _layout(a)
+        shape = meta.shape
+        # id(dtype): dtypes are singletons, and hashing one runs Python (~0.4 us)
+        return ("T", layout[2], id(meta.dtype), tuple(n if n < 2 else 2 for n in shape), _shard_fit(shape, layout))
+    kind = type(a)
+    if kind is int or kind is float or kind is bool:  # the common scalars first (see below)
+        return (kind, a)
     if isinstance(a, (list, tuple)):
         return tuple(_arg_key(x) for x in a)
     if isinstance(a, torch.Tensor):  # a plain tensor argument (rare): never shape-free
@@ -172,12 +203,12 @@ def _view_key(op_schema: OpSchema):
     spec = op_schema.args_schema[0]
     if not isinstance(spec, DTensorSpec) or op_schema.kwargs_schema:
         raise TypeError
-    op = op_schema.op
+    op, token = op_schema.op, _layout(spec)[2]
     try:
-        rank, target, out = view_decision(op_schema, _VIEW_RULES[op], op in _STRICT_VIEWS, mesh_shape(spec.mesh))
+        rank, target, out = view_decision(op_schema, _VIEW_RULES[op], op in _STRICT_VIEWS, mesh_shape(spec.mesh), token)
     except ValueError:  # the rule raises at these sizes: PyTorch's path gives its error (or gathers)
         raise TypeError from None
-    return (("T", spec.mesh, spec.placements, spec.tensor_meta.dtype, spec.ndim), rank, target, out)
+    return (("T", token, id(spec.tensor_meta.dtype), spec.ndim), rank, target, out)
 
 
 def _nll_mean_even(op_schema: OpSchema) -> bool | None:
@@ -252,14 +283,27 @@ def _size_arg_keys(prop, op_schema: OpSchema) -> dict:
     return sizes(op_schema)
 
 
+# id(op) -> (op, whether it is view-like, its key extra or None). Keys hold id(op): an OpOverload's
+# hash runs Python (~0.3 us), and ops live as long as the process (the entry keeps it alive anyway).
+_OP_KINDS: dict = {}
+
+
+def _op_kind(op) -> tuple:
+    found = _OP_KINDS.get(id(op))
+    if found is None or found[0] is not op:
+        found = _OP_KINDS[id(op)] = (op, op in _VIEW_RULES, _KEY_EXTRAS.get(op))
+    return found
+
+
 def _key(op_schema: OpSchema, prop=None):
     """The shape-free key of ``op_schema`` (None: not cached). ``prop``: the sharding propagator
     whose rules decide (DTensor's own by default)."""
     prop = prop or DTensor._op_dispatcher.sharding_propagator
     op = op_schema.op
+    _, is_view, extra = _op_kind(op)
     try:
-        if op in _VIEW_RULES:
-            return (op, _view_key(op_schema))
+        if is_view:
+            return (id(op), _view_key(op_schema))
         sized = _size_arg_keys(prop, op_schema)
         if sized:
             args = tuple(sized[i] if i in sized else _arg_key(a) for i, a in enumerate(op_schema.args_schema))
@@ -267,12 +311,11 @@ def _key(op_schema: OpSchema, prop=None):
             args = tuple(map(_arg_key, op_schema.args_schema))
         kwargs = op_schema.kwargs_schema
         kwargs = tuple(sorted((k, _arg_key(v)) for k, v in kwargs.items())) if kwargs else ()
-        extra = _KEY_EXTRAS.get(op)
         if extra is not None:
             args += (extra(op_schema),)
     except Exception:  # unhashable arguments, a rule that does not apply, ...: not cached
         return None
-    return (op, args, kwargs)
+    return (id(op), args, kwargs)
 
 
 # PyTorch strategies that return exactly one strategy, derived from the input placements alone

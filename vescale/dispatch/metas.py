@@ -645,36 +645,48 @@ _RULES = {
 }
 
 
-_PAIR_RULES = {aten.topk.default: _topk, aten.sort.default: _sort}
+def _pair(rule):
+    """A rule for ops returning values and int64 indices (``topk``, ``sort``)."""
+    return lambda op_schema, dtypes: rule(op_schema, dtypes) if isinstance(dtypes, tuple) and len(dtypes) == 2 else None
 
-_RULE_OF: dict = {}  # op -> its rule here, or None: decided once per op
+
+def _single(rule):
+    """A rule for ops returning one tensor (one dtype learned)."""
+    return lambda op_schema, dtypes: None if isinstance(dtypes, tuple) else rule(op_schema, dtypes)
+
+
+_TUPLE_RULES = {
+    aten.nll_loss_forward.default: _pair(_nll_loss_forward),
+    aten.split.Tensor: lambda op_schema, dtypes: _split(op_schema, dtypes) if isinstance(dtypes, tuple) else None,
+    aten.topk.default: _pair(_topk),
+    aten.sort.default: _pair(_sort),
+}
+
+# id(op) -> (op, its rule here or None), decided once per op. Keyed by id: an OpOverload's hash runs
+# Python (~0.3 us), and ops live as long as the process (the entry keeps it alive anyway).
+_RULE_OF: dict = {}
 
 
 def _rule_of(op):
-    try:
-        return _RULE_OF[op]
-    except KeyError:
-        rule = _RULES.get(op) or (_elementwise if _is_elementwise(op) else _in_place if _is_in_place_elementwise(op) else None)
-        _RULE_OF[op] = rule
-        return rule
+    found = _RULE_OF.get(id(op))
+    if found is None or found[0] is not op:
+        rule = _TUPLE_RULES.get(op)
+        if rule is None:
+            rule = _RULES.get(op) or (_elementwise if _is_elementwise(op) else _in_place if _is_in_place_elementwise(op) else None)
+            rule = None if rule is None else _single(rule)
+        found = _RULE_OF[id(op)] = (op, rule)
+    return found[1]
 
 
 def fast_outputs(op_schema: OpSchema, dtypes):
     """Output TensorMeta(s) by arithmetic, or None where this module does not know them for certain.
     ``dtypes``: the output dtype (a tuple of them for a tuple-returning op) PyTorch gave this op for
     the same input dtypes and non-tensor arguments."""
-    op = op_schema.op
+    rule = _rule_of(op_schema.op)
+    if rule is None:
+        return None
     try:
-        if op is aten.nll_loss_forward.default:
-            return _nll_loss_forward(op_schema, dtypes) if isinstance(dtypes, tuple) and len(dtypes) == 2 else None
-        if op is aten.split.Tensor:
-            return _split(op_schema, dtypes) if isinstance(dtypes, tuple) else None
-        if op in _PAIR_RULES:  # values and int64 indices
-            return _PAIR_RULES[op](op_schema, dtypes) if isinstance(dtypes, tuple) and len(dtypes) == 2 else None
-        if isinstance(dtypes, tuple):
-            return None
-        rule = _rule_of(op)
-        return None if rule is None else rule(op_schema, dtypes)
+        return rule(op_schema, dtypes)
     except (AttributeError, IndexError, TypeError):  # an argument of an unexpected kind
         return None
 

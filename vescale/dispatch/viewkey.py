@@ -130,12 +130,13 @@ def _pytorch_decision(op_schema, rule_fn, strict: bool, mesh_sizes):
     return len(rule), tuple(target), tuple(out)
 
 
-def decision(op_schema, rule_fn, strict: bool, mesh_sizes) -> tuple:
+def decision(op_schema, rule_fn, strict: bool, mesh_sizes, layout) -> tuple:
     """PyTorch's view-rule decision for a view-like call: ``(output rank, input target placements,
     output placements)``. Raises ``ValueError`` where PyTorch's rule raises (a strict view of an
     uneven split). ``rule_fn``: the function whose ``dim_maps`` rule PyTorch uses; calls of
     ``torch.Tensor.view`` / ``torch.reshape`` (``view_groups``) are summarised, others (``expand``)
-    keyed by their exact sizes."""
+    keyed by their exact sizes. ``layout``: a hashable standing for the input's mesh and placements
+    (the caller's token for them)."""
     spec, *rest = op_schema.args_schema
     src = tuple(spec.shape)
     summary = None
@@ -145,7 +146,7 @@ def decision(op_schema, rule_fn, strict: bool, mesh_sizes) -> tuple:
             numel *= s
         dst = _target_shape(numel, rest[0]) if type(numel) is int else None
         summary = None if dst is None else _summary(spec.placements, mesh_sizes, src, dst)
-    key = (strict, rule_fn, spec.mesh, spec.placements, spec.tensor_meta.dtype, len(src),
+    key = (strict, rule_fn, layout, id(spec.tensor_meta.dtype), len(src),
            (src, tuple(tuple(a) if isinstance(a, list) else a for a in rest)) if summary is None else summary)
     found = _DECISIONS.get(key)
     if found is None:
