@@ -174,12 +174,26 @@ def _shard_fit(shape, layout: tuple) -> tuple:
     return fit
 
 
+_SHAPE_PARTS: dict = {}  # (shape, layout token) -> (size classes, shard fit)
+
+
+def _shape_part(shape, layout: tuple) -> tuple:
+    """What a key keeps of a shape: per dim 0, 1 or "larger", and the shard fit. Many ops of a step
+    share a shape and layout, so it is worked out once per pair (a tuple hash, not a loop)."""
+    key = (shape, layout[2])
+    found = _SHAPE_PARTS.get(key)
+    if found is None:
+        if len(_SHAPE_PARTS) >= 8192:
+            _SHAPE_PARTS.clear()
+        found = _SHAPE_PARTS[key] = (tuple([n if n < 2 else 2 for n in shape]), _shard_fit(shape, layout))
+    return found
+
+
 def _arg_key(a):
     if type(a) is DTensorSpec or isinstance(a, DTensorSpec):
         meta, layout = a.tensor_meta, _layout(a)
-        shape = meta.shape
         # id(dtype): dtypes are singletons, and hashing one runs Python (~0.4 us)
-        return ("T", layout[2], id(meta.dtype), tuple(n if n < 2 else 2 for n in shape), _shard_fit(shape, layout))
+        return ("T", layout[2], id(meta.dtype), *_shape_part(meta.shape, layout))
     kind = type(a)
     if kind is int or kind is float or kind is bool:  # the common scalars first (see below)
         return (kind, a)
