@@ -193,8 +193,9 @@ def reduce_scatter_dim(t: torch.Tensor, d: int, group) -> torch.Tensor:
     (strided views): no stacking copy. Not on gloo, nor for complex tensors: gloo's list form sums
     the members in another order than its single-buffer form (the one DTensor's redistribution
     calls), so from 4 ranks on the bits differ, and it is slower on CPU than stacking the chunks
-    along dim 0 and calling the single-buffer form (``tests/static/test_boundary.py``), which is an
-    all-to-all for two members (see the module's docstring)."""
+    along dim 0 and calling the single-buffer form (``tests/static/test_boundary.py``). A gloo pair
+    stacks nothing: it sends the other member's chunk and adds the one received to its own, read in
+    place (see the module's docstring)."""
     n = group.size()
     peer = _pair(group) if d != 0 and not t.is_complex() else None
     if peer is not None:  # only the other member's chunk made contiguous (to send); a + b read in place
