@@ -165,3 +165,44 @@ def test_zero3_gathered_parameters_are_kept_from_step_to_step():
         assert all(grads[0].values()) and grads[0] == grads[1]
         assert not grads[2][frozen] and sum(grads[2].values()) == len(grads[2]) - 1
         assert held[:2] == [0, 0]  # (a frozen weight's copy is kept until the next forward, as ever)
+
+
+def _kept_or_not(mode: str):
+    """Four training steps of DP=2 x TP=2 + SP + ZeRO-3, alternating ``keep_for_backward`` off and on
+    (both rules in one model, as the A/B benchmark flips them): per step the loss, the collectives,
+    and after the last step the parameters; then the same with the rule off throughout."""
+    from vescale.debug import CollectiveCounter
+
+    mesh = vescale.init_mesh((2, 2), ("DP", "TP"))
+    runs = {}
+    for flips in (True, False):
+        torch.manual_seed(0)
+        model = tiny_llama(num_hidden_layers=3)
+        vescale.parallelize(model, llama_plan(mesh, model.config, zero3=True), mesh, mode=mode)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses, counts = [], []
+        for step, (x, y) in enumerate(synthetic_batches(4, 4, 16, 128, seed=1)):
+            model._vescale_gathers.keep_for_backward = flips and step % 2 == 1
+            with CollectiveCounter() as c:
+                loss = model(input_ids=x, labels=y).loss
+                loss.backward()
+            losses.append(loss.item())
+            counts.append(c.counts["all_gather"])
+            opt.step()
+            opt.zero_grad()
+        runs[flips] = (losses, counts, [p.to_local().clone() for p in model.parameters()])
+    return runs
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("mode", ["eager", "static"])
+def test_keeping_the_last_unit_changes_no_result(mode):
+    """``keep_for_backward`` saves the last block's gather in backward and nothing else: training
+    with it on every other step is bit for bit training with it off."""
+    for runs in run_on_ranks(_kept_or_not, 4, mode):
+        (losses, counts, params), (ref_losses, ref_counts, ref_params) = runs[True], runs[False]
+        assert losses == ref_losses
+        assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
+        # Steps 1 and 3 kept the last block (and the final norm and head) for backward: one
+        # all-gather fewer than the same steps with every unit freed after forward.
+        assert [r - k for k, r in zip(counts, ref_counts)] == [0, 1, 0, 1], (counts, ref_counts)
