@@ -1,7 +1,10 @@
 """ZeRO-3 saves memory for real: state at rest falls as 1/DP, and gathered parameters are freed
-after forward and again after their gradient is accumulated."""
+after forward (but for what forward used last, which backward needs first) and again after their
+gradient is accumulated."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -18,17 +21,24 @@ from vescale.zoo import llama_plan, synthetic_batches, tiny_llama
 _ALLOCATED = {"gathered": 0}  # storages of gathered parameters allocated (GatheredParam.refill_target)
 
 
-def _one_step(zero3: bool, spy: dict | None = None):
+# What forward uses last and backward first stays gathered: the last block, the final norm, the head.
+_KEPT = re.compile(r"model\.layers\.1\.|model\.norm\.|lm_head\.")
+
+
+def _one_step(zero3: bool, spy: dict | None = None, keep: bool = True):
     world = dist.get_world_size()
     mesh = vescale.init_mesh((world,), ("DP",))
     torch.manual_seed(0)
     model = vescale.parallelize(tiny_llama(), llama_plan(mesh, zero3=zero3), mesh)
+    if zero3:
+        model._vescale_gathers.keep_for_backward = keep
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     input_ids, labels = synthetic_batches(1, 4, 16, 128, seed=1)[0]
     loss = model(input_ids=input_ids, labels=labels).loss
     if spy is not None:
         gathered = [g for p in model.parameters() for g in getattr(p, "_vescale_gathered", [])]
         spy["weights"] = len(list(model.parameters()))  # the tiny LLaMA has only weights
+        spy["kept"] = sum(bool(_KEPT.match(n)) for n, _ in model.named_parameters()) if keep else 0
         spy["after_forward"] = (len(gathered), sum(g.resident for g in gathered))
         allocated = _ALLOCATED["gathered"]
     loss.backward()
@@ -39,7 +49,7 @@ def _one_step(zero3: bool, spy: dict | None = None):
     return bytes_at_rest(model, opt)
 
 
-def _measure():
+def _measure(keep: bool = True):
     original = GatheredParam.refill_target  # every gather into a freed storage allocates it here
 
     def counting_refill(self, *args):
@@ -48,20 +58,22 @@ def _measure():
 
     GatheredParam.refill_target = counting_refill  # test-local instrumentation of the forked rank
     spy: dict = {}
-    sharded = _one_step(zero3=True, spy=spy)
+    sharded = _one_step(zero3=True, spy=spy, keep=keep)
     replicated = _one_step(zero3=False)
     return sharded, replicated, spy, spy["refills"]
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("world", [2, 4])
-def test_state_at_rest_falls_as_one_over_dp(world):
-    for sharded, replicated, spy, refills in run_on_ranks(_measure, world):
-        n_weights = spy["weights"]
-        # Every weight was gathered for its module's forward, and all gathers were freed right after.
-        assert spy["after_forward"] == (n_weights, 0)
-        # Backward gathered each one again, and freed them once their gradients were accumulated.
-        assert refills == n_weights
+@pytest.mark.parametrize("world,keep", [(2, True), (4, True), (2, False)])
+def test_state_at_rest_falls_as_one_over_dp(world, keep):
+    for sharded, replicated, spy, refills in run_on_ranks(_measure, world, keep):
+        n_weights, kept = spy["weights"], spy["kept"]
+        assert kept == (11 if keep else 0)  # the last of 2 blocks (9 weights), the final norm, the head
+        # Every weight was gathered for its module's forward, and all gathers were freed right after
+        # but those of the last block, final norm and head (``keep_for_backward``).
+        assert spy["after_forward"] == (n_weights, kept)
+        # Backward gathered each freed one again, and freed them all once their gradients were accumulated.
+        assert refills == n_weights - kept
         assert spy["after_backward"] == 0
         for kind in ("params", "grads"):
             assert sharded[kind] * world == replicated[kind], (kind, sharded, replicated)
@@ -100,10 +112,12 @@ def _prefetch_spy():
 def test_zero3_prefetch_keeps_memory_bounded():
     for stats, peak, units, held_after, comm in run_on_ranks(_prefetch_spy, 2):
         # 5 units (4 blocks + the rest): after the first step each forward finds the next unit
-        # already gathering (4 times), and each backward too (reverse order).
-        assert stats == {"forward_prefetched": 4 + 4, "backward_prefetched": 7}, stats
-        # One gather per unit and pass, one reduce-scatter bucket, per step; 5 for the no-grad forward.
-        assert comm == {"all_gather": 2 * 2 * 5 + 5, "reduce_scatter": 2}, comm
+        # already gathering (4 times), and each backward too (reverse order: blocks 2, 1, 0 and
+        # the embedding; the last block, norm and head are still gathered from forward).
+        assert stats == {"forward_prefetched": 4 + 4, "backward_prefetched": 4 + 4}, stats
+        # One gather per unit and pass but the last block's in backward, one reduce-scatter bucket,
+        # per step; 5 for the no-grad forward.
+        assert comm == {"all_gather": 2 * (2 * 5 - 1) + 5, "reduce_scatter": 2}, comm
         # Prefetch holds at most the unit outside the blocks (embeddings and head, needed at both
         # ends of forward), the running block and the next one: never the whole model.
         block = max(b for u, b in units.items() if u)
@@ -114,7 +128,7 @@ def test_zero3_prefetch_keeps_memory_bounded():
 @pytest.mark.multiproc
 def test_zero3_on_one_rank_keeps_parameters():
     """On DP=1 the RUN gather returns the parameter's own storage; it must not be freed."""
-    sharded, replicated, spy, _ = run_on_ranks(_measure, 1)[0]
+    sharded, replicated, spy, _ = run_on_ranks(_measure, 1, False)[0]
     assert spy["after_forward"] == (spy["weights"], spy["weights"])  # nothing freed
     assert sharded == replicated
 
@@ -151,3 +165,44 @@ def test_zero3_gathered_parameters_are_kept_from_step_to_step():
         assert all(grads[0].values()) and grads[0] == grads[1]
         assert not grads[2][frozen] and sum(grads[2].values()) == len(grads[2]) - 1
         assert held[:2] == [0, 0]  # (a frozen weight's copy is kept until the next forward, as ever)
+
+
+def _kept_or_not(mode: str):
+    """Four training steps of DP=2 x TP=2 + SP + ZeRO-3, alternating ``keep_for_backward`` off and on
+    (both rules in one model, as the A/B benchmark flips them): per step the loss, the collectives,
+    and after the last step the parameters; then the same with the rule off throughout."""
+    from vescale.debug import CollectiveCounter
+
+    mesh = vescale.init_mesh((2, 2), ("DP", "TP"))
+    runs = {}
+    for flips in (True, False):
+        torch.manual_seed(0)
+        model = tiny_llama(num_hidden_layers=3)
+        vescale.parallelize(model, llama_plan(mesh, model.config, zero3=True), mesh, mode=mode)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses, counts = [], []
+        for step, (x, y) in enumerate(synthetic_batches(4, 4, 16, 128, seed=1)):
+            model._vescale_gathers.keep_for_backward = flips and step % 2 == 1
+            with CollectiveCounter() as c:
+                loss = model(input_ids=x, labels=y).loss
+                loss.backward()
+            losses.append(loss.item())
+            counts.append(c.counts["all_gather"])
+            opt.step()
+            opt.zero_grad()
+        runs[flips] = (losses, counts, [p.to_local().clone() for p in model.parameters()])
+    return runs
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("mode", ["eager", "static"])
+def test_keeping_the_last_unit_changes_no_result(mode):
+    """``keep_for_backward`` saves the last block's gather in backward and nothing else: training
+    with it on every other step is bit for bit training with it off."""
+    for runs in run_on_ranks(_kept_or_not, 4, mode):
+        (losses, counts, params), (ref_losses, ref_counts, ref_params) = runs[True], runs[False]
+        assert losses == ref_losses
+        assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
+        # Steps 1 and 3 kept the last block (and the final norm and head) for backward: one
+        # all-gather fewer than the same steps with every unit freed after forward.
+        assert [r - k for k, r in zip(counts, ref_counts)] == [0, 1, 0, 1], (counts, ref_counts)

@@ -8,6 +8,7 @@ whole weight over all DP x TP ranks.
 
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
@@ -81,7 +82,7 @@ def _spy_step(bucket_mb, vocab: int = 128):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    run_bytes = full_bytes = norm_bytes = 0
+    run_bytes = full_bytes = norm_bytes = kept_bytes = 0
     at_rest = {}
     for name, p in model.named_parameters():
         at_rest[name] = tuple(p.placements)
@@ -90,6 +91,9 @@ def _spy_step(bucket_mb, vocab: int = 128):
         full_bytes += nbytes
         run_bytes += nbytes // (2 if tp_sharded else 1)  # the RUN shard: 1/TP of a TP-sharded weight
         norm_bytes += nbytes if p.ndim == 1 else 0
+        # what forward uses last stays gathered for backward: the last block, the final norm, the head
+        if re.match(r"model\.layers\.1\.|model\.norm\.|lm_head\.", name):
+            kept_bytes += nbytes // (2 if tp_sharded else 1)
     groups = tuple(tuple(dist.get_process_group_ranks(mesh.get_group(d))) for d in ("DP", "TP"))
     # Rank (dp, tp) holds block tp * DP + dp of dim 0: a piece of its own TP shard.
     q = dict(model.named_parameters())["model.layers.0.self_attn.q_proj.weight"]
@@ -97,12 +101,12 @@ def _spy_step(bucket_mb, vocab: int = 128):
     rows = q.shape[0] // 4
     block = q.full_tensor()[(tp * 2 + dp) * rows : (tp * 2 + dp + 1) * rows]
     assert torch.equal(q.to_local(), block), (dp, tp)
-    return seen, groups, (run_bytes, full_bytes, norm_bytes), at_rest, losses
+    return seen, groups, (run_bytes, full_bytes, norm_bytes, kept_bytes), at_rest, losses
 
 
 @pytest.mark.multiproc
 def test_zero3_gathers_and_reduce_scatters_run_over_dp_only():
-    for seen, (dp_group, tp_group), (run_bytes, full_bytes, norm_bytes), at_rest, _ in run_on_ranks(_spy_step, 4, 25.0):
+    for seen, (dp_group, tp_group), (run_bytes, full_bytes, norm_bytes, kept), at_rest, _ in run_on_ranks(_spy_step, 4, 25.0):
         # Column-wise weights are nested at rest; row-wise ones and norms keep Shard(0) on DP.
         assert at_rest["model.layers.0.self_attn.q_proj.weight"] == (InterleavedShard(0, 2), Shard(0))
         assert at_rest["model.embed_tokens.weight"] == (InterleavedShard(0, 2), Shard(0))
@@ -110,10 +114,12 @@ def test_zero3_gathers_and_reduce_scatters_run_over_dp_only():
         assert at_rest["model.layers.0.input_layernorm.weight"] == (Shard(0), R)
         by_kind = {k: [(g, b) for kind, g, b in seen if kind == k] for k in ("all_gather", "reduce_scatter", "all_reduce")}
         # Every gather and reduce-scatter is over this rank's DP group (2 ranks), none over
-        # DP x TP (4), and each moves RUN shards only: per pass (forward, backward's refills, the
-        # gradients) the bytes of the TP shards (half a TP-sharded weight at TP=2), not whole weights.
+        # DP x TP (4), and each moves RUN shards only: per pass (forward, backward's refills but for
+        # what forward kept, the gradients) the bytes of the TP shards (half a TP-sharded weight at
+        # TP=2), not whole weights.
         assert {g for g, _ in by_kind["all_gather"] + by_kind["reduce_scatter"]} == {dp_group}, seen
-        assert sum(b for _, b in by_kind["all_gather"]) == 2 * run_bytes and run_bytes < full_bytes, (seen, run_bytes)
+        assert 0 < kept < run_bytes < full_bytes, (kept, run_bytes, full_bytes)
+        assert sum(b for _, b in by_kind["all_gather"]) == 2 * run_bytes - kept, (seen, run_bytes)
         assert sum(b for _, b in by_kind["reduce_scatter"]) == run_bytes, (seen, run_bytes)
         # The norms' gradients are Partial on TP too (SP splits the tokens there): after the
         # reduce-scatter over DP their shards (1/DP) are all-reduced over TP, once for all of them.

@@ -9,7 +9,8 @@ still open (as PyTorch's ``CommDebugMode`` does), so the collectives of implicit
 DTensor's dispatch are counted too, unless another dispatch mode is open beneath this one (a Static
 Eager recording step's watcher): then those modes see the op first and its implicit collectives are
 not counted. An all-to-all that ``vescale.comm`` issues in place of an all-gather or reduce-scatter
-(on gloo, see ``vescale.comm.direct``) counts as the collective it stands for.
+(on gloo, see ``vescale.comm.direct``) counts as the collective it stands for, with that one's
+bytes.
 """
 
 from __future__ import annotations
@@ -65,11 +66,12 @@ class CollectiveCounter(TorchDispatchMode):
             return NotImplemented
         if func.namespace in ("c10d", "_c10d_functional", "c10d_functional"):
             kind = _KINDS.get(func._opname)
-            if kind == "all_to_all":  # vescale.comm's gloo all-gathers and reduce-scatters are all-to-alls
-                kind = direct.meant() or kind
+            meant = direct.meant() if kind == "all_to_all" else None
+            if meant is not None:  # vescale.comm's gloo all-gathers and reduce-scatters are all-to-alls
+                kind = meant
             if kind is not None:
                 out = func(*args, **(kwargs or {}))
                 self.counts[kind] += 1
-                self.nbytes[kind] += max(_nbytes((args, kwargs)), _nbytes(out))
+                self.nbytes[kind] += max(_nbytes((args, kwargs)), _nbytes(out), direct.meant_nbytes() if meant else 0)
                 return out
         return func(*args, **(kwargs or {}))

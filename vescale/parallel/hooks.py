@@ -216,8 +216,9 @@ def _register_once_on_grads(output, fn: Callable[[], None]) -> None:
 
 
 def release_gathered(gathered: list[GatheredParam], output, scheduler, path: str) -> None:
-    """After the forward that used ``gathered`` (and made ``output``): free them, and gather them
-    again when backward first reaches ``output`` (with the scheduler: ``path``'s whole unit)."""
+    """After the forward that used ``gathered`` (and made ``output``): free them (with the scheduler:
+    when it sees fit, ``GatherScheduler.release``), and gather them again when backward first
+    reaches ``output`` (with the scheduler: ``path``'s whole unit, what of it is freed)."""
     if not gathered or not torch.is_grad_enabled() or not any(g.value.requires_grad for g in gathered):
         return
     for g in gathered:
@@ -225,11 +226,12 @@ def release_gathered(gathered: list[GatheredParam], output, scheduler, path: str
             g.param._vescale_gathered = []
         if scheduler is None:
             _free_after_grad(g.param)
+            g.free()
         g.param._vescale_gathered.append(g)
-        g.free()
     if scheduler is None:
         _register_once_on_grads(output, lambda: [g.refill() for g in gathered])
     else:
+        scheduler.release(gathered)  # freed now, or kept for backward if forward used them last
         _register_once_on_grads(output, lambda: scheduler.refill(path, gathered))
 
 

@@ -20,6 +20,15 @@ as FSDP2 keeps its unsharded parameters): their leaf, gradient hook and spec are
 collective's buffer is copied straight into their storage (one ``split_with_sizes_copy`` per unit),
 and that storage is freed between uses exactly as a fresh copy's would be. Backward's refills write
 into the freed storage the same way.
+
+What forward used last stays gathered for backward (FSDP2's rule for its root unit, TorchTitan's
+for the last block): a training forward frees a module's gathered parameters only when it gathers
+the next unit (``GatherScheduler.release``), so those that forward released after its last new
+gather (the last block, the final norm and the head) are still resident when backward, which needs
+them first, reaches them. That saves the last block's regather and its collective each step, at
+the memory cost FSDP2 pays too: one unit held across the forward/backward boundary, never more
+than a running unit and a prefetched one. ``keep_for_backward = False`` frees each one right after
+its module's forward.
 """
 
 from __future__ import annotations
@@ -171,6 +180,8 @@ class GatherScheduler:
         # unit -> (its forward GatherProgram, a GatheredParam.slot per item of its collectives, None
         # for parameters gathered alone): the gathered parameters a training forward reuses.
         self._slots: dict[str, tuple[GatherProgram, list]] = {}
+        self.keep_for_backward = True
+        self._released: list[GatheredParam] = []  # used by this forward, freed at its next unit gather
 
     def register(self, module: nn.Module, path: str, entries) -> None:
         self.units.setdefault(unit_of(path), []).extend((module, e.tensor, tuple(e.targets)) for e in entries)
@@ -187,7 +198,22 @@ class GatherScheduler:
         for g in self._inflight.values():  # predicted but not used: finish it (all ranks did launch it)
             g.finish()
         self._release_ready()
+        self._free_released()  # kept by a forward that no backward followed: its refill hooks regather
         self._reset_forward()
+
+    def release(self, gathered: list[GatheredParam]) -> None:
+        """Forward is done with ``gathered`` (they wait for backward in ``param._vescale_gathered``):
+        free them now, or, with ``keep_for_backward``, when this forward gathers another unit."""
+        if self.keep_for_backward and torch.is_grad_enabled():
+            self._released.extend(gathered)
+        else:
+            for g in gathered:
+                g.free()
+
+    def _free_released(self) -> None:
+        for g in self._released:
+            g.free()
+        self._released = []
 
     def end_forward(self) -> None:
         if self._fwd:
@@ -232,6 +258,7 @@ class GatherScheduler:
         """The module's gathered parameters, from its unit's gather (made now, or prefetched)."""
         unit = unit_of(path)
         if unit not in self._ready and unit not in self._fwd:
+            self._free_released()  # a new unit: what forward used before it is done with until backward
             self._fwd.append(unit)
             if unit in self._inflight:
                 self.stats["forward_prefetched"] += 1
@@ -281,7 +308,7 @@ class GatherScheduler:
         if not self._bwd_queued:
             self._bwd_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
-        if unit not in self._bwd:
+        if not self._bwd or self._bwd[-1] != unit:  # a unit kept from forward comes up again at its end
             self._bwd.append(unit)
         todo = [g for g in gathered if not g.resident]
         if todo:
@@ -295,13 +322,13 @@ class GatherScheduler:
                     g.refill()
         order = self.bwd_order or list(reversed(self.order))
         nxt = _after(order, unit)
-        if self.prefetch and nxt is not None and nxt not in self._bwd and nxt not in self._refills:
-            waiting = [g for g in self.live.get(nxt, []) if not g.resident]
+        if self.prefetch and nxt is not None and nxt != unit and nxt not in self._refills:
+            waiting = [g for g in self.live.get(nxt, []) if _awaited(g)]
             if waiting:
                 self._refills[nxt] = self._launch_refill(nxt, waiting)
 
     def _launch_refill(self, unit: str, extra: list[GatheredParam]):
-        todo = list({id(g): g for g in [*self.live.get(unit, []), *extra] if not g.resident and g.owns_storage}.values())
+        todo = list({id(g): g for g in [*self.live.get(unit, []), *extra] if _awaited(g) and g.owns_storage}.values())
         return self._gather(unit, "backward", [(g.param, g.run_placements) for g in todo]), todo
 
     def _finish_refill(self, unit: str) -> None:
@@ -317,6 +344,12 @@ class GatherScheduler:
         self._refills = {}
         if self._bwd:
             self.bwd_order, self._bwd = self._bwd, []
+
+
+def _awaited(g: GatheredParam) -> bool:
+    """Freed, and its gradient not yet taken (a kept unit's members that backward is done with are
+    freed too by then, and must not be gathered again)."""
+    return not g.resident and g in getattr(g.param, "_vescale_gathered", ())
 
 
 def _slots_fit(slots: list, items: list) -> bool:
