@@ -142,3 +142,14 @@ def test_sizes_the_decision_reads_are_kept(meshes):
         strided = _schema(mesh, (batch, 6, 8), [Replicate(), Shard(1)], (batch * 6, 8), aten.view.default)
         _, out = _ours(strided, torch.Tensor.view, True, (2, 2))
         assert out[1] == _StridedShard(0, split_factor=batch)
+
+
+def test_a_strided_shard_input_is_keyed_by_its_sizes(meshes):
+    """_StridedShard is not a Shard subclass: a summary that let it pass as unsharded would give
+    (12,) -> (6, 2) the decision learned for (4,) -> (2, 2) (it was found that way: hypothesis)."""
+    mesh = meshes[(1, 4)]
+    placements = (Replicate(), _StridedShard(0, split_factor=2))
+    for src, sizes in (((4,), (2, -1)), ((12,), (6, 2))):
+        schema = _schema(mesh, src, placements, sizes, aten.reshape.default)
+        placed = schema.args_schema[0].placements
+        assert _ours(schema, torch.reshape, False, (1, 4)) == _pytorchs(src, placed, sizes, (1, 4), False)

@@ -66,7 +66,7 @@ from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
 from .errors import is_missing_rule, missing_rule_error
 from .interleaved import _SPLIT_OPS, SIZE_DEPENDENT_OPS, _local_split_args, grouped_mm_layout_key
-from .metas import fast_outputs, meta_outputs, with_meta
+from .metas import fast_outputs, local_shape, meta_outputs, with_meta
 from .unitdims import lift, mesh_shape, reduce_schema, reducible_mesh, unit_placements
 from .viewkey import decision as view_decision
 from .zerocost import SameRoom, embedding_key, free_move, scatter_axes
@@ -370,6 +370,19 @@ def _keyed_split(prop, op_schema: OpSchema) -> bool:
             and prop.op_to_scalar_shape_adjuster.get(op) is _local_split_args)
 
 
+def _local_size_args(prop, meta: TensorMeta, schema: OpSchema, spec: DTensorSpec) -> OpSchema:
+    """PyTorch's ``_adjust_shape_and_stride_args``: the size argument made this rank's shard shape
+    of the output, here by arithmetic (``metas.local_shape``) where it covers the placements and the
+    op has no stride argument; PyTorch's own function otherwise."""
+    index = prop.op_to_shape_and_stride_idx[schema.op]
+    local = None if isinstance(index, tuple) else local_shape(meta.shape, spec.mesh, spec.placements)
+    if local is None:
+        return prop._adjust_shape_and_stride_args(meta, schema, spec)
+    args = list(schema.args_schema)
+    args[index] = local
+    return OpSchema(schema.op, tuple(args), schema.kwargs_schema)
+
+
 def _output_metas(spec):
     if isinstance(spec, DTensorSpec):
         return spec.tensor_meta
@@ -496,7 +509,7 @@ class ShapeFreeCache:
         if op_schema.op in prop.op_to_shape_and_stride_idx and any(
             isinstance(p, (Shard, _StridedShard)) for p in spec.placements
         ):
-            suggestion = prop._adjust_shape_and_stride_args(metas, suggestion or op_schema, spec)
+            suggestion = _local_size_args(prop, metas, suggestion or op_schema, spec)
             needs = local_args = True
         adjuster = prop.op_to_scalar_shape_adjuster.get(op_schema.op)  # only a keyed split gets here
         if adjuster is not None and any(isinstance(p, (Shard, _StridedShard)) for e in expected for p in e.placements):

@@ -28,10 +28,15 @@ this project's CI machine), which made a cache hit cost nearly as much as the mi
 from __future__ import annotations
 
 import torch
+from torch.distributed._local_tensor import local_tensor_mode
+from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema
 
-__all__ = ["meta_outputs", "fast_outputs", "miss_outputs", "contiguous_strides", "grouped_mm_shape", "with_meta", "spec_of"]
+from .unitdims import mesh_shape
+
+__all__ = ["meta_outputs", "fast_outputs", "miss_outputs", "contiguous_strides", "grouped_mm_shape", "with_meta", "spec_of",
+           "local_shape"]
 
 aten = torch.ops.aten
 
@@ -47,6 +52,33 @@ def with_meta(spec: DTensorSpec, meta: TensorMeta | None, mesh=None) -> DTensorS
     new.__dict__.update(spec.__dict__)
     new.__dict__.update(mesh=spec.mesh if mesh is None else mesh, tensor_meta=meta, _hash=None)
     return new
+
+
+def local_shape(shape, mesh, placements) -> tuple | None:
+    """This rank's shard shape of a tensor of global ``shape`` laid out as ``placements`` on
+    ``mesh``: DTensor's ``compute_local_shape_and_global_offset`` by arithmetic (``torch.chunk``'s
+    sizes, uneven shards included) where every placement is a plain ``Shard``, ``Replicate`` or
+    ``Partial`` and no tensor dim is split by two mesh dims (no shard order to follow); None
+    otherwise, under ``LocalTensorMode`` (coordinates per simulated rank), or off the mesh."""
+    coordinate = mesh.get_coordinate()
+    if coordinate is None or local_tensor_mode() is not None:
+        return None
+    local = list(shape)
+    seen = set()
+    for n, c, p in zip(mesh_shape(mesh), coordinate, placements):
+        kind = type(p)
+        if kind is Shard:
+            d = p.dim
+            if d in seen or not 0 <= d < len(local):
+                return None
+            seen.add(d)
+            size = local[d]
+            full = -(-size // n)  # the chunk size every rank but the last ones gets
+            start = full * c
+            local[d] = 0 if size < start else min(size, start + full) - start
+        elif kind is not Replicate and kind is not Partial:
+            return None
+    return tuple(local)
 
 
 _TEMPLATES: dict = {}  # (mesh, placements) -> a constructor-made spec without metadata

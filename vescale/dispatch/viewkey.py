@@ -37,7 +37,7 @@ import threading
 
 from torch import Tensor, reshape
 from torch.distributed.tensor._ops._view_ops import dim_maps, propagate_shape_and_sharding
-from torch.distributed.tensor.placement_types import Shard
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 __all__ = ["decision", "clear_view_decisions", "VIEW_DECISIONS_LIMIT"]
 
@@ -100,9 +100,9 @@ def _summary(placements, mesh_sizes, src: tuple, dst: tuple) -> tuple | None:
     facts = []
     for m, p in enumerate(placements):
         if type(p) is not Shard:
-            if isinstance(p, Shard):  # _StridedShard, vescale's interleaved shards: their rules read sizes
-                return None
-            continue
+            if isinstance(p, (Replicate, Partial)):  # the rule passes these through
+                continue
+            return None  # _StridedShard (not a Shard subclass), interleaved or other shards: their rules read sizes
         dims, n_out, first_out = where[p.dim]
         if len(dims) > 1 and n_out > 1:
             return None
