@@ -47,11 +47,14 @@ def fake_world(world_size: int, rank: int = 0):
 
 def forget_dtensor_caches() -> None:
     """Clear DTensor's process-wide caches (sharding propagation, transform plans, redistribute
-    planners, and vescale.dispatch's shape-free cache, sized-op table, view decisions and SDPA decisions). Their keys do not include the rank, so entries made while this process simulated
-    another rank (fake process group) would be wrong for a real rank forked from it."""
+    planners), vescale.dispatch's (shape-free cache, sized-op table, view decisions, SDPA
+    decisions) and vescale.comm's compiled moves (which hold process groups). Their keys do not
+    include the rank, so entries made while this process simulated another rank (fake process
+    group) would be wrong for a real rank forked from it."""
     from torch.distributed.tensor._redistribute import _gen_transform_infos, clear_redistribute_planner_cache
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
+    from vescale.comm.moves import clear_moves
     from vescale.dispatch import shape_free_cache
     from vescale.dispatch.attention import clear_sdpa_decisions
     from vescale.dispatch.sized import clear_sized_ops_table
@@ -65,6 +68,7 @@ def forget_dtensor_caches() -> None:
     clear_sized_ops_table()
     clear_view_decisions()
     clear_sdpa_decisions()
+    clear_moves()
 
 
 def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, conn) -> None:

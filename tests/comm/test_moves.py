@@ -86,3 +86,23 @@ def test_a_partial_target_is_refused_as_dtensor_refuses_it():
         x = DTensor.from_local(torch.ones(2, 3), mesh, (Replicate(), Replicate()), run_check=False)
         with pytest.raises(RuntimeError, match="redistributing to Partial is for internal use only"):
             moves.redistribute(x, (Replicate(), Partial()))
+
+
+def test_a_mesh_of_another_rank_gets_moves_of_its_own():
+    """Compiled moves hold the process group and coordinates of the mesh they were compiled on, and
+    spec equality ignores both: a mesh object of another rank (here the same process simulating
+    rank 3, then rank 0) must get moves of its own, and forget_dtensor_caches (run by every rank
+    run_on_ranks forks) drops them all."""
+    from vescale.testing import fake_world, forget_dtensor_caches
+
+    with fake_world(4, rank=3):
+        mesh = vescale.init_mesh((2, 2), ("DP", "TP"))
+        x = DTensor.from_local(torch.arange(8.0).reshape(4, 2), mesh, (Replicate(), Replicate()), run_check=False)
+        assert moves.redistribute(x, (Replicate(), Shard(0))).to_local().tolist() == [[4.0, 5.0], [6.0, 7.0]]  # TP 1
+    with fake_world(4, rank=0):
+        mesh = vescale.init_mesh((2, 2), ("DP", "TP"))
+        x = DTensor.from_local(torch.arange(8.0).reshape(4, 2), mesh, (Replicate(), Replicate()), run_check=False)
+        assert moves.redistribute(x, (Replicate(), Shard(0))).to_local().tolist() == [[0.0, 1.0], [2.0, 3.0]]
+        assert moves._MOVES and moves._SINGLE
+        forget_dtensor_caches()
+        assert not moves._MOVES and not moves._SINGLE

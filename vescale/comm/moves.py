@@ -29,7 +29,7 @@ from torch.distributed.tensor.placement_types import _is_shard_like
 from ..dispatch.metas import spec_of
 from . import direct
 
-__all__ = ["compile_move", "grad_placements", "redistribute"]
+__all__ = ["compile_move", "grad_placements", "redistribute", "clear_moves"]
 
 LocalFn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -108,22 +108,33 @@ def compile_move(src: DTensorSpec, dst: DTensorSpec) -> Optional[LocalFn]:
 # Eager mode: DTensor.redistribute through compiled moves
 # ---------------------------------------------------------------------------------------------
 
-# (source spec, target placements) -> (move, target spec); (gradient spec, target placements) ->
-# (move, target spec) for backward. Specs hold shapes, so a model run at many sequence lengths
+# (id(mesh), source spec, target placements) -> (move, target spec, mesh); the same for a gradient
+# spec in backward. Specs hold shapes, so a model run at many sequence lengths
 # adds entries: the table is dropped when it grows past _MOVES_KEPT (rebuilt at a few us each).
 _MOVES: dict = {}
 _MOVES_KEPT = 4096
 
 
 def _move_to(spec: DTensorSpec, placements: tuple) -> tuple:
-    key = (spec, placements)
+    # Keyed by the mesh object too: a move holds its mesh's process group and coordinates, and
+    # DeviceMesh equality (inside spec equality) ignores both; the entry keeps the mesh alive.
+    mesh = spec.mesh
+    key = (id(mesh), spec, placements)
     hit = _MOVES.get(key)
-    if hit is None:
+    if hit is None or hit[2] is not mesh:
         if len(_MOVES) >= _MOVES_KEPT:
             _MOVES.clear()
-        target = spec_of(spec.mesh, placements, spec.tensor_meta)
-        hit = _MOVES[key] = (compile_move(spec, target), target)
+        target = spec_of(mesh, placements, spec.tensor_meta)
+        hit = _MOVES[key] = (compile_move(spec, target), target, mesh)
     return hit
+
+
+def clear_moves() -> None:
+    """Forget the compiled moves: they hold the process groups and coordinates of the meshes they
+    were compiled on, and ``_MOVES`` finds them by spec equality, which ignores the rank (a rank
+    forked from a process that simulated another must not run that one's moves)."""
+    _MOVES.clear()
+    _SINGLE.clear()
 
 
 def grad_placements(grad: tuple, src: tuple) -> tuple:
@@ -157,7 +168,7 @@ class _Redistribute(torch.autograd.Function):
             return grad.redistribute(src.mesh, want), None, None
         if tuple(grad.placements) == want:
             return grad, None, None
-        move, spec = _move_to(grad._spec, want)  # laid out anew, shaped as the gradient
+        move, spec, _ = _move_to(grad._spec, want)  # laid out anew, shaped as the gradient
         local = grad._local_tensor
         return DTensor(_own(move(local), local), spec, requires_grad=False), None, None
 
@@ -167,5 +178,5 @@ def redistribute(d: DTensor, placements: tuple) -> DTensor:
     compiled once per layout pair; ``placements`` must differ from ``d``'s."""
     if any(p.is_partial() and p != q for p, q in zip(placements, d.placements)):
         return d.redistribute(d.device_mesh, placements)  # DTensor's error: a Partial target is its internal use
-    move, spec = _move_to(d._spec, tuple(placements))
+    move, spec, _ = _move_to(d._spec, tuple(placements))
     return _Redistribute.apply(d, move, spec)
