@@ -18,8 +18,9 @@ decision are reused:
   sizes; ``viewkey.py`` asks that rule once per summary of what it reads of the sizes (how dims
   group, whether sharded sizes divide the mesh), not at every new size. Flattening or splitting a dim whose size
   changed is a hit when the decision is the same; an uneven split or a new ``_StridedShard`` split
-  factor is a different decision, so a different key. The local size arguments are re-derived with
-  PyTorch's ``_adjust_shape_and_stride_args``, inputs moved as the decision says.
+  factor is a different decision, so a different key. The local size arguments are re-derived
+  (``metas.local_shape``, else PyTorch's ``_adjust_shape_and_stride_args``), inputs moved as the
+  decision says.
 * ops whose PyTorch rule returns a single strategy derived from placements alone (softmax and its
   backward, nll_loss forward and backward: ``_ONE_STRATEGY_RULES``): their redistributions (gather
   the vocabulary dim, replicate a Partial gradient) are replayed with the new sizes.
@@ -185,7 +186,8 @@ def _shape_part(shape, layout: tuple) -> tuple:
     if found is None:
         if len(_SHAPE_PARTS) >= 8192:
             _SHAPE_PARTS.clear()
-        found = _SHAPE_PARTS[key] = (tuple([n if n < 2 else 2 for n in shape]), _shard_fit(shape, layout))
+        sizes = tuple([n if n < 2 else 2 for n in shape])  # _size_class per dim, inlined
+        found = _SHAPE_PARTS[key] = (sizes, _shard_fit(shape, layout))
     return found
 
 
@@ -362,8 +364,7 @@ def _keyed_split(prop, op_schema: OpSchema) -> bool:
     the split dim unsharded, every piece laid out alike; the number of pieces is checked against
     the metadata on replay), and splits an interleaved one locally where the pieces are its sections
     (the split dim's length is in the key: ``_interleaved_split_length``, or ``split_with_sizes``'
-    sizes). The size adjuster
-    (``_local_split_args``) makes the section sizes local at every replay."""
+    sizes). The size adjuster (``_local_split_args``) makes the section sizes local at every replay."""
     op, spec = op_schema.op, op_schema.args_schema[0]
     return (op in _SPLIT_OPS and isinstance(spec, DTensorSpec)
             and getattr(prop.op_strategy_funcs.get(op), "__wrapped__", None) is split_strategy

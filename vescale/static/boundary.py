@@ -79,7 +79,7 @@ class Move:
 def grad_spec(spec: DTensorSpec, placements: tuple | None) -> DTensorSpec:
     """The spec of a contiguous gradient of a tensor laid out as ``spec``, in ``placements``
     (None: ``from_local``'s default, the forward placements with Partial as Replicate)."""
-    meta = TensorMeta(spec.shape, tuple(contiguous_strides(spec.shape)), spec.tensor_meta.dtype)
+    meta = TensorMeta(spec.shape, contiguous_strides(spec.shape), spec.tensor_meta.dtype)
     return spec_of(spec.mesh, tuple(placements or grad_layout(spec.placements)), meta)
 
 

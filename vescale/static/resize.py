@@ -179,8 +179,8 @@ def _outer_only(shape, stride, open_dims: list) -> bool:
 
 def _restride(old_shape, old_stride, new_shape) -> tuple:
     """The stride a tensor laid out like the old one has at ``new_shape``."""
-    if tuple(old_stride) == tuple(contiguous_strides(old_shape)):
-        return tuple(contiguous_strides(new_shape))
+    if tuple(old_stride) == contiguous_strides(old_shape):
+        return contiguous_strides(new_shape)
     order = _dense_order(old_shape, old_stride)
     if order is None:  # a view with gaps whose outermost dim changed (``_outer_only``)
         return tuple(old_stride)
