@@ -20,6 +20,8 @@
   backward); the CUDA fused kernels refuse in-kernel dropout on DTensors (rank-local masks).
 * ``conv``: plain tensors meet DTensors as Replicate in convolutions too; ``errors``: an op without
   a sharding rule names its module, placements and the plan statement that avoids it.
+* ``unwrap``: a shorter ``unwrap_to_op_info`` (what PyTorch's C++ dispatcher calls on every miss of
+  its cache) for calls of DTensors and scalars.
 * ``datadep``: data-dependent ops (``nonzero``, masks, ``bincount``, ``unique``, ``index_add_`` /
   ``scatter_add_`` into sharded tensors, fp32 ``_grouped_mm``) with single-device answers.
 
@@ -36,6 +38,7 @@ from .optim import ELEMENTWISE_OPTIMIZERS, install_local_optimizer_step, uninsta
 from .search import install_fast_search, uninstall_fast_search
 from .sized import install_sized_ops, uninstall_sized_ops
 from .semantics import install_semantic_handlers
+from .unwrap import install_unwrap, uninstall_unwrap
 
 
 def install() -> None:
@@ -50,11 +53,13 @@ def install() -> None:
     install_local_optimizer_step()
     install_interleaved_rules()
     install_sized_ops()
+    install_unwrap()
 
 
 def uninstall() -> None:
     """Give DTensor back PyTorch's own sharding search, miss path, sized-op path and optimiser steps
     (the semantic, SDPA and convolution handlers stay: without them those ops fail outright)."""
+    uninstall_unwrap()
     uninstall_sized_ops()
     uninstall_interleaved_rules()
     uninstall_local_optimizer_step()
