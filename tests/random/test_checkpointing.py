@@ -8,8 +8,9 @@ block around the forward. With ``context_fn=vescale.random.checkpoint_context``:
   bit-for-bit the un-checkpointed one (the same masks in forward and recomputation; without the
   context it is not, which the test also asserts so the case can tell the two apart);
 * a DTensor dropout recomputed without the context raises a clear error instead of drawing others;
-* HF's ``LlamaForCausalLM`` with ``gradient_checkpointing_enable`` and attention dropout on TP=2 and
-  DP=2 (eager): losses and gradients within 1e-6 of the single device's un-checkpointed run (fp32;
+* HF's ``LlamaForCausalLM`` with ``gradient_checkpointing_enable`` and attention dropout on TP=2,
+  DP=2, DP=2 with ZeRO-3 and DP=2 x TP=2 with SP and ZeRO-3 (eager; ZeRO-3's recomputation gathers
+  the parameters forward freed): losses and gradients within 1e-6 of the single device's un-checkpointed run (fp32;
   sharded matmuls add in another order); Static Eager refuses a recomputed module by name.
 """
 
@@ -64,6 +65,15 @@ def test_a_dtensor_draw_in_backward_without_the_context_raises():
             out.to_local().sum().backward()
 
 
+# mesh name -> (mesh shape, dim names, sequence parallel, ZeRO-3)
+_MESHES = {
+    "TP": ((2,), ("TP",), False, False),
+    "DP": ((2,), ("DP",), False, False),
+    "DP-ZeRO-3": ((2,), ("DP",), False, True),  # recomputation needs the freed parameters again
+    "DPxTP-SP-ZeRO-3": ((2, 2), ("DP", "TP"), True, True),
+}
+
+
 def _llama(dim: str | None, mode: str = "eager", checkpointed: bool = True):
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     vescale.manual_seed(0)
@@ -73,8 +83,11 @@ def _llama(dim: str | None, mode: str = "eager", checkpointed: bool = True):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
             "use_reentrant": False, "context_fn": vescale.random.checkpoint_context})
     if dim is not None:
-        mesh = vescale.init_mesh((2,), (dim,))
-        vescale.parallelize(model, llama_plan(mesh, model.config), mesh, mode=mode)
+        shape, names, sp, zero3 = _MESHES[dim]
+        mesh = vescale.init_mesh(shape, names)
+        vescale.parallelize(model, llama_plan(mesh, model.config, sequence_parallel=sp, zero3=zero3), mesh, mode=mode)
+        if "TP" in names or zero3:  # the plan did split the weights (equal losses alone cannot show it)
+            assert all(p.to_local().numel() < p.numel() for n, p in model.named_parameters() if "proj" in n)
     input_ids, labels = synthetic_batches(1, 4, 16, 128, seed=1)[0]
     losses, grads = [], []
     try:
@@ -93,10 +106,10 @@ def _llama(dim: str | None, mode: str = "eager", checkpointed: bool = True):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("dim", ["TP", "DP"])
+@pytest.mark.parametrize("dim", list(_MESHES))
 def test_checkpointed_hf_llama_matches_the_uncheckpointed_single_device(dim):
     want_losses, want_grads = _llama(None, checkpointed=False)
-    losses, grads = run_on_ranks(_llama, 2, dim)[0]
+    losses, grads = run_on_ranks(_llama, 4 if "x" in dim else 2, dim)[0]
     for step in range(2):
         assert abs(losses[step] - want_losses[step]) <= 1e-6, (step, losses[step], want_losses[step])
         diff, name = max(((grads[step][k] - want_grads[step][k]).abs().max().item(), k) for k in want_grads[step])
