@@ -26,9 +26,12 @@ sequence length against a repeated one (static mode derives the new length's rec
 recorded one, ``vescale/static/resize.py``; ``reuse_records = False`` on its runtime records again). ``--gloo``
 runs the same on real gloo ranks (one process each; ``local`` is ``megatron_local.MegatronLlama``
 there, left out for ``--model moe``; 4 ranks oversubscribe 2 cores, so read ratios, not
-absolutes). Run:
+absolutes). ``--cold-first N`` measures instead each variant's first step on the ``--gloo``
+configs in N fresh launches of its own: in one interleaved process the variants after the first
+find PyTorch's process-wide state warmed (FakeTensor's dispatch cache, op tables, gloo's
+connections). Run:
 
-    .venv/bin/python benchmarks/bench_dispatch.py [--rounds 7] [--configs tp8,dp2tp4] [--gloo tp2,dp2tp2] [--model llama|moe] [--clock wall|cpu|thread] [--gloo-clock wall|cpu] [--dropout 0.1]
+    .venv/bin/python benchmarks/bench_dispatch.py [--rounds 7] [--configs tp8,dp2tp4] [--gloo tp2,dp2tp2] [--model llama|moe] [--clock wall|cpu|thread] [--gloo-clock wall|cpu] [--dropout 0.1] [--cold-first 3]
 
 ``--model moe``: HF's unchanged ``MixtralForCausalLM`` with many small experts (16 experts of
 intermediate 64, 2 per token) under ``vescale.zoo.moe_plan`` (tensor-parallel experts, SP, ZeRO-3),
@@ -450,6 +453,40 @@ def _on_gloo_rank(config: str, rounds: int, variants: list[str], kind: str, drop
     return r if dist.get_rank() == 0 else None
 
 
+def _first_on_gloo_rank(config: str, variant: str, kind: str, dropout: float, clock: str):
+    CLOCK[0] = CLOCKS[clock]
+    _set_dropout(dropout)
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    shape, names, sp, zero3 = CONFIGS[config]
+    mesh = vescale.init_mesh(shape, names)
+    vescale.manual_seed(0)
+    first = Runner(variant, mesh, shape[0], shape[1], sp, zero3, kind, real_collectives=True).step()
+    return first if dist.get_rank() == 0 else None
+
+
+def bench_cold_first(config: str, launches: int, variants: list[str], kind: str, clock: str = "wall") -> None:
+    """The first step of each variant in a launch of its own (``launches`` per variant, in turn): in
+    the interleaved run, the variants after the first find PyTorch's process-wide state warmed
+    (FakeTensor's dispatch cache, lazily built op tables, gloo's connections), which a user's fresh
+    process does not."""
+    from vescale.testing import run_on_ranks
+
+    shape, names, sp, zero3 = CONFIGS[config]
+    variants = [v for v in variants if v not in ("megatron", "local")]
+    firsts = {v: [] for v in variants}
+    for _ in range(launches):
+        for v in variants:
+            firsts[v].append(run_on_ranks(_first_on_gloo_rank, math.prod(shape), config, v, kind,
+                                          MODEL.attention_dropout, clock, timeout=900)[0])
+    print(f"\n## {kind} {config} on {math.prod(shape)} gloo ranks: first step, each variant in fresh processes "
+          f"({launches} launches each, rank 0's {clock} clock, seconds)")
+    base = statistics.median(firsts["torch"]) if "torch" in firsts else None
+    for v, xs in firsts.items():
+        med = statistics.median(xs)
+        ratio = f"  x torch {med / base:.2f}" if base else ""
+        print(f"{v:16s} median {med:.2f} (runs {' '.join(f'{x:.2f}' for x in xs)}){ratio}")
+
+
 def bench_gloo(config: str, rounds: int, variants: list[str], kind: str, clock: str = "wall") -> None:
     from vescale.testing import run_on_ranks
 
@@ -477,6 +514,8 @@ def main() -> None:
     ap.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
                     help="fake-group step times: wall clock, or this process's (cpu) / thread's (thread) CPU "
                          "time, steadier on a shared machine")
+    ap.add_argument("--cold-first", type=int, default=0, metavar="N",
+                    help="for the --gloo configs, instead: each variant's first step in N fresh launches of its own")
     ap.add_argument("--gloo-clock", choices=("wall", "cpu"), default="wall",
                     help="gloo-rank step times: wall clock (waits for the other ranks included), or the "
                          "rank's process CPU time (its own work, gloo's threads included)")
@@ -497,7 +536,10 @@ def main() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     for config in filter(None, args.gloo.split(",")):
-        bench_gloo(config, args.rounds, args.variants.split(","), args.model, args.gloo_clock)
+        if args.cold_first:
+            bench_cold_first(config, args.cold_first, args.variants.split(","), args.model, args.gloo_clock)
+        else:
+            bench_gloo(config, args.rounds, args.variants.split(","), args.model, args.gloo_clock)
 
 
 if __name__ == "__main__":
