@@ -500,10 +500,13 @@ class ShapeFreeCache:
         args = op_schema.args_spec
         if len(args) != len(targets):
             return None
-        expected = tuple(_with_metas(t, a.tensor_meta, mesh, built) for a, t in zip(args, targets))
         needs = any(a.placements != t.placements for a, t in zip(args, targets))
+        # the inputs' target specs; built only where something reads them (most replays of views and
+        # size-argument ops move no input: only their size arguments are made local)
+        expected = None
         suggestion, local_args = None, False
         if needs:
+            expected = tuple(_with_metas(t, a.tensor_meta, mesh, built) for a, t in zip(args, targets))
             suggestion = OpSchema(op_schema.op, expected, {})
             suggestion._inplace_rewrap_schema_suggestion(op_schema)
         prop = self.propagator
@@ -513,7 +516,7 @@ class ShapeFreeCache:
             suggestion = _local_size_args(prop, metas, suggestion or op_schema, spec)
             needs = local_args = True
         adjuster = prop.op_to_scalar_shape_adjuster.get(op_schema.op)  # only a keyed split gets here
-        if adjuster is not None and any(isinstance(p, (Shard, _StridedShard)) for e in expected for p in e.placements):
+        if adjuster is not None and any(isinstance(p, (Shard, _StridedShard)) for t in targets for p in t.placements):
             suggestion = adjuster(list(expected), suggestion or op_schema)
             needs = local_args = True
         if op_schema.op in prop.squeeze_op_to_dims_variant:
