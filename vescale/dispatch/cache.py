@@ -501,13 +501,14 @@ class ShapeFreeCache:
         if len(args) != len(targets):
             return None
         needs = any(a.placements != t.placements for a, t in zip(args, targets))
-        # the inputs' target specs; built only where something reads them (most replays of views and
-        # size-argument ops move no input: only their size arguments are made local)
-        expected = None
+
+        def expected():  # the inputs' target specs: built only where read (most replays of views and
+            # size-argument ops move no input, only their size arguments are made local)
+            return tuple(_with_metas(t, a.tensor_meta, mesh, built) for a, t in zip(args, targets))
+
         suggestion, local_args = None, False
         if needs:
-            expected = tuple(_with_metas(t, a.tensor_meta, mesh, built) for a, t in zip(args, targets))
-            suggestion = OpSchema(op_schema.op, expected, {})
+            suggestion = OpSchema(op_schema.op, expected(), {})
             suggestion._inplace_rewrap_schema_suggestion(op_schema)
         prop = self.propagator
         if op_schema.op in prop.op_to_shape_and_stride_idx and any(
@@ -517,7 +518,7 @@ class ShapeFreeCache:
             needs = local_args = True
         adjuster = prop.op_to_scalar_shape_adjuster.get(op_schema.op)  # only a keyed split gets here
         if adjuster is not None and any(isinstance(p, (Shard, _StridedShard)) for t in targets for p in t.placements):
-            suggestion = adjuster(list(expected), suggestion or op_schema)
+            suggestion = adjuster(list(expected()), suggestion or op_schema)
             needs = local_args = True
         if op_schema.op in prop.squeeze_op_to_dims_variant:
             adjusted = prop._adjust_squeeze_to_global_singletons(suggestion or op_schema)
