@@ -3,12 +3,13 @@
 MoE blocks' experts running on local tensors.
 
 * TP=2 + SP (tensor-parallel experts, ``InterleavedShard`` gate|up): the routing's data-dependent
-  ops act on replicated tokens and the experts' matmuls on local shards, but in backward the
-  experts' ``index_put`` takes the TP-partial gradients through vescale's data-dependent handler,
-  which the recording's backward check does not take as local: the experts stay eager.
+  ops act on replicated tokens and the experts' matmuls on local shards; in backward, autograd's
+  gradient of the token gather (``IndexBackward0``) accumulates the TP-partial gradient into zeros
+  it makes itself, which DTensor takes Replicate -> Partial (zeros / n: zeros), so the experts run
+  static there too (the test fails if they are kept eager).
 * DP=2 + ZeRO-3 and DP=2 x TP=2 + SP + ZeRO-3: ``moe_plan`` makes the MoE blocks batch-local
   (``plan.batch_local``): each DP rank's block runs on its own tokens, on the TP sub-mesh; without
-  TP the blocks and experts run static (the test fails if they are kept eager), and in every
+  TP the blocks run static too, and in every
   config the experts see the DP rank's tokens only.
 * Gradients: under TP ``moe_plan`` keeps the blocks' own ops on DTensors (``plan.eager``): in a
   static block the router's (eager) and the experts' (static, Partial over TP) input gradients
@@ -101,10 +102,7 @@ def test_static_moe_matches_eager_and_single_device(config):
         diff, where = max(((grads[n] - g).abs().max().item(), n) for n, g in single_grads.items())
         assert diff <= TOL, f"{mode}: last step's gradient of {where} differs from single device by {diff:.3g}"
     kept = set(r["eager_modules"])
-    if "TP" in config:  # the backward check keeps them eager (index_put on TP-partial gradients)
-        assert set(EXPERTS) <= kept, f"experts not kept eager under TP: {r['eager_modules']}"
-    else:
-        assert not kept & set(EXPERTS), f"experts kept eager: {r['eager_modules']}"
+    assert not kept & set(EXPERTS), f"experts kept eager: {r['eager_modules']}"
     dp = 2 if "DP" in config else 1
     for mode in ("eager", "static"):  # each DP rank's experts see its own tokens only
         assert r[f"{mode}_rows"] == {(BATCH * SEQ // dp, 32)}, (mode, r[f"{mode}_rows"])

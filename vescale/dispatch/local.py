@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from .cache import shape_free_cache
 
-__all__ = ["why_rule_not_local", "moves_data", "decisions_remembered"]
+__all__ = ["why_rule_not_local", "data_moves", "moves_data", "decisions_remembered"]
 
 
 def moves_data(src, dst) -> bool:
@@ -25,23 +25,29 @@ def moves_data(src, dst) -> bool:
     return any(p != q and mesh.size(i) > 1 for i, (p, q) in enumerate(zip(src.placements, dst.placements)))
 
 
+def data_moves(func, args, kwargs) -> list:
+    """The inputs DTensor's own rule for ``func`` would redistribute in a way that changes their
+    local tensors: ``[(argument index, spec, target spec), ...]`` (empty: the op runs on the local
+    shards as they are). Raises where DTensor has no decision for the call."""
+    dispatcher = DTensor._op_dispatcher
+    info = dispatcher.unwrap_to_op_info(func, args, kwargs)
+    cache = shape_free_cache()
+    sharding = cache.recent.get(info.schema) if cache is not None and cache.recent is not None else None
+    if sharding is None:
+        sharding = dispatcher.sharding_propagator.propagate_op_sharding(info.schema)
+    if not sharding.needs_redistribute:
+        return []
+    pairs = enumerate(zip(info.schema.args_schema, sharding.redistribute_schema.args_schema))
+    return [(i, a, b) for i, (a, b) in pairs if hasattr(a, "placements") and moves_data(a, b)]
+
+
 def why_rule_not_local(func, args, kwargs) -> str | None:
     """None if DTensor's own rule for ``func`` runs it on the local shards as they are, else why not."""
-    dispatcher = DTensor._op_dispatcher
     try:
-        info = dispatcher.unwrap_to_op_info(func, args, kwargs)
-        cache = shape_free_cache()
-        sharding = cache.recent.get(info.schema) if cache is not None and cache.recent is not None else None
-        if sharding is None:
-            sharding = dispatcher.sharding_propagator.propagate_op_sharding(info.schema)
+        moves = data_moves(func, args, kwargs)
     except Exception as e:  # DTensor itself will report it when the op runs
         return f"{func} has no sharding decision ({type(e).__name__})"
-    if not sharding.needs_redistribute:
-        return None
-    pairs = zip(info.schema.args_schema, sharding.redistribute_schema.args_schema)
-    if not any(moves_data(a, b) for a, b in pairs if hasattr(a, "placements")):
-        return None
-    return f"{func} needs its inputs redistributed"
+    return f"{func} needs its inputs redistributed" if moves else None
 
 
 @contextlib.contextmanager

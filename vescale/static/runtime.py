@@ -46,7 +46,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..dispatch.local import decisions_remembered, why_rule_not_local
+from ..dispatch.local import data_moves, decisions_remembered, why_rule_not_local
 from ..parallel.faults import _first_line
 from ..parallel.hooks import IO_PLACED, _register_once_on_grads, release_gathered
 from ..plan.ir import PlanError
@@ -219,6 +219,33 @@ def _why_not_local(func, args, kwargs) -> str | None:
     return why_rule_not_local(func, args, kwargs)
 
 
+_INDEX_PUTS = (torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default, torch.ops.aten._index_put_impl_.default)
+
+
+def _zeros_made_partial(node, func, args, kwargs) -> bool:
+    """Whether a backward op DTensor would not run locally is autograd's backward of ``x[idx]``
+    (``IndexBackward0``) accumulating a Partial gradient into the zeros it makes itself
+    (``grad.new_zeros(x.shape)``; the experts of tensor-parallel MoE, whose input gradient is a
+    partial sum over TP). DTensor's rule takes those zeros Replicate -> Partial(sum): each rank's
+    share is zeros / n, which is zeros bit for bit, so the op on the local tensors is the DTensor
+    op's local part. Only that move qualifies; boolean-mask indices take the handler's own path."""
+    if node.name() != "IndexBackward0" or func not in _INDEX_PUTS:
+        return False
+    accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+    if accumulate is not True or any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1]):
+        return False
+    try:
+        moves = data_moves(func, args, kwargs)
+    except Exception:
+        return False
+    mesh_sizes = [args[0].device_mesh.size(d) for d in range(args[0].device_mesh.ndim)] if moves else []
+    return bool(moves) and all(
+        i == 0 and all(p == q or n == 1 or (p.is_replicate() and q.is_partial() and q.reduce_op == "sum")
+                       for n, p, q in zip(mesh_sizes, src.placements, dst.placements))
+        for i, src, dst in moves
+    )
+
+
 def _sized_ops() -> set:
     """Ops whose size arguments DTensor rewrites from global to local sizes."""
     prop = DTensor._op_dispatcher.sharding_propagator
@@ -331,7 +358,7 @@ class _OpWatcher(TorchDispatchMode):
                 # is no such value: vescale.dispatch.semantics makes it a sum over the global count.)
                 return
             why = _why_not_local(func, args, kwargs)
-            if why:
+            if why and not _zeros_made_partial(node, func, args, kwargs):
                 self.record.unsafe[module] = f"in backward, {why}"
 
     def _returns_average(self, module: str) -> bool:

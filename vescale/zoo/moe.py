@@ -108,7 +108,9 @@ def moe_plan(
             # Partial sum over TP). In a static block body the two gradients would be added as local
             # tensors of different layouts (DTensor all-reduces the Partial one first), which gives
             # wrong gradients upstream; the block's own ops (view, reshape) stay on DTensors so that
-            # both gradients come back as DTensors, and the experts still run static.
+            # both gradients come back as DTensors, and the experts still run static (their token
+            # gather's backward accumulates the Partial gradient into autograd's own zeros: local,
+            # see vescale.static.runtime._zeros_made_partial).
             if mesh is None or mesh[tp].size() > 1:
                 plan.eager(r"model\.layers\.\d+\.mlp")
     if use_ep:
