@@ -397,8 +397,7 @@ def _measure(mesh, shape, sp, zero3, rounds, variants, kind, real_collectives: b
             fresh_len[v].append(new / again)
     eager_modules = None
     if "static" in runners:
-        rt = runners["static"].model._vescale_static
-        eager_modules = sorted(set(rt.latest().unsafe) | rt.forced_eager)
+        eager_modules = sorted(vescale.static.eager_modules(runners["static"].model))
     return {"first": first, "steady": steady, "phases": phases, "fresh_len": fresh_len, "eager_modules": eager_modules}
 
 

@@ -115,7 +115,8 @@ def _distributed():
             run = _train(model)
             if mode == "static":
                 rt = model._vescale_static
-                run["eager_modules"] = set(rt.latest().unsafe) | rt.forced_eager
+                run["why"] = vescale.static.eager_modules(model)
+                run["eager_modules"] = set(run["why"])
                 run["unsafe"] = dict(rt.latest().unsafe)
                 run["static_steps"] = rt.static_steps
                 run["head_weight"] = local[-1]
@@ -132,6 +133,10 @@ def test_averaged_partial_leaves_static_code_with_its_share_of_the_gradient():
             eager, static = results[(variant, "eager")], results[(variant, "static")]
             what = f"{variant}, rank {rank}"
             assert static["eager_modules"] == eager_modules, (what, static["unsafe"])
+            # why each is eager: the plan's statement, else what the recording found
+            assert static["why"] == {p: static["unsafe"].get(p, "plan.eager") for p in eager_modules}, what
+            if variant == "eager_root":
+                assert static["why"] == {"": "plan.eager"}, what
             assert static["static_steps"] >= STEPS - 3, (what, static["static_steps"])  # passed_on records 3 times
             assert static["head_weight"] == "Tensor", what  # the head's body ran on local tensors
             for step, (a, b, c) in enumerate(zip(static["losses"], eager["losses"], ref["losses"])):

@@ -94,7 +94,7 @@ def _train(mode: str, shape: tuple, param_leaves: bool = True) -> dict:
     if mode == "static":
         rt = model._vescale_static
         out["steps"] = (rt.recorded_steps, rt.static_steps)
-        out["eager_modules"] = sorted(set(rt.latest().unsafe) | rt.forced_eager)
+        out["eager_modules"] = sorted(vescale.static.eager_modules(model))
     return out
 
 

@@ -109,7 +109,7 @@ def _distributed():
             run = _train(model)
             if mode == "static":
                 rt = model._vescale_static
-                run["eager_modules"] = set(rt.latest().unsafe) | rt.forced_eager
+                run["eager_modules"] = set(vescale.static.eager_modules(model))
                 run["static_steps"] = rt.static_steps
                 run["up_weight"] = seen[-1]
             out[(variant, mode)] = run

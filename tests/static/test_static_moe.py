@@ -72,7 +72,7 @@ def _run(shape, names, zero3: bool) -> dict:
         if mode == "static":
             rt = vescale.static.static_runtime(model)
             out["static_steps"] = rt.static_steps
-            out["eager_modules"] = sorted(set(rt.latest().unsafe) | rt.forced_eager)
+            out["eager_modules"] = sorted(vescale.static.eager_modules(model))
     return out
 
 

@@ -27,7 +27,7 @@ import torch.nn as nn
 from ..parallel.placing import grad_layout
 from .install import static_runtime
 
-__all__ = ["export_plan"]
+__all__ = ["export_plan", "eager_modules"]
 
 # Where a crossing sits relative to the plan's hooks: the side before them and the side after.
 _SIDES = {"in": ("in", "body"), "out": ("out", "result")}
@@ -55,16 +55,29 @@ def _path(module: str, direction: str, key) -> str:
     return re.escape(module) + r"\." + re.escape(where) if module else re.escape(where)
 
 
-def export_plan(model: nn.Module) -> str:
-    """The recorded static plan of ``model`` (parallelized with ``mode="static"`` and trained for at
-    least one step) as plan code; see the module docstring."""
+def _latest(model: nn.Module):
     rt = static_runtime(model)
     rec = rt.latest()
     if rec is None:
         raise ValueError("nothing recorded yet: run one training step (forward and backward) first")
+    return rt, rec
+
+
+def eager_modules(model: nn.Module) -> dict[str, str]:
+    """The modules of ``model`` (parallelized with ``mode="static"`` and trained for at least one
+    step) that run on DTensors in static steps, by path, with why: ``"plan.eager"`` for those the
+    plan keeps eager, else what the recording found (the op that cannot run on local shards)."""
+    rt, rec = _latest(model)
+    return {path: rec.unsafe.get(path, "plan.eager") for path in sorted(rt.forced_eager | set(rec.unsafe))}
+
+
+def export_plan(model: nn.Module) -> str:
+    """The recorded static plan of ``model`` (parallelized with ``mode="static"`` and trained for at
+    least one step) as plan code; see the module docstring."""
+    _, rec = _latest(model)
     lines = ["# Static Eager plan recorded by vescale: placements per mesh dim " + str(tuple(_mesh_names(rec)))]
-    for path in sorted(rt.forced_eager | set(rec.unsafe)):
-        lines.append(f"plan.eager({re.escape(path)!r})  # {rec.unsafe.get(path, 'plan.eager')}")
+    for path, why in eager_modules(model).items():
+        lines.append(f"plan.eager({re.escape(path)!r})  # {why}")
     lines += _boundary_lines(rec, model._vescale_mesh)
     lines += _grad_lines(model, rec)
     return "\n".join(lines)
