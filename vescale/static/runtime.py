@@ -238,10 +238,9 @@ def _zeros_made_partial(node, func, args, kwargs) -> bool:
         moves = data_moves(func, args, kwargs)
     except Exception:
         return False
-    mesh_sizes = [args[0].device_mesh.size(d) for d in range(args[0].device_mesh.ndim)] if moves else []
     return bool(moves) and all(
-        i == 0 and all(p == q or n == 1 or (p.is_replicate() and q.is_partial() and q.reduce_op == "sum")
-                       for n, p, q in zip(mesh_sizes, src.placements, dst.placements))
+        i == 0 and all(p == q or src.mesh.size(d) == 1 or (p.is_replicate() and q.is_partial() and q.reduce_op == "sum")
+                       for d, (p, q) in enumerate(zip(src.placements, dst.placements)))
         for i, src, dst in moves
     )
 
