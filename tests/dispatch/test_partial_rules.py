@@ -92,3 +92,20 @@ def test_pytorchs_own_rule_moves_the_partial_src(mesh):
     ours, theirs = _decisions(mesh, lambda: distribute_tensor(zeros, mesh, [Replicate(), Replicate()]).scatter(-1, idx, part))
     assert ours == (Replicate(), Partial())
     assert not any(p.is_partial() for p in theirs)
+
+
+def test_a_partial_src_stays_partial_beside_rows_split_on_a_size_1_dim(mesh):
+    """TP-only training's (DP=1, TP=2) mesh: the router's tokens are Shard(0) on the size-1 DP dim.
+    The Partial strategy combines with rows split alike there, so src is not reduce-scattered (a
+    Partial strategy that first moved Shard(0) off the size-1 dim cost more than PyTorch's
+    reduce-scatter on two TP ranks)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    tp_only = DeviceMesh("cpu", torch.tensor([[0, 1]]), mesh_dim_names=("DP", "TP"))
+    zeros, index, src = _inputs()
+    part = DTensor.from_local(src, tp_only, [Shard(0), Partial()], run_check=False)
+    idx = DTensor.from_local(index, tp_only, [Shard(0), Replicate()], run_check=False)
+    self_ = DTensor.from_local(zeros, tp_only, [Replicate(), Replicate()], run_check=False)
+    ours, theirs = _decisions(tp_only, lambda: self_.scatter(-1, idx, part))
+    assert ours[1] == Partial(), ours
+    assert not theirs[1].is_partial(), theirs

@@ -78,6 +78,7 @@ def _run(shape, names, zero3: bool) -> dict:
 
 CONFIGS = {  # id: (ranks, mesh shape, mesh names, ZeRO-3)
     "TP=2+SP": (2, (2,), ("TP",), False),
+    "DP=1xTP=2+SP": (2, (1, 2), ("DP", "TP"), False),  # TP-only training's mesh: a size-1 DP dim
     "DP=2+ZeRO-3": (2, (2,), ("DP",), True),
     "DP=2xTP=2+SP+ZeRO-3": (4, (2, 2), ("DP", "TP"), True),
 }
@@ -103,7 +104,7 @@ def test_static_moe_matches_eager_and_single_device(config):
         assert diff <= TOL, f"{mode}: last step's gradient of {where} differs from single device by {diff:.3g}"
     kept = set(r["eager_modules"])
     assert not kept & set(EXPERTS), f"experts kept eager: {r['eager_modules']}"
-    dp = 2 if "DP" in config else 1
+    dp = 2 if "DP=2" in config else 1
     for mode in ("eager", "static"):  # each DP rank's experts see its own tokens only
         assert r[f"{mode}_rows"] == {(BATCH * SEQ // dp, 32)}, (mode, r[f"{mode}_rows"])
     if "TP" not in config:  # under TP moe_plan keeps the blocks' own ops (view, reshape) on DTensors

@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 
 import torch
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._op_schema import OpSchema, OpStrategy
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
 
@@ -34,7 +34,8 @@ _SAVED: dict = {}  # op -> PyTorch's strategy function, while installed
 
 def _scatter_with_partial(original):
     """PyTorch's scatter strategies plus, per mesh dim, [out, self, index, src] = [P, P, R, P]
-    (combined over the mesh with the all-Replicate rule, listed first: among equally cheap
+    (combined over the mesh with the all-Replicate rule and the shards of the other dims, the
+    all-Replicate rule listed first: among equally cheap
     combinations the search keeps the first, and a needless Partial dim would cost a reduction
     later, as a free Replicate -> Partial of a Replicate ``self`` on a mesh dim where ``src`` is
     not partial would)."""
@@ -44,6 +45,12 @@ def _scatter_with_partial(original):
         if len(op_schema.args_schema) < 4 or not isinstance(op_schema.args_schema[3], OpStrategy):
             return theirs  # a Python number as src: no tensor to be partial
         rules = [[Replicate()] * 4, [Partial(), Partial(), Replicate(), Partial()]]
+        # rows split alike on the other dims, which a Partial mesh dim combines with: on TP-only
+        # training's (1, TP) mesh the tokens' Shard(0) stays on the size-1 dim for free, where
+        # moving it off first cost more than PyTorch's reduce-scatter on two TP ranks
+        self_strategy, dim = op_schema.args_schema[0], op_schema.args_schema[1]
+        ndim = self_strategy.ndim if isinstance(self_strategy, OpStrategy) else 0
+        rules += [[Shard(d)] * 4 for d in range(ndim) if d != dim % max(ndim, 1)]
         ours = expand_to_full_mesh_op_strategy(op_schema.get_mesh_from_args(), op_schema, rules, input_index=1)
         return OpStrategy(list(theirs.strategies) + list(ours.strategies))
 
