@@ -1,7 +1,9 @@
 """``vescale.dispatch.unwrap``: the shorter ``unwrap_to_op_info`` builds PyTorch's own ``OpInfo``
 (every field) for calls of DTensors, size lists and scalars, takes that short path for them, and
 hands every other call (plain tensors, tensor lists, tensor keywords, ops that need pytree) to
-PyTorch's function."""
+PyTorch's function; and in training steps of HF's LLaMA and Mixtral under their plans (two lengths,
+a (1, 4) mesh) every call the C++ dispatcher makes gets PyTorch's ``OpInfo`` (~320 and ~370 calls,
+all but 18 and 30 on the short path)."""
 
 from __future__ import annotations
 
@@ -109,3 +111,52 @@ def test_a_plain_tensor_argument_keeps_pytorchs_error(mesh):
     a = _dt(mesh, (4, 6), (Shard(0), Replicate()))
     with pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"):
         unwrap_to_op_info(aten.add.Tensor, (a, torch.ones(4, 6)), {})
+
+
+def _every_call_checked(model, plan_fn, mesh, seq_lengths) -> dict:
+    """Training steps of ``model`` in which every call of vescale's unwrap (what DTensor's C++
+    dispatcher calls on a miss of its cache) is compared with PyTorch's function."""
+    import vescale
+    from vescale.zoo import synthetic_batches
+
+    dispatcher = DTensor._op_dispatcher
+    real_impl = dispatcher._unwrap_to_op_info_impl
+    calls = {"all": 0, "general": 0, "inside": False}
+
+    def checked(op, args, kwargs):
+        calls["all"] += 1
+        calls["inside"] = True
+        try:
+            ours = unwrap_to_op_info(op, args, kwargs)
+        finally:
+            calls["inside"] = False
+        _assert_same(ours, real_impl(op, args, kwargs, True))
+        return ours
+
+    def counted_impl(op, args, kwargs, create_schema):
+        calls["general"] += calls["inside"]  # a call that left the short path
+        return real_impl(op, args, kwargs, create_schema)
+
+    vescale.parallelize(model, plan_fn(mesh, model.config), mesh)
+    dispatcher.unwrap_to_op_info = checked
+    dispatcher._unwrap_to_op_info_impl = counted_impl
+    try:
+        for seq in seq_lengths:
+            (x, y), = synthetic_batches(1, 4, seq, model.config.vocab_size, seed=seq)
+            model(input_ids=x, labels=y).loss.backward()
+    finally:
+        del dispatcher._unwrap_to_op_info_impl
+        dispatcher.unwrap_to_op_info = unwrap_to_op_info
+    return calls
+
+
+def test_every_call_of_training_steps_gets_pytorchs_op_info(unit_mesh):
+    """The HF LLaMA and Mixtral under their plans on a (1, 4) mesh, at two lengths: every miss of
+    PyTorch's cache gets the OpInfo PyTorch's function builds, and most take the short path."""
+    import vescale
+    from vescale.zoo import llama_plan, moe_plan, tiny_hf_mixtral, tiny_llama
+
+    vescale.manual_seed(0)
+    for model, plan_fn in ((tiny_llama(), llama_plan), (tiny_hf_mixtral(), moe_plan)):
+        calls = _every_call_checked(model, plan_fn, unit_mesh, (16, 24))
+        assert calls["all"] > 50 and calls["general"] < calls["all"] / 4, (type(model).__name__, calls)
