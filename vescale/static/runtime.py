@@ -277,6 +277,11 @@ class _OpWatcher(TorchDispatchMode):
         # (An op's node is not reachable from __torch_dispatch__, which runs below autograd, but its
         # sequence number is drawn from one per-thread counter in forward order.)
         self.spans: list[tuple[int, str | None]] = []
+        # id(node) -> (node, caller path) for the nodes a tensor's gradient leaves a module boundary
+        # through (an eager child's mirrored wrap, a child's body-input alias): autograd adds what
+        # it hands back to the caller's other gradients of that tensor while the node is current.
+        self.boundary_nodes: dict = {}
+        self.mixed_sums: dict = {}  # the runtime's (StaticRuntime.mixed_sums), set by _open_watcher
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -348,6 +353,8 @@ class _OpWatcher(TorchDispatchMode):
 
     def _check_backward(self, func, args, kwargs) -> None:
         node = torch._C._current_autograd_node()
+        if node is not None and self._mixed_sum(node, func, args, kwargs):
+            return
         module = self._module_of(node) if node is not None else None
         if module is not None and module not in self.record.unsafe:
             if self._returns_average(module):
@@ -359,6 +366,27 @@ class _OpWatcher(TorchDispatchMode):
             why = _why_not_local(func, args, kwargs)
             if why and not _zeros_made_partial(node, func, args, kwargs):
                 self.record.unsafe[module] = f"in backward, {why}"
+
+    def note_boundary(self, node, caller: str | None) -> None:
+        if node is not None and caller is not None:
+            self.boundary_nodes[id(node)] = (node, caller)
+
+    def _mixed_sum(self, node, func, args, kwargs) -> bool:
+        """Whether ``func`` is autograd adding the gradient a child hands back (``node`` is the
+        boundary's) to the caller's other gradients of the same tensor, in layouts DTensor must
+        reconcile first: an eager child's input gradient comes back reduced (as ``from_local``
+        does), a static sibling's stays a Partial share. DTensor sums those right, a static caller
+        would add its local tensors as they are; so the caller stays eager. (Sums of gradients the
+        caller's own ops made are judged by the module that made them, as every backward op is.)"""
+        found = self.boundary_nodes.get(id(node))
+        if found is None or found[0] is not node or func not in (torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor):
+            return False
+        caller = found[1]
+        if caller not in self.record.unsafe and why_rule_not_local(func, args, kwargs):
+            layouts = " and ".join(str(tuple(a.placements)) for a in args if isinstance(a, DTensor))
+            why = f"in backward, gradients of one tensor arrive from its consumers as {layouts}, which its local tensors cannot add"
+            self.record.unsafe[caller] = self.mixed_sums[caller] = why
+        return True
 
     def _returns_average(self, module: str) -> bool:
         crossings = self.record.crossings
@@ -536,6 +564,16 @@ def _mirror(t, leave_grad: tuple | None = None):
     return DTensor.from_local(t.to_local(), t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
 
 
+def _to_local_node(node):
+    """The ``to_local`` node under a mirrored wrap's ``from_local`` (where its gradient leaves), or
+    None."""
+    for _ in range(3):
+        if node is None or node.name() == "_ToTorchTensorBackward":
+            return node
+        node = next((n for n, _ in node.next_functions if n is not None), None)
+    return None
+
+
 def _unwrap(t: torch.Tensor, c: Crossing | None):
     """A DTensor's local tensor; its gradient leaves here in the placements recorded for this spot."""
     if not isinstance(t, DTensor):
@@ -568,6 +606,9 @@ class StaticRuntime:
         self.parent = _callers(model)
         self.modules = dict(model.named_modules(remove_duplicate=False))
         self.forced_eager = set(eager_paths)
+        # Modules a recording found summing gradients of different layouts (_OpWatcher._mixed_sum):
+        # the cause shows only while they are assumed static, so every later record starts with them.
+        self.mixed_sums: dict[str, str] = {}
         self.planned_pre, self.planned_post = planned_pre, planned_post
         # Modules whose inputs / outputs a plan.annotate describes: between two static modules the
         # local tensors there are laid out as annotated already (checked while recording).
@@ -755,6 +796,7 @@ class StaticRuntime:
 
     def _new_record(self, key, assumed_eager: frozenset) -> Record:
         self.state, self.record = State.RECORD, Record(assumed_eager=assumed_eager)
+        self.record.unsafe.update(self.mixed_sums)
         self.records[key] = self.record
         self.recorded_steps += 1
         self._bound_records(self.record)
@@ -766,6 +808,7 @@ class StaticRuntime:
 
     def _open_watcher(self, checking: bool) -> None:
         self.watcher = _OpWatcher(self.record, self.stack, checking, self.modules)
+        self.watcher.mixed_sums = self.mixed_sums
         if not checking:  # it asks DTensor's decision for every op: remembered, not searched again
             self.remembered = decisions_remembered()
             self.remembered.__enter__()
@@ -934,6 +977,8 @@ class StaticRuntime:
                 # share their input) collects all their gradients, but a static module's
                 # to_local sees its own share only.
                 t = _Alias.apply(t)
+                if self.watcher is not None:
+                    self.watcher.note_boundary(t.grad_fn, self.parent.get(path))
                 _on_grad(t, lambda g, c=c: setattr(c, "grad_placements", g))
             return t
 
@@ -1145,7 +1190,12 @@ class StaticRuntime:
                 why = averaged.wrap_refusal(c.spec, c.leave_grad)
                 if why:
                     _unsafe_with_caller(rec, self.parent, path, why)
-                return _mirror(t, c.leave_grad) if wraps else t
+                if not wraps:
+                    return t
+                mirrored = _mirror(t, c.leave_grad)
+                if self.watcher is not None and mirrored is not t and mirrored.grad_fn is not None:
+                    self.watcher.note_boundary(_to_local_node(mirrored.grad_fn), self.parent.get(path))
+                return mirrored
 
             return walk(note)
         return None
