@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["run_on_ranks", "fake_world", "forget_dtensor_caches", "train_losses", "error_of"]
+__all__ = ["run_on_ranks", "fake_world", "forget_dtensor_caches", "train_losses", "sgd_steps", "global_value", "error_of"]
 
 
 def _free_port() -> int:
@@ -149,6 +149,30 @@ def train_losses(model, batches, opt) -> list[float]:
         opt.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def global_value(t: torch.Tensor) -> torch.Tensor:
+    """A detached copy of ``t``'s global value (a DTensor's full tensor; a plain tensor as it is)."""
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def sgd_steps(model, batches, lr: float) -> dict:
+    """One SGD step per batch of ``model(*batch)`` (a scalar loss): ``{"losses": [...], "grads":
+    {parameter name: gradient}}``, as global values, the gradients of the last step (parameters
+    without one left out). For comparing a parallelised model with the single device."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses, grads = [], {}
+    for step, batch in enumerate(batches):
+        loss = model(*batch)
+        loss.backward()
+        if step == len(batches) - 1:
+            grads = {n: global_value(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+        opt.zero_grad()
+        losses.append(global_value(loss).item())
+    return {"losses": losses, "grads": grads}
 
 
 def error_of(fn: Callable[..., Any], *args: Any, kind: type = Exception) -> str | None:

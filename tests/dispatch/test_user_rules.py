@@ -9,8 +9,9 @@ PyTorch's own rules (docs/dispatch.md, "Adding a rule for your op"). Checked her
   shards, and a new number of rows is a hit of the shape-free cache (no second miss);
 * on 2 gloo ranks (DP=2, batch rows split), a model whose head calls the op (and averages over the
   batch) trains in eager and Static Eager mode within 1e-6 of the single device (fp32 means over
-  two ranks sum in another order), and in Static Eager mode every module runs static (the rule
-  moves nothing, so the recording takes the op as local: ``eager_modules`` is empty).
+  two ranks sum in another order), each rank's head gets its half of the batch, and in Static
+  Eager mode every module runs static (the rule moves nothing, so the recording takes the op as
+  local: ``eager_modules`` is empty).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch.distributed.tensor.experimental import register_sharding
 
 import vescale
 from vescale import dispatch
-from vescale.testing import fake_world, run_on_ranks
+from vescale.testing import fake_world, global_value, run_on_ranks, sgd_steps
 
 
 @torch.library.custom_op("vescale_test::row_scale", mutates_args=())
@@ -94,16 +95,8 @@ def _batches():
 
 
 def _train(model) -> dict:
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for x in _batches():
-        loss = model(x)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append((loss.full_tensor() if isinstance(loss, DTensor) else loss).item())
-    weight = model.head.lin.weight
-    return {"losses": losses, "weight": (weight.full_tensor() if isinstance(weight, DTensor) else weight).detach()}
+    run = sgd_steps(model, [(x,) for x in _batches()], lr=0.1)
+    return {**run, "weight": global_value(model.head.lin.weight)}
 
 
 def _net() -> Net:
@@ -119,7 +112,11 @@ def _distributed():
         plan = vescale.VescalePlan()
         plan.shard(r"<in>\[x\]", Shard(0), mesh="DP")
         vescale.parallelize(model, plan, mesh, mode=mode)
+        rows = []  # the rows the head's body gets: this rank's half of the batch
+        model.head.register_forward_pre_hook(
+            lambda m, a: rows.append(tuple((a[0]._local_tensor if isinstance(a[0], DTensor) else a[0]).shape)))
         out[mode] = _train(model)
+        out[mode]["rows"] = set(rows)
         if mode == "static":
             out["eager_modules"] = vescale.static.eager_modules(model)
             out["static_steps"] = model._vescale_static.static_steps
@@ -133,6 +130,7 @@ def test_a_model_using_the_op_trains_like_one_device_and_runs_static():
         assert got["eager_modules"] == {}, (rank, got["eager_modules"])
         assert got["static_steps"] >= STEPS - 1, (rank, got["static_steps"])
         for mode in ("eager", "static"):
+            assert got[mode]["rows"] == {(4, 5)}, (rank, mode, got[mode]["rows"])  # the batch of 8 split
             for step, (a, b) in enumerate(zip(got[mode]["losses"], ref["losses"])):
                 assert abs(a - b) <= TOL * abs(b), (rank, mode, step, a, b)
             assert (got[mode]["weight"] - ref["weight"]).abs().max().item() <= TOL, (rank, mode)

@@ -24,10 +24,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import Shard
 
 import vescale
-from vescale.testing import run_on_ranks
+from vescale.testing import run_on_ranks, sgd_steps
 
 STEPS, TOL = 5, 1e-6
 
@@ -80,18 +80,7 @@ def _batches():
 
 
 def _train(model) -> dict:
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses, grads = [], {}
-    for step, x in enumerate(_batches()):
-        loss = model(x)
-        loss.backward()
-        if step == STEPS - 1:
-            grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
-                     for n, p in model.named_parameters() if p.grad is not None}
-        opt.step()
-        opt.zero_grad()
-        losses.append((loss.full_tensor() if isinstance(loss, DTensor) else loss).item())
-    return {"losses": losses, "grads": grads}
+    return sgd_steps(model, [(x,) for x in _batches()], lr=0.1)
 
 
 def _net(variant: str) -> Net:

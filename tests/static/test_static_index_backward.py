@@ -20,10 +20,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 
 import vescale
-from vescale.testing import run_on_ranks
+from vescale.testing import run_on_ranks, sgd_steps
 
 STEPS, TOL = 4, 1e-6
 
@@ -75,22 +75,8 @@ def _net(variant: str) -> Net:
     return Net(variant)
 
 
-def _value(t):
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
-
-
 def _train(model) -> dict:
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    losses, grads = [], {}
-    for step, (x, idx) in enumerate(_batches()):
-        loss = model(x, idx)
-        loss.backward()
-        if step == STEPS - 1:
-            grads = {n: _value(p.grad) for n, p in model.named_parameters()}
-        opt.step()
-        opt.zero_grad()
-        losses.append(_value(loss).item())
-    return {"losses": losses, "grads": grads}
+    return sgd_steps(model, _batches(), lr=0.01)
 
 
 def _distributed():
@@ -105,7 +91,7 @@ def _distributed():
             plan.shard(r"block\.<out>", Replicate(), mesh="TP")
             vescale.parallelize(model, plan, mesh, mode=mode)
             seen = []
-            model.block.up.register_forward_pre_hook(lambda m, a: seen.append(type(m.weight).__name__))
+            model.block.up.register_forward_pre_hook(lambda m, a: seen.append((type(m.weight).__name__, tuple(m.weight.shape))))
             run = _train(model)
             if mode == "static":
                 rt = model._vescale_static
@@ -126,7 +112,8 @@ def test_autograds_gather_of_a_partial_gradient_runs_static_and_a_gather_into_on
             what = f"{variant}, rank {rank}"
             if variant == "gather":
                 assert "block" not in static["eager_modules"], (what, static["eager_modules"])
-                assert static["up_weight"] == "Tensor", what  # the block's body ran on local tensors
+                # the block's body ran on local tensors: this rank's rows of up's (16, 8) weight
+                assert static["up_weight"] == ("Tensor", (8, 8)), what
             else:
                 assert "block" in static["eager_modules"], (what, static["eager_modules"])
             assert static["static_steps"] >= STEPS - 2, (what, static["static_steps"])

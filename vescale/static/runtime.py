@@ -266,9 +266,12 @@ class _OpWatcher(TorchDispatchMode):
     head count from its config, say) where DTensor would have passed a local one fails here, with
     the module and op named, instead of computing something else."""
 
-    def __init__(self, record: Record, stack: list, checking: bool, modules: dict | None = None):
+    def __init__(self, record: Record, stack: list, checking: bool, modules: dict | None = None,
+                 mixed_sums: dict | None = None):
         super().__init__()
         self.record, self.stack, self.checking = record, stack, checking
+        # the runtime's StaticRuntime.mixed_sums: what _mixed_sum finds outlives this recording
+        self.mixed_sums = {} if mixed_sums is None else mixed_sums
         self.modules = modules or {}  # path -> module (whose parameters a masked lookup may read)
         self.sized = _sized_ops()
         self.seen: dict[str, int] = {}
@@ -281,7 +284,6 @@ class _OpWatcher(TorchDispatchMode):
         # through (an eager child's mirrored wrap, a child's body-input alias): autograd adds what
         # it hands back to the caller's other gradients of that tensor while the node is current.
         self.boundary_nodes: dict = {}
-        self.mixed_sums: dict = {}  # the runtime's (StaticRuntime.mixed_sums), set by _open_watcher
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -807,8 +809,7 @@ class StaticRuntime:
         return rec
 
     def _open_watcher(self, checking: bool) -> None:
-        self.watcher = _OpWatcher(self.record, self.stack, checking, self.modules)
-        self.watcher.mixed_sums = self.mixed_sums
+        self.watcher = _OpWatcher(self.record, self.stack, checking, self.modules, self.mixed_sums)
         if not checking:  # it asks DTensor's decision for every op: remembered, not searched again
             self.remembered = decisions_remembered()
             self.remembered.__enter__()
