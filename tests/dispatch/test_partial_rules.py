@@ -1,6 +1,7 @@
 """``vescale.dispatch.partial``: scatter keeps a Partial ``src`` Partial (the MoE router's top-k
-backward), with the single device's value and no communication; where the Partial strategy does
-not apply (a Replicate ``src``, a scalar value, in place) PyTorch's decision stands.
+backward), and the softmax backward a Partial gradient (the router's softmax), with the single
+device's value and no communication; where the Partial strategy does not apply (a Replicate
+``src``, a scalar value, in place; a gradient sharded on another dim) PyTorch's decision stands.
 
 Values on 2 gloo ranks (a Partial(sum) whose pieces add up exactly), decisions on the fake group
 against PyTorch's own propagation (``dispatch.uninstall()``).
@@ -47,6 +48,39 @@ def test_a_partial_src_stays_partial_with_the_single_device_value():
         assert placements == (Partial(),)
         assert comms == 0
         assert torch.equal(value, want)
+
+
+# ---- softmax backward: linear in the gradient ------------------------------------------------------
+
+
+def _softmax_inputs():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 8, generator=g)
+    grad = torch.randint(-3, 4, (6, 8), generator=g).float()  # halves add up exactly
+    return torch.softmax(logits, -1), grad
+
+
+def _softmax_backward_on_ranks():
+    dispatch.install()
+    mesh = vescale.init_mesh((dist.get_world_size(),), ("TP",))
+    y, grad = _softmax_inputs()
+    part = DTensor.from_local(grad / mesh.size(), mesh, [Partial()], run_check=False)
+    whole = distribute_tensor(y, mesh, [Replicate()])
+    with CommDebugMode() as comm:
+        out = aten._softmax_backward_data(part, whole, -1, torch.float32)
+    return tuple(out.placements), comm.get_total_counts(), out.full_tensor()
+
+
+def test_softmax_backward_keeps_a_partial_gradient_partial_with_the_single_device_value():
+    """The router's softmax backward: y * (g - sum(g * y)) is linear in g, so each rank's share of
+    g gives its share of the result (the sum of the shares equals the single device's result up to
+    fp32 rounding of the two halves' products: 1e-6)."""
+    y, grad = _softmax_inputs()
+    want = aten._softmax_backward_data(grad, y, -1, torch.float32)
+    for placements, comms, value in run_on_ranks(_softmax_backward_on_ranks, 2):
+        assert placements == (Partial(),)
+        assert comms == 0
+        assert (value - want).abs().max().item() <= 1e-6
 
 
 def _decisions(mesh, fn):
@@ -109,3 +143,18 @@ def test_a_partial_src_stays_partial_beside_rows_split_on_a_size_1_dim(mesh):
     ours, theirs = _decisions(tp_only, lambda: self_.scatter(-1, idx, part))
     assert ours[1] == Partial(), ours
     assert not theirs[1].is_partial(), theirs
+
+
+def test_pytorchs_own_softmax_backward_replicates_the_partial_gradient(mesh):
+    """What the Partial strategy changes: PyTorch's rule replicates the softmax dim and reduces a
+    Partial gradient first; a Shard on another dim stays as PyTorch decides."""
+    y, grad = _softmax_inputs()
+    part = DTensor.from_local(grad, mesh, [Replicate(), Partial()], run_check=False)
+    out = distribute_tensor(y, mesh, [Replicate(), Replicate()])
+    ours, theirs = _decisions(mesh, lambda: aten._softmax_backward_data(part, out, -1, torch.float32))
+    assert ours == (Replicate(), Partial())
+    assert not any(p.is_partial() for p in theirs)
+    rows = distribute_tensor(grad, mesh, [Replicate(), Shard(0)])
+    out_rows = distribute_tensor(y, mesh, [Replicate(), Shard(0)])
+    ours, theirs = _decisions(mesh, lambda: aten._softmax_backward_data(rows, out_rows, -1, torch.float32))
+    assert ours == theirs == (Replicate(), Shard(0))

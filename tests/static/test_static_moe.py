@@ -1,20 +1,20 @@
 """Static Eager mode on HF Mixtral (unchanged, default ``grouped_mm`` experts kernel) under
 ``vescale.zoo.moe_plan``: the same losses and gradients as eager mode and the single device, with the
-MoE blocks' experts running on local tensors.
+MoE blocks (router, experts and the block's own ops) running on local tensors in every config (the
+test fails if any of them is kept eager).
 
 * TP=2 + SP (tensor-parallel experts, ``InterleavedShard`` gate|up): the routing's data-dependent
-  ops act on replicated tokens and the experts' matmuls on local shards; in backward, autograd's
-  gradient of the token gather (``IndexBackward0``) accumulates the TP-partial gradient into zeros
-  it makes itself, which DTensor takes Replicate -> Partial (zeros / n: zeros), so the experts run
-  static there too (the test fails if they are kept eager).
+  ops act on replicated tokens and the experts' matmuls on local shards. In backward the router's
+  and the experts' gradients are partial sums over TP: autograd's gradients of the token gather
+  (``IndexBackward0``) and of the router's top-k (``TopkBackward0``) go into zeros they make
+  themselves, which DTensor takes Replicate -> Partial (zeros / n: zeros), and the router's softmax
+  backward keeps its gradient Partial (``vescale.dispatch.partial``), so the block adds the two
+  input gradients as local tensors of one layout. (Before that strategy the router stayed eager and
+  ``moe_plan`` kept the blocks on DTensors: a static block then added a replicated and a Partial
+  gradient as local tensors, ~5e-4 off.)
 * DP=2 + ZeRO-3 and DP=2 x TP=2 + SP + ZeRO-3: ``moe_plan`` makes the MoE blocks batch-local
-  (``plan.batch_local``): each DP rank's block runs on its own tokens, on the TP sub-mesh; without
-  TP the blocks run static too, and in every
-  config the experts see the DP rank's tokens only.
-* Gradients: under TP ``moe_plan`` keeps the blocks' own ops on DTensors (``plan.eager``): in a
-  static block the router's (eager) and the experts' (static, Partial over TP) input gradients
-  would be added as local tensors of different layouts; with the blocks static this test's
-  gradient check fails by ~5e-4.
+  (``plan.batch_local``): each DP rank's block runs on its own tokens, on the TP sub-mesh, and in
+  every config the experts see the DP rank's tokens only.
 
 Losses within 1e-5 of the single device and of eager mode over 6 SGD steps, and the last step's
 gradients within 1e-5 (fp32: sharded matmuls and collectives sum in another order, and a static step
@@ -107,5 +107,4 @@ def test_static_moe_matches_eager_and_single_device(config):
     dp = 2 if "DP=2" in config else 1
     for mode in ("eager", "static"):  # each DP rank's experts see its own tokens only
         assert r[f"{mode}_rows"] == {(BATCH * SEQ // dp, 32)}, (mode, r[f"{mode}_rows"])
-    if "TP" not in config:  # under TP moe_plan keeps the blocks' own ops (view, reshape) on DTensors
-        assert not kept & {"model.layers.0.mlp", "model.layers.1.mlp"}, f"MoE blocks kept eager: {r['eager_modules']}"
+    assert not kept & {"model.layers.0.mlp", "model.layers.1.mlp"}, f"MoE blocks kept eager: {r['eager_modules']}"

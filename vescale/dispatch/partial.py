@@ -13,7 +13,15 @@ cost search keeps the gradient Partial until an op that needs it whole.
 
 Only ``aten.scatter.src``: the in-place variant cannot change ``self``'s placement, the ``.value``
 overloads write a constant (not linear), and ``scatter_reduce`` / ``scatter_add`` have their own
-rules (``datadep``). Installed into the propagator's table by ``install()``, never at import.
+rules (``datadep``).
+
+``_softmax_backward_data(grad, y, dim)`` is ``y * (grad - sum(grad * y, dim))``: with the softmax
+output ``y`` whole along ``dim``, linear in ``grad``. PyTorch's rule replicates a Partial ``grad``
+first (an all-reduce); beside it, [grad_in, grad, y] = [P, P, R] keeps the router's gradient Partial
+through its softmax, so the router's backward sums with the experts' (also Partial over TP) without
+a reduction of its own, and Static Eager can run the router on local tensors.
+
+Installed into the propagator's table by ``install()``, never at import.
 """
 
 from __future__ import annotations
@@ -58,14 +66,41 @@ def _scatter_with_partial(original):
     return strategy
 
 
+def _softmax_backward_with_partial(original):
+    """PyTorch's softmax-backward strategies plus, per mesh dim, [grad_in, grad, y] = [P, P, R] and
+    the shards of the other dims [S(d), S(d), S(d)] they combine with (the all-Replicate rule first,
+    as for scatter)."""
+
+    def strategy(op_schema: OpSchema) -> OpStrategy:
+        theirs = original(op_schema)
+        grad, y, dim = op_schema.args_schema[:3]
+        if not isinstance(grad, OpStrategy) or not isinstance(y, OpStrategy):
+            return theirs
+        ndim = grad.ndim
+        dim = dim % ndim if ndim else 0
+        rules = [[Replicate()] * 3, [Partial(), Partial(), Replicate()]]
+        rules += [[Shard(d)] * 3 for d in range(ndim) if d != dim]
+        ours = expand_to_full_mesh_op_strategy(op_schema.get_mesh_from_args(), op_schema, rules, input_index=1)
+        return OpStrategy(list(theirs.strategies) + list(ours.strategies))
+
+    strategy.__wrapped__ = original
+    return strategy
+
+
+_WRAPPERS = {
+    aten.scatter.src: _scatter_with_partial,
+    aten._softmax_backward_data.default: _softmax_backward_with_partial,
+}
+
+
 def install_partial_rules() -> None:
     """Put the Partial strategies beside PyTorch's (idempotent)."""
     table = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs
     with _LOCK:
-        op = aten.scatter.src
-        if op not in _SAVED and op in table:
-            _SAVED[op] = table[op]
-            table[op] = _scatter_with_partial(table[op])
+        for op, wrap in _WRAPPERS.items():
+            if op not in _SAVED and op in table:
+                _SAVED[op] = table[op]
+                table[op] = wrap(table[op])
 
 
 def uninstall_partial_rules() -> None:

@@ -219,21 +219,29 @@ def _why_not_local(func, args, kwargs) -> str | None:
     return why_rule_not_local(func, args, kwargs)
 
 
-_INDEX_PUTS = (torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default, torch.ops.aten._index_put_impl_.default)
+_aten = torch.ops.aten
+# Autograd nodes whose backward formula makes fresh zeros and puts the gradient into them, and the
+# ops that do so: ``index``'s (``index_put(zeros, idx, grad, accumulate=True)``) and ``topk``'s
+# (``value_selecting_reduction_backward``: ``zeros.scatter(dim, indices, grad)``).
+_INTO_OWN_ZEROS = {
+    "IndexBackward0": (_aten.index_put.default, _aten.index_put_.default, _aten._index_put_impl_.default),
+    "TopkBackward0": (_aten.scatter.src,),
+}
 
 
 def _zeros_made_partial(node, func, args, kwargs) -> bool:
-    """Whether a backward op DTensor would not run locally is autograd's backward of ``x[idx]``
-    (``IndexBackward0``) accumulating a Partial gradient into the zeros it makes itself
-    (``grad.new_zeros(x.shape)``; the experts of tensor-parallel MoE, whose input gradient is a
-    partial sum over TP). DTensor's rule takes those zeros Replicate -> Partial(sum): each rank's
-    share is zeros / n, which is zeros bit for bit, so the op on the local tensors is the DTensor
-    op's local part. Only that move qualifies; boolean-mask indices take the handler's own path."""
-    if node.name() != "IndexBackward0" or func not in _INDEX_PUTS:
+    """Whether a backward op DTensor would not run locally is an autograd formula putting a Partial
+    gradient into the zeros it makes itself (``_INTO_OWN_ZEROS``: the token gather of
+    tensor-parallel MoE experts and the router's top-k, whose gradients are partial sums over TP).
+    DTensor's rule takes those zeros Replicate -> Partial(sum): each rank's share is zeros / n,
+    which is zeros bit for bit, so the op on the local tensors is the DTensor op's local part. Only
+    that move of the first argument qualifies; boolean-mask indices take the handler's own path."""
+    if func not in _INTO_OWN_ZEROS.get(node.name(), ()):
         return False
-    accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
-    if accumulate is not True or any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1]):
-        return False
+    if func is not _aten.scatter.src:
+        accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+        if accumulate is not True or any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1]):
+            return False
     try:
         moves = data_moves(func, args, kwargs)
     except Exception:

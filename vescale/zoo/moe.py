@@ -103,16 +103,11 @@ def moe_plan(
         if not use_ep:
             plan.shard(rf"{_EXPERTS}\.gate_up_proj", InterleavedShard(1, 2), mesh=tp)  # gate | up
             plan.shard(rf"{_EXPERTS}\.down_proj", Shard(2), mesh=tp)  # row-parallel
-            # Static Eager: the block's tokens feed the router (eager: its backward scatters a Partial
-            # gradient) and the tensor-parallel experts (static, whose input gradient is a local
-            # Partial sum over TP). In a static block body the two gradients would be added as local
-            # tensors of different layouts (DTensor all-reduces the Partial one first), which gives
-            # wrong gradients upstream; the block's own ops (view, reshape) stay on DTensors so that
-            # both gradients come back as DTensors, and the experts still run static (their token
-            # gather's backward accumulates the Partial gradient into autograd's own zeros: local,
-            # see vescale.static.runtime._zeros_made_partial).
-            if mesh is None or mesh[tp].size() > 1:
-                plan.eager(r"model\.layers\.\d+\.mlp")
+            # Static Eager runs the whole block on local tensors: the router's and the experts' input
+            # gradients are both Partial over TP (vescale.dispatch.partial keeps the router's Partial
+            # through its softmax backward), so the block adds them as local tensors of one layout;
+            # the gradients of the router's top-k and of the experts' token gather go into autograd's
+            # own zeros (local: vescale.static.runtime._zeros_made_partial).
     if use_ep:
         plan.shard(r"<in>\[input_ids\]", Shard(0), mesh=ep)  # EP ranks split the batch ...
         plan.shard(r"<in>\[labels\]", Shard(0), mesh=ep)
