@@ -13,7 +13,13 @@ same model's own arithmetic. Variants, interleaved round by round in one run:
   mesh's groups; the fake group copies the data an all-gather or reduce-scatter would move) where
   ``local`` does a ``cat`` / ``narrow``; on gloo ranks it is ``local`` itself, so left out there;
 * ``torch``: PyTorch's own stack used the TorchTitan way (``_torchtitan``): parallelize_module,
-  loss_parallel, fully_shard for ZeRO-3;
+  loss_parallel, fully_shard for ZeRO-3, stock AdamW on its DTensor parameters, with
+  ``vescale.dispatch`` uninstalled for its steps (LLaMA); HF's MoE experts kernels need vescale's
+  rules for their data-dependent ops and fp32 ``_grouped_mm``, so ``--model moe``'s ``torch`` runs
+  with ``vescale.dispatch`` installed (its search, caches and local optimiser step serve it too);
+* ``torch-vd`` (LLaMA): the same stack with ``vescale.dispatch`` installed, as ``torch`` ran in
+  every figure before 2026-11-26 14:00 UTC (``docs/performance.md``): vescale's cheap search,
+  shape-free cache and local optimiser step make PyTorch's own stack faster;
 * ``torch-dispatch``: vescale eager with PyTorch's own sharding search, miss path and optimiser on
   DTensors (vescale.dispatch uninstalled): where the project stood before;
 * ``eager``: vescale eager mode with vescale.dispatch (cheap misses, shape-free cache, local
@@ -175,6 +181,9 @@ def _torchtitan(model: LlamaForCausalLM, mesh, sp: bool, zero3: bool) -> None:
         fully_shard(model, mesh=mesh["DP"]).set_force_sum_reduction_for_comms(True)
 
 
+TORCH_STACKS = ("torch", "torch-vd")  # PyTorch's own stack, without and with vescale.dispatch
+
+
 class Runner:
     """One variant: a model, its optimiser and a step function."""
 
@@ -184,7 +193,7 @@ class Runner:
         self.variant, self.batch, self.kind = variant, BATCH, kind
         vocab = MODEL.vocab_size if kind == "llama" else MOE_SIZES["vocab_size"]
         self.vocab = vocab
-        if variant == "torch":
+        if variant in TORCH_STACKS:
             self.model = _build(kind)
             if kind == "llama":
                 _torchtitan(self.model, mesh, sp, zero3)
@@ -206,25 +215,25 @@ class Runner:
             self.vocab = vocab // tp  # ids of this rank's vocabulary shard (no masking)
         else:
             if variant == "torch-dispatch":
-                dispatch.uninstall()
+                dispatch.uninstall(keep_learned=True)
             self.model = _build(kind)
             mode = "static" if variant == "static" else "eager"
             vescale.parallelize(self.model, _vescale_plan(kind, self.model, mesh, sp, zero3), mesh, mode=mode)
             if variant == "torch-dispatch":
-                dispatch.uninstall()  # parallelize installs them; this variant runs without
+                dispatch.uninstall(keep_learned=True)  # parallelize installs them; this variant runs without
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
 
     def step(self, seq: int = SEQ) -> float:
-        if self.variant == "torch-dispatch":
-            dispatch.uninstall()
+        if self.variant == "torch-dispatch" or (self.variant == "torch" and self.kind == "llama"):
+            dispatch.uninstall(keep_learned=True)  # the other arms' shape-free cache waits for them
         else:
             dispatch.install()
         (x, y), = synthetic_batches(1, self.batch, seq, self.vocab, seed=seq)
         t0 = CLOCK[0]()
         # TorchTitan's LLaMA keeps the logits vocabulary-sharded (loss_parallel); its MoE here replicates them.
-        if self.variant == "torch" and self.kind == "llama":
+        if self.variant in TORCH_STACKS and self.kind == "llama":
             context = loss_parallel()
-        elif self.variant == "torch":  # HF's experts kernels mix plain index tensors with DTensors
+        elif self.variant in TORCH_STACKS:  # HF's experts kernels mix plain index tensors with DTensors
             context = implicit_replication()
         else:
             context = contextlib.nullcontext()

@@ -55,7 +55,7 @@ def forget_dtensor_caches() -> None:
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     from vescale.comm.moves import clear_moves
-    from vescale.dispatch import shape_free_cache
+    from vescale.dispatch import cache as shape_free
     from vescale.dispatch.attention import clear_sdpa_decisions
     from vescale.dispatch.sized import clear_sized_ops_table
     from vescale.dispatch.viewkey import clear_view_decisions
@@ -63,8 +63,8 @@ def forget_dtensor_caches() -> None:
     _clear_sharding_prop_cache()
     _gen_transform_infos.cache_clear()
     clear_redistribute_planner_cache()
-    if shape_free_cache() is not None:  # vescale's own cache in front of DTensor's miss path
-        shape_free_cache().clear()
+    for cache in (*shape_free._INSTALLED, *shape_free._SET_ASIDE):  # vescale's cache in front of DTensor's miss path
+        cache.clear()
     clear_sized_ops_table()
     clear_view_decisions()
     clear_sdpa_decisions()

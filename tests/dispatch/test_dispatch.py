@@ -102,6 +102,36 @@ def test_a_new_sequence_length_is_a_cache_hit_with_pytorchs_answer(mesh):
     assert torch.equal(ours._local_tensor, theirs._local_tensor)
 
 
+def test_uninstall_keep_learned_sets_the_shape_free_cache_aside_for_the_next_install(mesh):
+    """A benchmark switching between PyTorch's dispatch and vescale's step by step: with
+    ``keep_learned`` the next install serves a new length from what was learned before the switch
+    (a hit, PyTorch's answer); a plain uninstall drops it (a miss after reinstalling), and
+    ``forget_dtensor_caches`` empties a cache set aside too."""
+    _fresh(True)
+    _attention_like(mesh, 8)
+    learned = dispatch.shape_free_cache()
+    dispatch.uninstall(keep_learned=True)
+    assert dispatch.shape_free_cache() is None  # PyTorch's own miss path while uninstalled
+    _attention_like(mesh, 10)
+    dispatch.install()
+    assert dispatch.shape_free_cache() is learned
+    hits = learned.hits
+    ours = _attention_like(mesh, 12)
+    assert learned.hits - hits >= 5, f"only {learned.hits - hits} hits after reinstalling"
+
+    dispatch.uninstall()
+    dispatch.install()
+    fresh = dispatch.shape_free_cache()
+    assert fresh is not learned and not fresh.entries
+    dispatch.uninstall(keep_learned=True)
+    forget_dtensor_caches()
+    dispatch.install()
+    assert dispatch.shape_free_cache() is fresh and not fresh.entries
+    _fresh(False)
+    theirs = _attention_like(mesh, 12)
+    assert ours.placements == theirs.placements and torch.equal(ours._local_tensor, theirs._local_tensor)
+
+
 def test_the_cache_key_keeps_what_changes_the_decision(mesh):
     from torch.distributed.tensor._op_schema import OpSchema
 

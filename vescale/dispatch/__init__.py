@@ -13,8 +13,9 @@
   ``embedding`` (no FakeTensor run).
 * ``interleaved``: ``split`` of an ``InterleavedShard`` tensor into its sections (and the reverse
   ``cat``) on the local shards.
-* ``partial``: a Partial-sum strategy beside PyTorch's for ``scatter`` (linear in ``self`` and
-  ``src``), so an MoE router's Partial gradient is not reduce-scattered through its backward.
+* ``partial``: Partial-sum strategies beside PyTorch's for ``scatter`` (linear in ``self`` and
+  ``src``) and the softmax backward (linear in the gradient), so an MoE router's Partial gradient
+  is neither reduce-scattered nor all-reduced through its backward.
 * ``optim``: stock ``torch.optim`` steps on DTensor parameters run on their local shards.
 * ``attention``: sharding rules for the SDPA kernels PyTorch has none for (CPU flash, forward and
   backward); the CUDA fused kernels refuse in-kernel dropout on DTensors (rank-local masks).
@@ -56,14 +57,16 @@ def install() -> None:
     install_unwrap()
 
 
-def uninstall() -> None:
+def uninstall(keep_learned: bool = False) -> None:
     """Give DTensor back PyTorch's own sharding search, miss path, sized-op path and optimiser steps
-    (the semantic, SDPA and convolution handlers stay: without them those ops fail outright)."""
+    (the semantic, SDPA and convolution handlers stay: without them those ops fail outright).
+    ``keep_learned``: the next ``install()`` resumes with the shape-free cache's decisions (for
+    benchmarks that run PyTorch's stack and vescale's in one process, step by step)."""
     uninstall_unwrap()
     uninstall_sized_ops()
     uninstall_interleaved_rules()
     uninstall_local_optimizer_step()
-    uninstall_shape_free_cache()
+    uninstall_shape_free_cache(keep_learned)
     uninstall_partial_rules()
     uninstall_fast_search()
 

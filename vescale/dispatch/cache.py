@@ -98,6 +98,7 @@ class _Missed(tuple):
 
 _LOCK = threading.Lock()
 _INSTALLED: list["ShapeFreeCache"] = []
+_SET_ASIDE: list["ShapeFreeCache"] = []  # uninstalled with keep_learned=True, for the next install
 
 
 # A strict view refuses to split a sharded dim into parts the mesh does not divide; reshape's rule
@@ -670,11 +671,12 @@ class ShapeFreeCache:
 
 
 def install_shape_free_cache() -> ShapeFreeCache:
-    """Put the cache in front of DTensor's miss path (idempotent); returns it (for its counters)."""
+    """Put the cache in front of DTensor's miss path (idempotent); returns it (for its counters).
+    A cache set aside by ``uninstall_shape_free_cache(keep_learned=True)`` comes back as it was."""
     prop = DTensor._op_dispatcher.sharding_propagator
     with _LOCK:
         if not _INSTALLED:
-            cache = ShapeFreeCache(prop)
+            cache = _SET_ASIDE.pop() if _SET_ASIDE else ShapeFreeCache(prop)
             # An instance attribute shadows the method for this propagator only; DTensor's C++
             # dispatcher calls it on every miss of its own cache.
             prop.propagate_op_sharding_non_cached = cache
@@ -682,12 +684,19 @@ def install_shape_free_cache() -> ShapeFreeCache:
         return _INSTALLED[0]
 
 
-def uninstall_shape_free_cache() -> None:
+def uninstall_shape_free_cache(keep_learned: bool = False) -> None:
+    """Give DTensor back its own miss path. ``keep_learned``: set the cache aside for the next
+    install, for a process that switches between PyTorch's dispatch and vescale's (the benchmarks'
+    interleaved arms), so vescale's arm does not start cold after each switch; the default drops it."""
     prop = DTensor._op_dispatcher.sharding_propagator
     with _LOCK:
         if _INSTALLED:
             prop.__dict__.pop("propagate_op_sharding_non_cached", None)
+            if keep_learned:
+                _SET_ASIDE[:] = _INSTALLED
             _INSTALLED.clear()
+        if not keep_learned:
+            _SET_ASIDE.clear()
 
 
 def shape_free_cache() -> ShapeFreeCache | None:
