@@ -66,14 +66,15 @@ def llama_plan(
         kv_heads = getattr(config, "num_key_value_heads", None)
         split_kv = kv_heads is None or mesh is None or kv_heads % mesh[tp].size() == 0
         _tensor_parallel(plan, tp, sequence_parallel, split_kv, mlp, whole_logits=not _is_zoo_config(config))
-    if (sequence_parallel or use_dp) and not _is_zoo_config(config):
+    if (sequence_parallel or (use_dp and (mesh is None or mesh[dp].size() > 1))) and not _is_zoo_config(config):
         # Static Eager: HF's LlamaModel reads the batch size and sequence length for its position
         # ids and causal mask from the embeddings, whose batch DP splits and whose sequence SP
         # splits, so its own few ops stay on DTensors; the decoder layers inside it still run
         # static. The zoo's LlamaModel reads the length from input_ids (whole along the sequence)
         # and broadcasts over the batch, so its own ops run static too and its layers meet a static
         # caller (no DTensor wrapping around each layer). Without a config,
-        # keep it eager: the static step's shape check would otherwise reject HF's model.
+        # keep it eager: the static step's shape check would otherwise reject HF's model. A DP dim
+        # of size 1 (TP-only training's (1, N) mesh) splits no batch: without SP the body runs static.
         plan.eager(r"model")
     if use_dp:
         plan.shard(r"<in>\[input_ids\]", Shard(0), mesh=dp)
