@@ -18,7 +18,7 @@ same model's own arithmetic. Variants, interleaved round by round in one run:
   rules for their data-dependent ops and fp32 ``_grouped_mm``, so ``--model moe``'s ``torch`` runs
   with ``vescale.dispatch`` installed (its search, caches and local optimiser step serve it too);
 * ``torch-vd`` (LLaMA): the same stack with ``vescale.dispatch`` installed, as ``torch`` ran in
-  every figure before 2026-11-26 14:00 UTC (``docs/performance.md``): vescale's cheap search,
+  every figure until 2026-11-26 13:30 UTC (``docs/performance.md``): vescale's cheap search,
   shape-free cache and local optimiser step make PyTorch's own stack faster;
 * ``torch-dispatch``: vescale eager with PyTorch's own sharding search, miss path and optimiser on
   DTensors (vescale.dispatch uninstalled): where the project stood before;
