@@ -8,10 +8,11 @@ same model's own arithmetic. Variants, interleaved round by round in one run:
   this rank's share of every projection, of the vocabulary and of the batch; on the fake group with
   plain-tensor stand-ins for the sequence-parallel collectives (see ``_megatron_rank``), on gloo
   ranks (LLaMA only) with real ones and hand-written ZeRO-3 (``benchmarks/megatron_local.py``);
-* ``megatron`` (LLaMA only): ``megatron_local.MegatronLlama`` on the fake group too: the same
+* ``megatron``: ``megatron_local.MegatronLlama`` on the fake group too: the same
   hand-written Megatron + ZeRO-3 code with explicit collectives (``torch.distributed`` calls on the
   mesh's groups; the fake group copies the data an all-gather or reduce-scatter would move) where
   ``local`` does a ``cat`` / ``narrow``; on gloo ranks it is ``local`` itself, so left out there;
+  with ``--model moe``, ``megatron_moe.MegatronMixtral`` (TP + SP, no DP: the tp8 config only);
 * ``torch``: PyTorch's own stack used the TorchTitan way (``_torchtitan``): parallelize_module,
   loss_parallel, fully_shard for ZeRO-3, stock AdamW on its DTensor parameters, with
   ``vescale.dispatch`` uninstalled for its steps (LLaMA); HF's MoE experts kernels need vescale's
@@ -31,7 +32,7 @@ and to ``torch``, and its forward / backward / optimiser-step parts; the first s
 sequence length against a repeated one (static mode derives the new length's record from a
 recorded one, ``vescale/static/resize.py``; ``reuse_records = False`` on its runtime records again). ``--gloo``
 runs the same on real gloo ranks (one process each; ``local`` is ``megatron_local.MegatronLlama``
-there, left out for ``--model moe``; 4 ranks oversubscribe 2 cores, so read ratios, not
+there, ``megatron_moe.MegatronMixtral`` for ``--model moe`` on the TP-only tp2; 4 ranks oversubscribe 2 cores, so read ratios, not
 absolutes). ``--cold-first N`` measures instead each variant's first step on the ``--gloo``
 configs in N fresh launches of its own: in one interleaved process the variants after the first
 find PyTorch's process-wide state warmed (FakeTensor's dispatch cache, op tables, gloo's
@@ -203,11 +204,16 @@ class Runner:
                 torchtitan_moe(self.model, mesh, zero3=zero3)  # TP experts + SP (+ FSDP)
             self.batch = BATCH // dp  # each DP rank loads its own part of the batch
         elif variant == "megatron" or (variant == "local" and real_collectives):  # explicit TP / SP / ZeRO-3 collectives
-            from megatron_local import MegatronLlama
-
             if not sp:
-                raise ValueError("bench_dispatch: the gloo `local` variant is written for sequence parallelism; use an SP config")
-            self.model = MegatronLlama(LlamaForCausalLM(MODEL), mesh, zero3=zero3)
+                raise ValueError("bench_dispatch: the hand-written variants are written for sequence parallelism; use an SP config")
+            if kind == "llama":
+                from megatron_local import MegatronLlama
+
+                self.model = MegatronLlama(LlamaForCausalLM(MODEL), mesh, zero3=zero3)
+            else:
+                from megatron_moe import MegatronMixtral
+
+                self.model = MegatronMixtral(_build(kind), mesh)  # TP only (DP=1)
             self.batch = BATCH // dp  # ids over the whole vocabulary: the embedding masks the others
         elif variant == "local":
             self.model = _megatron_rank(dp, tp, sp) if kind == "llama" else _megatron_moe_rank(dp, tp, sp)
@@ -440,7 +446,7 @@ def bench(config: str, rounds: int, variants: list[str], kind: str) -> None:
     dist.init_process_group("fake", rank=0, world_size=math.prod(shape))
     mesh = vescale.init_mesh(shape, names)
     vescale.manual_seed(0)
-    if kind != "llama":  # megatron_local writes out the zoo LLaMA only
+    if kind != "llama" and shape[0] > 1:  # megatron_moe writes out tensor parallelism only
         variants = [v for v in variants if v != "megatron"]
     r = _measure(mesh, shape, sp, zero3, rounds, variants, kind)
     _report(f"\n## {kind} {config}: mesh {dict(zip(names, shape))}, SP={sp}, ZeRO-3={zero3}; rank 0 of "
@@ -499,8 +505,8 @@ def bench_gloo(config: str, rounds: int, variants: list[str], kind: str, clock: 
     from vescale.testing import run_on_ranks
 
     shape, names, sp, zero3 = CONFIGS[config]
-    variants = [v for v in variants if v != "megatron"]  # `local` is MegatronLlama on gloo ranks
-    if kind != "llama":  # megatron_local writes out the zoo LLaMA only
+    variants = [v for v in variants if v != "megatron"]  # `local` is the hand-written code on gloo ranks
+    if kind != "llama" and shape[0] > 1:  # megatron_moe writes out tensor parallelism only
         variants = [v for v in variants if v != "local"]
     r = run_on_ranks(_on_gloo_rank, math.prod(shape), config, rounds, variants, kind, MODEL.attention_dropout, clock,
                      timeout=1800)[0]
