@@ -27,22 +27,9 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_local import GatherSequence, ScatterSequence, VocabParallelEmbedding, _loss_share
+from vescale.zoo.llama import CausalLMOutput
 
 __all__ = ["MegatronMixtral"]
-
-
-class _AtBackwardEnd(torch.autograd.Function):
-    """Identity on the loss; its backward queues ``fn`` to run when the whole backward is done."""
-
-    @staticmethod
-    def forward(ctx, loss, fn):
-        ctx.fn = fn
-        return loss.view_as(loss)
-
-    @staticmethod
-    def backward(ctx, grad):
-        torch.autograd.Variable._execution_engine.queue_callback(ctx.fn)
-        return grad, None
 
 
 class MegatronMixtral:
@@ -78,6 +65,10 @@ class MegatronMixtral:
                                             if isinstance(out, tuple) else ScatterSequence.apply(out, tp))
         self.model.model.norm.register_forward_hook(lambda mod, args, out: GatherSequence.apply(out, tp))
 
+    def _at_backward_start(self, grad) -> None:
+        """The loss's gradient hook: the partial gradients are reduced once backward is done."""
+        torch.autograd.Variable._execution_engine.queue_callback(self._reduce_partial_grads)
+
     def _reduce_partial_grads(self) -> None:
         grads = [p.grad for p in self.partial]
         flat = torch.cat([g.reshape(-1) for g in grads])
@@ -97,13 +88,8 @@ class MegatronMixtral:
         loss = None
         if labels is not None:
             loss = _loss_share(logits, labels, self.vocab_start, self.tp_group, self.dp_group)
-            loss = _AtBackwardEnd.apply(loss, self._reduce_partial_grads)
-        return _Output(loss, logits)
-
-
-class _Output:
-    def __init__(self, loss, logits):
-        self.loss, self.logits = loss, logits
+            loss.register_hook(self._at_backward_start)
+        return CausalLMOutput(loss=loss, logits=logits)
 
 
 def _gathering(tp):
