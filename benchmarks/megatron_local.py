@@ -14,7 +14,7 @@ hand-written implementation does, with no DTensor anywhere. Every collective is 
   are all-reduced over TP (Megatron's "sequence-parallel grads" all-reduce).
 * Loss: Megatron's vocabulary-parallel cross-entropy (the logits are never gathered: all-reduces
   over TP of the row max, of the target's logit and of the sum of exponentials), like TorchTitan's
-  ``loss_parallel``; vescale's ``llama_plan`` gathers the logits instead.
+  ``loss_parallel`` and vescale's ``llama_plan``.
 * ZeRO-3 (DP group), FSDP2's schedule with FSDP1's / DeepSpeed's flat buffers: each decoder layer is
   one unit, the embedding + final norm + LM head (the root) another. A unit's parameters are views
   of one flat buffer of which this rank stores 1/DP (the optimiser's parameter). A layer's buffer is

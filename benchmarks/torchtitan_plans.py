@@ -132,7 +132,7 @@ def vescale_llama() -> "VescalePlan":
     # Sequence parallel: gather the sequence into attention, the MLP and the head, scatter it after.
     plan.shard(rf"({layer}\.(self_attn|mlp)|lm_head)\.<in>", Replicate(), mesh="TP")
     plan.shard(rf"(model\.embed_tokens|{layer}\.(self_attn|mlp))\.<out>", Shard(1), mesh="TP")
-    plan.shard(r"lm_head\.<out>", Replicate(), mesh="TP")  # the logits leave whole: the loss needs them so
+    plan.shard(r"lm_head\.<out>", Shard(-1), mesh="TP")  # the logits stay split: the loss runs vocabulary-parallel
     plan.shard(r"<in>\[(input_ids|labels)\]", Shard(0), mesh="DP")  # data parallel: split the batch
     plan.shard(r".*weight", Shard(0), mesh="DP", phase=INIT)  # ZeRO-3: stored sharded, gathered to run
     plan.shard(r".*weight", Replicate(), mesh="DP", phase=RUN)
@@ -151,7 +151,7 @@ def vescale_moe() -> "VescalePlan":
     plan.shard(rf"{layer}\.mlp\.experts\.down_proj", Shard(2), mesh="TP")
     plan.shard(rf"({layer}\.(self_attn|mlp)|lm_head)\.<in>", Replicate(), mesh="TP")
     plan.shard(rf"(model\.embed_tokens|{layer}\.(self_attn|mlp))\.<out>", Shard(1), mesh="TP")
-    plan.shard(r"lm_head\.<out>", Replicate(), mesh="TP")  # the logits leave whole: the loss needs them so
+    plan.shard(r"lm_head\.<out>", Shard(-1), mesh="TP")  # the logits stay split: the loss runs vocabulary-parallel
     plan.shard(r"<in>\[(input_ids|labels)\]", Shard(0), mesh="DP")
     plan.shard(r".*(weight|gate_up_proj|down_proj)", Shard(0), mesh="DP", phase=INIT)
     plan.shard(r".*(weight|gate_up_proj|down_proj)", Replicate(), mesh="DP", phase=RUN)

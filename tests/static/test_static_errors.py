@@ -1,10 +1,12 @@
 """Static Eager mode refuses what it cannot replay, and says which module and what to write.
 
-A module that computes a size that sharding changes (here a global head count in a ``view``)
+A module that computes a size that sharding changes (here a global head count in ``unflatten``)
 computes something else on local shards without any error of its own: per-head softmax over 1
 element instead of 2. The first static step checks every size-taking op against the shapes the
 eager step recorded and raises, naming the module and the ``plan.eager`` line that fixes it; with
-that line the model trains exactly as in eager mode.
+that line the model trains exactly as in eager mode. The same head count passed to ``view`` /
+``reshape`` is rewritten to the local one instead (``vescale/static/local_sizes.py``): that module
+runs static and trains exactly as in eager mode.
 """
 
 from __future__ import annotations
@@ -21,21 +23,26 @@ from vescale.testing import error_of, fake_world, run_on_ranks
 class GlobalHeads(nn.Module):
     HEADS = 4  # the global head count, as a config would give it
 
-    def __init__(self):
+    def __init__(self, split: str = "unflatten"):
         super().__init__()
         self.proj = nn.Linear(8, 8, bias=False)
         self.out = nn.Linear(8, 8, bias=False)
+        self.split = split
 
     def forward(self, x):
         b, s, _ = x.shape
-        heads = self.proj(x).view(b, s, self.HEADS, -1).softmax(-1)  # wrong on local shards
-        return self.out(heads.reshape(b, s, -1))
+        h = self.proj(x)
+        if self.split == "view":  # rewritten to the local head count in static steps
+            h = h.view(b, s, self.HEADS, -1)
+        else:  # wrong on local shards (unflatten's own view is not the model's call)
+            h = h.unflatten(-1, (self.HEADS, -1))
+        return self.out(h.softmax(-1).reshape(b, s, -1))
 
 
 class Model(nn.Module):
-    def __init__(self):
+    def __init__(self, split: str = "unflatten"):
         super().__init__()
-        self.attn = GlobalHeads()
+        self.attn = GlobalHeads(split)
 
     def forward(self, x):
         return self.attn(x).pow(2).mean()
@@ -51,10 +58,10 @@ def _plan(eager: bool) -> VescalePlan:
     return plan
 
 
-def _train(mode: str, eager: bool, steps: int = 4):
+def _train(mode: str, eager: bool, steps: int = 4, split: str = "unflatten"):
     mesh = vescale.init_mesh((2,), ("TP",))
     torch.manual_seed(0)
-    model = vescale.parallelize(Model(), _plan(eager), mesh, mode=mode)
+    model = vescale.parallelize(Model(split), _plan(eager), mesh, mode=mode)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     losses = []
     for step in range(steps):
@@ -91,6 +98,25 @@ def test_a_global_size_fails_in_the_first_static_step_naming_module_and_fix():
     assert "module 'attn'" in message and "plan.eager('attn')" in message, message
 
 
+def _view_with_global_heads():
+    eager, _ = _train("eager", eager=False, steps=5, split="view")
+    static, model = _train("static", eager=False, steps=5, split="view")
+    rt = model._vescale_static
+    rec = rt.latest()
+    rewrites = [(r.positions, r.global_sizes, r.local_sizes) for r in rec.sizes.get("attn", []) if r is not None]
+    return eager, static, (rt.recorded_steps, rt.static_steps), sorted(rec.unsafe), rewrites
+
+
+@pytest.mark.multiproc
+def test_a_global_head_count_in_view_runs_static_with_the_local_one():
+    eager, static, steps, unsafe, rewrites = run_on_ranks(_view_with_global_heads, 2)[0]
+    # (The root stays eager: its mean of the TP-partial output needs DTensor.)
+    assert steps[1] >= 3 and "attn" not in unsafe, f"steps {steps}, eager modules {unsafe}"
+    # view(b, s, 4, -1) on the TP-split projection: the head count (position 2) is 2 on each rank.
+    assert rewrites == [((2,), (4,), (2,))], rewrites
+    assert static == eager  # the same local ops and collectives: equal to the last bit
+
+
 @pytest.mark.multiproc
 def test_plan_eager_keeps_the_module_on_dtensors_and_trains_like_eager():
     eager, static, steps, exported, evals, after = run_on_ranks(_with_eager_line, 2)[0]
@@ -122,15 +148,16 @@ def fake_world_2():
 
 
 class _Mix(nn.Module):
-    """Reshapes a batch-sharded tensor with the batch size read from a whole (plain) one: fine on
-    DTensors (both sizes are global), impossible on local shards (the element counts differ)."""
+    """Expands a batch-sharded tensor to the batch size read from a whole (plain) one: fine on
+    DTensors (both sizes are global), impossible on local shards (the sizes differ). (A ``view`` or
+    ``reshape`` that way would get the local size: ``vescale/static/local_sizes.py``.)"""
 
     def __init__(self):
         super().__init__()
         self.w = nn.Linear(6, 6)
 
     def forward(self, x, y):
-        z = self.w(y).reshape(x.shape[0], y.shape[1])
+        z = self.w(y).sum(-1, keepdim=True).expand(x.shape[0], y.shape[1])
         return z.sum() * x.sum()
 
 

@@ -9,14 +9,14 @@ root, usually) eager in Static Eager mode, and with it every boundary around its
 
 The recorded facts fix both, so static steps run the loss on the local shards instead:
 
-* **Recording** (``LossWatch``): while the recording step's forward runs, calls of
+* **Recording** (``local_calls.CallWatch``): while the recording step's forward runs, calls of
   ``F.cross_entropy`` on a DTensor are classified (``loss_kernel``). One the kernel can run is
   recorded for the calling module (its k-th call), and the recording runs the kernel itself on the
   DTensors' local shards (``LocalLoss.on_dtensors``), with the op watcher looking away: its ops are
   the kernel's, not the module's own, and the gradient reaches the logits in their own layout, as
   in static steps (DTensor's gather would hand it back whole). Any other call is left to the op
   watcher.
-* **Static steps** (``LocalLosses``, on while such a module's own body runs): the k-th call runs
+* **Static steps** (``local_calls.LocalCalls``, on while such a module's own body runs): the k-th call runs
   ``LocalLoss``. Sharded classes: each rank's log-sum-exp and target logit of every row are gathered
   over the class dim (one all-gather of two numbers a row, where DTensor gathers the logits), the
   rows' losses follow; backward is ``softmax - one_hot`` on the local classes, no communication.
@@ -33,19 +33,17 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.overrides import TorchFunctionMode
 
 from ..comm import direct
 from ..plan.ir import PlanError
-from .random_gate import SwitchedMode, exit_function_mode
 
-__all__ = ["LocalLoss", "loss_kernel", "LossWatch", "LocalLosses"]
+__all__ = ["LocalLoss", "loss_kernel", "cross_entropy_args"]
 
 _ARGS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
 _DEFAULTS = (None, None, None, None, -100, None, "mean", 0.0)
 
 
-def _cross_entropy_args(args, kwargs) -> dict:
+def cross_entropy_args(args, kwargs) -> dict:
     values = dict(zip(_ARGS, _DEFAULTS))
     values.update(zip(_ARGS, args))
     values.update(kwargs)
@@ -176,65 +174,3 @@ def loss_kernel(call: dict) -> LocalLoss | None:
     shape, offset = compute_local_shape_and_global_offset(logits.shape, mesh, placements)
     return LocalLoss(mesh, class_dims[0] if class_dims else None, int(offset[1]), int(shape[1]), int(logits.shape[1]),
                      tuple(row_dims), call["reduction"], int(call["ignore_index"]))
-
-
-class LossWatch(TorchFunctionMode):
-    """Recording forward: notes each ``F.cross_entropy`` call of the running module's own body
-    (``module()``), a ``LocalLoss`` or None (left to the op watcher), into ``losses`` (module path ->
-    list by call), and runs the kernels on the DTensors' local shards; ``own_ops_off()`` is a
-    context in which the op watcher does not see the module's ops."""
-
-    def __init__(self, module, losses: dict, own_ops_off):
-        super().__init__()
-        self.module, self.losses, self.own_ops_off = module, losses, own_ops_off
-
-    def close(self) -> None:
-        exit_function_mode(self)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        path = self.module() if func is F.cross_entropy else None
-        if path is None:
-            return func(*args, **kwargs)
-        with self.own_ops_off():  # classifying runs ops (DTensor's offset arithmetic) of the runtime's own
-            kernel = loss_kernel(_cross_entropy_args(args, kwargs))
-        self.losses.setdefault(path, []).append(kernel)
-        if kernel is None:
-            return func(*args, **kwargs)
-        with self.own_ops_off():
-            return kernel.on_dtensors(_cross_entropy_args(args, kwargs))
-
-
-# ---------------------------------------------------------------------------------------------
-# Static steps
-# ---------------------------------------------------------------------------------------------
-
-
-class LocalLosses(SwitchedMode):
-    """On while the body of a module with recorded losses runs (``turn``): in each step, its k-th
-    ``F.cross_entropy`` call runs its k-th recorded kernel (None: the call as it is)."""
-
-    def __init__(self, losses: dict, own_ops_off):
-        super().__init__()
-        self.losses, self.own_ops_off = losses, own_ops_off  # module path -> [LocalLoss | None] by call
-        self.path = None
-        self.calls: dict = {}  # module path -> its calls so far in this step
-
-    def turn(self, path: str | None) -> None:
-        """On for the running body ``path`` if it has recorded losses, else off."""
-        on = path in self.losses
-        self.path = path if on else None
-        self.switch(on)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is not F.cross_entropy:
-            return func(*args, **kwargs)
-        kernels = self.losses[self.path]
-        k = self.calls[self.path] = self.calls.get(self.path, -1) + 1
-        kernel = kernels[k] if k < len(kernels) else None
-        if kernel is None:
-            return func(*args, **kwargs)
-        call = _cross_entropy_args(args, kwargs)
-        with self.own_ops_off():
-            return kernel(call["input"], call["target"], call)

@@ -54,7 +54,7 @@ from ..parallel.placing import grad_layout
 from . import averaged, resize
 from .boundary import HandOvers, Move, ParamShadow, dtensor_of, grad_spec, local_of, settled_on_unit_dims
 from .random_gate import CallTracker, RandomGate
-from .local_loss import LocalLosses, LossWatch
+from .local_calls import CallWatch, LocalCalls, local_call_paths
 from .local_ops import LocalLookups, check_lookup, grad_placements, is_masked, masked_lookup, unmasked, unmasked_inputs
 
 __all__ = ["StaticRuntime", "State"]
@@ -114,6 +114,9 @@ class Record:
     # module path -> per F.cross_entropy call of its body, the LocalLoss its static steps run (None:
     # the call as it is; local_loss.py)
     losses: dict = field(default_factory=dict)
+    # module path -> per view / reshape call of its body, the SizeRewrite its static steps apply
+    # (None: the call as it is; local_sizes.py)
+    sizes: dict = field(default_factory=dict)
     # The torch functions its drawing bodies' random ops come from (random_gate.py): None until the
     # first static step has learnt them; empty where they cannot be told (the replay then watches
     # whole drawing bodies).
@@ -632,8 +635,8 @@ class StaticRuntime:
         self.watcher: _OpWatcher | None = None
         self.remembered = None  # a recording's decisions_remembered() context, open with its watcher
         self.replay: _RandomReplay | None = None
-        self.loss_watch: LossWatch | None = None  # a recording forward's (local_loss.py)
-        self.local_losses: LocalLosses | None = None  # a static forward's, with losses to run locally
+        self.call_watch: CallWatch | None = None  # a recording forward's (local_calls.py)
+        self.local_calls: LocalCalls | None = None  # a static forward's, with calls to run locally
         self.static_steps = self.recorded_steps = 0
         # New input sizes derive their record from a recorded one where only sizes differ (resize.py);
         # False: every new key records (tests compare the two bit for bit).
@@ -710,7 +713,7 @@ class StaticRuntime:
         if self.watcher is not None:  # the last recording's (closed only here), or one whose forward raised
             self._close_watcher()
         self._close_replay()
-        self._close_losses()
+        self._close_calls()
         self._restore_at_root()  # left over only if the last forward's cleanup did not run
         if self.verifying is not None:  # the same: its first step did not run through
             self._verified(False)
@@ -734,9 +737,11 @@ class StaticRuntime:
             if rec.random:
                 # Entered only while the body of a module that draws runs (see _follow_body).
                 self.replay = _RandomReplay(rec, self.stack)
-            losses = {p: kernels for p, kernels in rec.losses.items() if any(kernels) and self.is_static(p)}
-            if losses:  # on only while those modules' own bodies run (see _follow_body)
-                self.local_losses = LocalLosses(losses, self.own_ops_off)
+            local = {p for p in local_call_paths(rec.losses, rec.sizes) if self.is_static(p)}
+            if local:  # on only while those modules' own bodies run (see _follow_body)
+                self.local_calls = LocalCalls({p: k for p, k in rec.losses.items() if p in local},
+                                              {p: r for p, r in rec.sizes.items() if p in local},
+                                              self.own_ops_off, derived=rec.resized_from is not None)
             if not rec.checked:
                 rec.checked = True
                 self.verifying = rec
@@ -812,8 +817,8 @@ class StaticRuntime:
         self._bound_records(self.record)
         self._open_watcher(checking=False)
         rec = self.record
-        self.loss_watch = LossWatch(lambda: self.stack[-1] if self.stack else None, rec.losses, self.own_ops_off)
-        self.loss_watch.__enter__()
+        self.call_watch = CallWatch(lambda: self.stack[-1] if self.stack else None, rec.losses, rec.sizes, self.own_ops_off)
+        self.call_watch.__enter__()
         return rec
 
     def _open_watcher(self, checking: bool) -> None:
@@ -833,7 +838,7 @@ class StaticRuntime:
             self._close_watcher()
         replay = self.replay
         self._close_replay()
-        self._close_losses()
+        self._close_calls()
         self._restore_at_root()
         ok = sys.exc_info()[0] is None  # not while forward's exception unwinds
         if isinstance(sys.exc_info()[1], resize.ResizeMismatch) and self.record is not None and self.record.resized_from is not None:
@@ -855,13 +860,13 @@ class StaticRuntime:
             replay._switch(False)
             self.stack.clear()
 
-    def _close_losses(self) -> None:
-        if self.loss_watch is not None:
-            self.loss_watch.close()
-            self.loss_watch = None
-        if self.local_losses is not None:
-            self.local_losses.turn(None)
-            self.local_losses = None
+    def _close_calls(self) -> None:
+        if self.call_watch is not None:
+            self.call_watch.close()
+            self.call_watch = None
+        if self.local_calls is not None:
+            self.local_calls.turn(None)
+            self.local_calls = None
 
     @contextlib.contextmanager
     def own_ops_off(self):
@@ -1065,13 +1070,13 @@ class StaticRuntime:
         step's ops belong to modules that draw nothing."""
         if self.replay is not None:
             self.replay.turn(bool(self.stack) and self.stack[-1] in self.record.random)
-        if self.local_losses is not None:
-            self.local_losses.turn(self.stack[-1] if self.stack else None)
+        if self.local_calls is not None:
+            self.local_calls.turn(self.stack[-1] if self.stack else None)
         if self.watcher is not None:
             self.watcher.body_changed()
 
     def _tracking(self) -> bool:
-        return self.watcher is not None or self.replay is not None or self.local_losses is not None
+        return self.watcher is not None or self.replay is not None or self.local_calls is not None
 
     def restore(self, mod, path: str) -> None:
         """Always called after forward: the module gets its own parameters back."""
@@ -1261,14 +1266,15 @@ class StaticRuntime:
         Also the members of ZeRO-3 units whose only other hooks are the plan's gathers: their unit's
         module gathers for them (``rec.quiet_units``, see unit_in)."""
         quiet, units = {}, {}
+        local_calls = local_call_paths(rec.losses, rec.sizes)
         for path, (mod, own) in self.own_hooks.items():
             steps = rec.steps.get(path)
             if not path or steps is None or not steps.static or not steps.parent_static or path in rec.random:
                 continue
             if steps.lookups is not None:
                 continue  # its hooks open the masked lookups' mode around its body (local_ops.py)
-            if path in rec.losses or self.parent.get(path) in rec.losses:
-                # Its hooks (or its callees' hooks) turn the local losses' mode on and off around its
+            if path in local_calls or self.parent.get(path) in local_calls:
+                # Its hooks (or its callees' hooks) turn the local calls' mode on and off around its
                 # body: without them the mode would stay on through everything the body calls.
                 continue
             if steps.wrap_in or steps.wrap_out or steps.placed_in or steps.placed_out:

@@ -3,9 +3,8 @@
 Both models use the same module names, so one plan serves both. The plan is Megatron-style:
 
 * tensor parallel (TP): q/k/v and gate/up projections column-wise (``Shard(0)`` of the weight),
-  o/down projections row-wise (``Shard(1)``), vocabulary-parallel embedding and LM head (the zoo
-  model's logits stay vocabulary-sharded, its loss computed on the shards; HF's are gathered as
-  they leave the head, since its loss views them with the config's vocabulary size);
+  o/down projections row-wise (``Shard(1)``), vocabulary-parallel embedding and LM head (the
+  logits stay vocabulary-sharded and the loss is computed on the shards);
 * sequence parallel (SP, on TP): between blocks the residual stream is split along the sequence
   (``Shard(1)``), gathered before attention/MLP and reduce-scattered after them, so norms and
   residual adds run on 1/TP of the tokens;
@@ -65,7 +64,7 @@ def llama_plan(
     if use_tp:
         kv_heads = getattr(config, "num_key_value_heads", None)
         split_kv = kv_heads is None or mesh is None or kv_heads % mesh[tp].size() == 0
-        _tensor_parallel(plan, tp, sequence_parallel, split_kv, mlp, whole_logits=not _is_zoo_config(config))
+        _tensor_parallel(plan, tp, sequence_parallel, split_kv, mlp)
     if (sequence_parallel or (use_dp and (mesh is None or mesh[dp].size() > 1))) and not _is_zoo_config(config):
         # Static Eager: HF's LlamaModel reads the batch size and sequence length for its position
         # ids and causal mask from the embeddings, whose batch DP splits and whose sequence SP
@@ -85,8 +84,7 @@ def llama_plan(
     return plan
 
 
-def _tensor_parallel(plan: VescalePlan, tp: str, sequence_parallel: bool, split_kv: bool, mlp: bool = True,
-                     whole_logits: bool = True) -> None:
+def _tensor_parallel(plan: VescalePlan, tp: str, sequence_parallel: bool, split_kv: bool, mlp: bool = True) -> None:
     # Between blocks: sequence-sharded with SP, replicated without.
     between = Shard(1) if sequence_parallel else Replicate()
     # Vocabulary-parallel embedding with SP (its Partial output is reduce-scattered along the sequence).
@@ -105,14 +103,8 @@ def _tensor_parallel(plan: VescalePlan, tp: str, sequence_parallel: bool, split_
         plan.shard(rf"{_LAYER}\.{block}\.<out>", between, mesh=tp)
     plan.shard(r"lm_head\.<in>", Replicate(), mesh=tp)
     plan.shard(r"lm_head\.weight", Shard(0), mesh=tp)  # vocabulary-parallel matmul
-    if not whole_logits:
-        # The zoo model's loss reads the vocabulary size from its logits, so they can stay split:
-        # Static Eager runs its cross entropy vocabulary-parallel on the local shards
-        # (vescale.static.local_loss: two numbers a row gathered instead of the logits).
-        plan.shard(r"lm_head\.<out>", Shard(-1), mesh=tp)
-        return
-    # HF's loss views the logits with the config's vocabulary size, which a local shard does not
-    # have: they are gathered as they leave the head. The gather is then the plan's, which Static
-    # Eager runs as a precompiled move, and the causal-LM wrapper's own ops (the loss) run on local
-    # tensors instead of staying on DTensors.
-    plan.shard(r"lm_head\.<out>", Replicate(), mesh=tp)
+    # The logits stay split along the vocabulary: Static Eager runs the cross entropy
+    # vocabulary-parallel on the local shards (vescale.static.local_loss: two numbers a row gathered
+    # instead of the logits), and HF's loss, which views them with the config's vocabulary size, gets
+    # the local size there (vescale.static.local_sizes).
+    plan.shard(r"lm_head\.<out>", Shard(-1), mesh=tp)

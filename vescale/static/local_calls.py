@@ -1,0 +1,118 @@
+"""Torch functions a static body runs its own way, recorded call by call.
+
+Two kinds of call in a module's own body would leave the local shards although the recorded facts
+say how to run them on the local tensors: the cross entropy on sharded logits (``local_loss.py``) and
+a ``view`` / ``reshape`` given a global size (``local_sizes.py``). Both are told apart at the level of
+the torch functions the model calls, so one ``TorchFunctionMode`` of each phase handles both:
+
+* ``CallWatch`` (the recording forward, on throughout): notes, per module body (``module()``: the
+  running body's path, None while hooks run) and per kind, each call in order, as the kernel or
+  rewrite its static steps run, or None for the call as it is.
+* ``LocalCalls`` (static steps, on only while the body of a module with something recorded runs):
+  the k-th call of a kind runs as the k-th note says.
+
+A torch function mode is off while its own handler runs, so only the calls the model's code makes
+reach it, not those inside the functions it calls: the recording and the static steps count the
+same calls (static mode assumes the same op sequence every step, as it does for everything else).
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from .local_loss import cross_entropy_args, loss_kernel
+from .local_sizes import SIZED_CALLS, size_call, size_rewrite
+from .random_gate import SwitchedMode, exit_function_mode
+
+__all__ = ["CallWatch", "LocalCalls", "local_call_paths"]
+
+
+def local_call_paths(losses: dict, sizes: dict) -> set:
+    """The module paths whose static bodies run some call their own way."""
+    return {p for p, kernels in losses.items() if any(kernels)} | {p for p, rewrites in sizes.items() if any(rewrites)}
+
+
+class CallWatch(TorchFunctionMode):
+    """Recording forward: notes each ``F.cross_entropy`` call of the running module's own body
+    (``module()``), a ``LocalLoss`` or None (left to the op watcher), into ``losses``, and runs the
+    kernels on the DTensors' local shards; notes each sized call (``local_sizes.SIZED_CALLS``), a
+    ``SizeRewrite`` or None, into ``sizes`` (both: module path -> list by call).
+    ``own_ops_off()`` is a context in which the op watcher does not see the module's ops."""
+
+    def __init__(self, module, losses: dict, sizes: dict, own_ops_off):
+        super().__init__()
+        self.module, self.losses, self.sizes, self.own_ops_off = module, losses, sizes, own_ops_off
+
+    def close(self) -> None:
+        exit_function_mode(self)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        path = self.module() if func is F.cross_entropy or func in SIZED_CALLS else None
+        if path is None:
+            return func(*args, **kwargs)
+        if func in SIZED_CALLS:
+            out = func(*args, **kwargs)
+            call = size_call(func, args, kwargs)
+            self.sizes.setdefault(path, []).append(size_rewrite(*call, out) if call is not None else None)
+            return out
+        with self.own_ops_off():  # classifying runs ops (DTensor's offset arithmetic) of the runtime's own
+            kernel = loss_kernel(cross_entropy_args(args, kwargs))
+        self.losses.setdefault(path, []).append(kernel)
+        if kernel is None:
+            return func(*args, **kwargs)
+        with self.own_ops_off():
+            return kernel.on_dtensors(cross_entropy_args(args, kwargs))
+
+
+class LocalCalls(SwitchedMode):
+    """On while the body of a module with recorded kernels or rewrites runs (``turn``): in each step,
+    its k-th ``F.cross_entropy`` call runs its k-th recorded kernel and its k-th sized call takes its
+    k-th recorded rewrite (None: the call as it is). ``derived``: the record was derived for new input
+    sizes (a rewrite that no longer fits then means the step must record)."""
+
+    def __init__(self, losses: dict, sizes: dict, own_ops_off, derived: bool = False):
+        super().__init__()
+        self.losses, self.sizes, self.own_ops_off, self.derived = losses, sizes, own_ops_off, derived
+        self.path = None
+        self.calls: dict = {}  # (module path, table) -> its calls so far in this step
+
+    def turn(self, path: str | None) -> None:
+        """On for the running body ``path`` if it has recorded kernels or rewrites, else off."""
+        on = path in self.losses or path in self.sizes
+        self.path = path if on else None
+        self.switch(on)
+
+    def _next(self, table: dict) -> tuple:
+        """The running body's notes in ``table`` and this call's index in them, its note at that index
+        (None: none, or the call as it is)."""
+        notes = table.get(self.path)
+        if notes is None:
+            return None, -1
+        key = (self.path, id(table))
+        k = self.calls[key] = self.calls.get(key, -1) + 1
+        return (notes, k) if k < len(notes) else (None, -1)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in SIZED_CALLS:
+            notes, k = self._next(self.sizes)
+            if notes is None or notes[k] is None:
+                return func(*args, **kwargs)
+            call = size_call(func, args, kwargs)
+            tensor, sizes = call if call is not None else (args[0], ())
+            local = notes[k].local(sizes, self.path, func, self.derived)
+            if local is None:  # the model read the size from the local tensor: nothing to rewrite, ever
+                notes[k] = None
+                return func(*args, **kwargs)
+            return func(tensor, local)
+        if func is not F.cross_entropy:
+            return func(*args, **kwargs)
+        notes, k = self._next(self.losses)
+        kernel = notes[k] if notes is not None else None
+        if kernel is None:
+            return func(*args, **kwargs)
+        call = cross_entropy_args(args, kwargs)
+        with self.own_ops_off():
+            return kernel(call["input"], call["target"], call)

@@ -1,0 +1,106 @@
+"""Local size arguments: a static body's ``view`` / ``reshape`` given a global size gets the local one.
+
+A module may reshape a sharded tensor with a size read from its config rather than from the tensor:
+HF's causal-LM loss does ``logits.view(-1, config.vocab_size)`` on the logits, which a
+vocabulary-parallel LM head leaves split along the vocabulary. On DTensors that is right: DTensor's
+view rule turns the global sizes into the local ones. On the local shards the same call either fails
+or, where a ``-1`` absorbs the difference, silently makes another shape (``(rows / n, vocab)`` for
+``(rows, vocab / n)``). The first static step's shape check catches it; until this module the only
+remedy was to keep the module eager (and a plan for HF's models gathered the logits for it).
+
+The recorded facts fix it, as they fix the vocabulary-parallel lookup (``local_ops.py``):
+
+* **Recording** (``size_rewrite``): each ``view`` / ``reshape`` call of a module's own body is noted
+  in call order (``local_calls.CallWatch``). For one on a DTensor whose explicit sizes differ from
+  its local output's shape, a ``SizeRewrite`` keeps those positions: the global size the model passed
+  and the local size DTensor used. Every other call is noted as None (the call as it is).
+* **Static steps** (``local_calls.LocalCalls``): the k-th call gets its rewritten positions' local
+  sizes. A ``-1`` stays ``-1`` (inferred from the local tensor: a new sequence length changes it),
+  other positions stay as passed. A size the model reads from the tensor itself (the zoo LLaMA's
+  ``repeat_kv`` reshapes by ``x.shape``) was global while recording, on the DTensor, and is local
+  in static steps already: a call that passes the local sizes runs as it is, and its note is
+  dropped for good (``SizeRewrite.local`` returns None), so a body with nothing left to rewrite runs
+  without the mode from the next step on. Any other size at a rewritten position is another tensor
+  than the recorded one (a new input size that the size follows, in a record derived for it:
+  ``resize.ResizeMismatch``, the step records instead).
+
+The first static step's shape check still runs over the rewritten call, so a rewrite that did not
+give DTensor's local shape fails there, naming the module and op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ..plan.ir import PlanError
+from .resize import ResizeMismatch
+
+__all__ = ["SIZED_CALLS", "SizeRewrite", "size_call", "size_rewrite"]
+
+# The torch functions whose sizes are rewritten: what models call to reshape by a config size.
+SIZED_CALLS = frozenset({torch.Tensor.view, torch.Tensor.reshape, torch.reshape})
+
+
+def size_call(func, args, kwargs) -> tuple[torch.Tensor, tuple] | None:
+    """``(tensor, sizes)`` of a ``SIZED_CALLS`` call, or None where its sizes are not plain ints (a
+    dtype view, symbolic sizes)."""
+    if func is torch.reshape:
+        tensor = args[0] if args else kwargs.get("input")
+        rest = args[1:] or (kwargs.get("shape"),)
+    else:
+        tensor, rest = args[0], args[1:] or (kwargs.get("size", kwargs.get("shape")),)
+    if len(rest) == 1 and isinstance(rest[0], (tuple, list, torch.Size)):
+        rest = tuple(rest[0])
+    if not isinstance(tensor, torch.Tensor) or not all(type(s) is int for s in rest):
+        return None
+    return tensor, tuple(rest)
+
+
+@dataclass(frozen=True)
+class SizeRewrite:
+    """A recorded call's sizes: at ``positions`` the model passes ``global_sizes``; the local shards
+    take ``local_sizes`` there."""
+
+    ndim: int
+    positions: tuple
+    global_sizes: tuple
+    local_sizes: tuple
+
+    def local(self, sizes: tuple, module: str, func, derived: bool) -> tuple | None:
+        """``sizes`` with the rewritten positions local, or None where the call passes the local sizes
+        already (read from the local tensor); raises where the call is not the recorded one."""
+        if len(sizes) == self.ndim and all(sizes[i] == n for i, n in zip(self.positions, self.local_sizes)):
+            return None
+        if len(sizes) != self.ndim or any(sizes[i] != g for i, g in zip(self.positions, self.global_sizes)):
+            want = ["*"] * self.ndim
+            for i, g in zip(self.positions, self.global_sizes):
+                want[i] = g
+            message = (
+                f"module {module!r}: {func.__name__}{sizes} in a static step, where the recording saw "
+                f"{func.__name__}({', '.join(map(str, want))}) with a global size (the local shards take "
+                f"{self.local_sizes} at positions {self.positions})"
+            )
+            if derived:
+                raise ResizeMismatch(f"{message}: a size there follows the inputs' sizes; the step records instead (run it again)")
+            raise PlanError(f"{message}: the module must reshape the same way every step, or stay on DTensors with plan.eager({module!r})")
+        out = list(sizes)
+        for i, n in zip(self.positions, self.local_sizes):
+            out[i] = n
+        return tuple(out)
+
+
+def size_rewrite(tensor: torch.Tensor, sizes: tuple, out) -> SizeRewrite | None:
+    """The recording's note for a sized call on ``tensor`` that gave ``out``: a ``SizeRewrite`` where
+    an explicit size is global (differs from the local output's), else None."""
+    if not isinstance(tensor, DTensor) or not isinstance(out, DTensor):
+        return None
+    local = tuple(out._local_tensor.shape)
+    if len(local) != len(sizes):
+        return None
+    positions = tuple(i for i, s in enumerate(sizes) if s != -1 and s != local[i])
+    if not positions:
+        return None
+    return SizeRewrite(len(sizes), positions, tuple(sizes[i] for i in positions), tuple(local[i] for i in positions))
