@@ -3,7 +3,7 @@
 ``bench_dispatch.py``'s runners (fake process group, rank 0, one intra-op thread, thread-CPU clock),
 interleaved round by round in one process, so the arms see the same machine load. Arms:
 
-* ``torch``: ``bench_dispatch``'s TorchTitan-style variant;
+* ``torch``, ``local``, ``megatron``: ``bench_dispatch``'s variants of those names (the baselines);
 * ``eager``: vescale eager mode as installed;
 * ``eager-off``: vescale eager mode with ``vescale.dispatch.sized``'s handler taken out of DTensor's
   per-op table and the CPU SDPA handler deciding afresh on every call (what they cost before these
@@ -12,6 +12,11 @@ interleaved round by round in one process, so the arms see the same machine load
   routing weights' Partial gradient where it leaves each MoE router (``mlp.gate``), so the router's
   backward runs replicated instead of DTensor's reduce-scatter choice;
 * ``static``: Static Eager mode as installed;
+* ``static-before``: Static Eager mode with the zoo plan as it was for HF's models before
+  2026-11-26: the logits gathered as they leave the LM head (``lm_head.<out>`` Replicate on TP, the
+  loss then over the whole vocabulary; now ``Shard(-1)``, HF's loss view rewritten by
+  ``vescale.static.local_sizes``), and under SP the embeddings reduce-scattered along the sequence
+  with HF's model body kept eager (now all-reduced, split at the first layer, the body static);
 * ``eager-pertensor``, ``static-pertensor``: the optimiser step per tensor on local shards, without
   ``vescale.dispatch.flat``'s flat runs (``optim.flat_allowed`` answering no around the arm's steps).
 
@@ -19,27 +24,54 @@ Each arm's forward / backward / optimiser-step medians (the step includes ``zero
 
     .venv/bin/python benchmarks/bench_dispatch_ab.py [--config dp2tp4] [--model moe] [--rounds 15] [--arms torch,eager-off,eager]
     .venv/bin/python benchmarks/bench_dispatch_ab.py --model llama --config tp8 --arms static-pertensor,static
+    .venv/bin/python benchmarks/bench_dispatch_ab.py --model moe --config tp8 --arms static-before,static
 """
 
 from __future__ import annotations
 
 import statistics
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import bench_dispatch as B
 from vescale import dispatch
 from vescale.dispatch import attention, optim, sized
+from vescale.zoo import LlamaConfig
 
 _HANDLERS = DTensor._op_dispatcher._custom_op_handlers
 _INSTALL = dispatch.install
 _FLAT_ALLOWED = optim.flat_allowed
+_PLAN = B._vescale_plan
+
+
+def _plan_before(kind, model, mesh, sp, zero3):
+    """The bench's plan as it was for HF's models before 2026-11-26 (``static-before``)."""
+    plan = _PLAN(kind, model, mesh, sp, zero3)
+    if isinstance(model.config, LlamaConfig):
+        return plan  # the zoo LLaMA's plan did not change
+    kept = []
+    for st in plan.statements:
+        if st.path == r"lm_head\.<out>" and st.placements == (Shard(-1),):
+            st = dataclasses.replace(st, placements=(Replicate(),))
+        elif st.path == r"model\.embed_tokens\.<out>" and sp:
+            st = dataclasses.replace(st, placements=(Shard(1),))
+        elif st.path == r"model\.layers\.0\.<in>[hidden_states]":
+            continue
+        kept.append(st)
+    plan.statements = kept
+    if sp and not any(st.kind == "eager" for st in kept):
+        plan.eager(r"model")
+    return plan
 
 
 def _variant(arm: str) -> str:
-    return "torch" if arm == "torch" else "static" if arm.startswith("static") else "eager"
+    if arm in ("torch", "local", "megatron"):
+        return arm
+    return "static" if arm.startswith("static") else "eager"
 
 
 def _flat_steps(arm: str) -> None:
@@ -104,7 +136,9 @@ def main() -> None:
     for arm in arms:
         dispatch.install = _installer(arm.endswith("-off"))
         dispatch.install()
+        B._vescale_plan = _plan_before if arm == "static-before" else _PLAN
         runners[arm] = B.Runner(_variant(arm), mesh, *shape, sp, zero3, args.model)
+        B._vescale_plan = _PLAN
         if arm == "eager-gradR":
             _replicate_routing_grads(runners[arm].model)
     times = {arm: [] for arm in arms}

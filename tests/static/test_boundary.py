@@ -126,3 +126,35 @@ def _float_reductions():
 def test_float_reductions_sum_in_dtensors_order():
     for rank, failures in enumerate(run_on_ranks(_float_reductions, 4)):
         assert not failures, f"rank {rank}: {failures}"
+
+
+def _unit_dim_moves():
+    """On TP-only training's (1, 2) mesh, placements on the size-1 DP dim move nothing: a move that
+    also changes them is the TP dim's one collective (or none), with DTensor's result."""
+    from vescale.debug import CollectiveCounter
+
+    mesh = vescale.init_mesh((1, 2), ("DP", "TP"))
+    out = []
+    for src_p, dst_p, collectives in (
+        ((Shard(0), Shard(1)), (Replicate(), Replicate()), 1),  # all-gather on TP; Shard(0) over one rank is whole
+        ((Shard(1), Shard(1)), (Replicate(), Replicate()), 1),  # the same tensor dim on both: not nested over one rank
+        ((Partial(), Partial()), (Replicate(), Shard(0)), 1),   # reduce-scatter on TP
+        ((Shard(0), Replicate()), (Replicate(), Replicate()), 0),  # nothing moves
+    ):
+        x = _local(mesh, src_p, seed=len(out))
+        src = DTensor.from_local(x, mesh, src_p, run_check=False, shape=SHAPE, stride=_global(0).stride())._spec
+        dst = type(src)(mesh, dst_p, tensor_meta=src.tensor_meta)
+        move = compile_move(src, dst)
+        with CollectiveCounter() as counter:
+            got = move(x) if move is not None else x
+        want = redistribute_local_tensor(x, src, dst)
+        # The one-collective move itself, not DTensor's general path (which moves every changed dim).
+        direct = move is None if collectives == 0 else "_single_dim_move" in move.__qualname__
+        out.append((src_p, torch.equal(got, want) and direct, counter.total, collectives))
+    return out
+
+
+@pytest.mark.multiproc
+def test_moves_on_a_mesh_dim_of_one_rank_are_the_other_dims_moves():
+    for src_p, equal, total, want in run_on_ranks(_unit_dim_moves, 2)[0]:
+        assert equal and total == want, f"{src_p}: equal and direct {equal}, {total} collectives (want {want})"

@@ -15,6 +15,10 @@ test fails if any of them is kept eager).
 * DP=2 + ZeRO-3 and DP=2 x TP=2 + SP + ZeRO-3: ``moe_plan`` makes the MoE blocks batch-local
   (``plan.batch_local``): each DP rank's block runs on its own tokens, on the TP sub-mesh, and in
   every config the experts see the DP rank's tokens only.
+* Where no DP splits the batch, nothing stays eager: HF's model body (which reads the sequence
+  length from the embeddings: the plan hands it them whole and splits the sequence at the first
+  layer) and the root (whose loss views the vocabulary-sharded logits with the config's vocabulary
+  size, rewritten to the local one: ``vescale.static.local_sizes``) run static too.
 
 Losses within 1e-5 of the single device and of eager mode over 6 SGD steps, and the last step's
 gradients within 1e-5 (fp32: sharded matmuls and collectives sum in another order, and a static step
@@ -108,3 +112,5 @@ def test_static_moe_matches_eager_and_single_device(config):
     for mode in ("eager", "static"):  # each DP rank's experts see its own tokens only
         assert r[f"{mode}_rows"] == {(BATCH * SEQ // dp, 32)}, (mode, r[f"{mode}_rows"])
     assert not kept & {"model.layers.0.mlp", "model.layers.1.mlp"}, f"MoE blocks kept eager: {r['eager_modules']}"
+    if dp == 1:  # no DP splits the batch: HF's body and root run static too (moe_plan / llama_plan)
+        assert not kept, f"modules kept eager: {r['eager_modules']}"

@@ -51,7 +51,8 @@ def _single_dim_move(src: DTensorSpec, dst: DTensorSpec, i: int) -> Optional[Loc
     for p in (a, b):
         if type(p) is Shard:
             # Even, and not nested: no other mesh dim cuts the same tensor dim.
-            nested = any(type(q) is Shard and q.dim == p.dim for j, q in enumerate(every) if j % mesh.ndim != i)
+            nested = any(type(q) is Shard and q.dim == p.dim for j, q in enumerate(every)
+                         if j % mesh.ndim != i and mesh.size(j % mesh.ndim) > 1)
             if nested or p.dim < 0 or src.shape[p.dim] % n:
                 return None
     if type(a) is Shard and type(b) is Replicate:
@@ -96,7 +97,10 @@ def compile_move(src: DTensorSpec, dst: DTensorSpec) -> Optional[LocalFn]:
     global tensor), or None when nothing moves."""
     if src.placements == dst.placements:
         return None
-    changed = [i for i, (a, b) in enumerate(zip(src.placements, dst.placements)) if a != b]
+    # A mesh dim of one rank moves nothing whatever its placements say (TP-only training's (1, N) mesh).
+    changed = [i for i, (a, b) in enumerate(zip(src.placements, dst.placements)) if a != b and src.mesh.size(i) > 1]
+    if not changed:
+        return None
     if len(changed) == 1:
         fn = _single_dim_move_for(src, dst, changed[0])
         if fn is not None:
@@ -144,10 +148,12 @@ def grad_placements(grad: tuple, src: tuple) -> tuple:
                  for g, s in zip(grad, src))
 
 
-def _own(moved: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``moved`` in storage of its own. A compiled ``Replicate -> Shard`` move returns a view of its
-    input (a static step's activations need no copy); DTensor's redistribute clones there, and a
-    parameter sharded by ``parallelize`` must not keep the whole tensor alive."""
+def _own(move: Optional[LocalFn], local: torch.Tensor) -> torch.Tensor:
+    """``local`` moved (None: nothing moves, only placements on mesh dims of one rank change), in
+    storage of its own. A compiled ``Replicate -> Shard`` move returns a view of its input (a static
+    step's activations need no copy); DTensor's redistribute clones there, and a parameter sharded
+    by ``parallelize`` must not keep the whole tensor alive."""
+    moved = local if move is None else move(local)
     if moved.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
         return moved.clone()
     return moved
@@ -158,7 +164,7 @@ class _Redistribute(torch.autograd.Function):
     def forward(ctx, d: DTensor, move, spec: DTensorSpec):
         ctx.src = d._spec
         local = d._local_tensor
-        return DTensor(_own(move(local), local), spec, requires_grad=d.requires_grad)
+        return DTensor(_own(move, local), spec, requires_grad=d.requires_grad)
 
     @staticmethod
     def backward(ctx, grad: DTensor):
@@ -170,7 +176,7 @@ class _Redistribute(torch.autograd.Function):
             return grad, None, None
         move, spec, _ = _move_to(grad._spec, want)  # laid out anew, shaped as the gradient
         local = grad._local_tensor
-        return DTensor(_own(move(local), local), spec, requires_grad=False), None, None
+        return DTensor(_own(move, local), spec, requires_grad=False), None, None
 
 
 def redistribute(d: DTensor, placements: tuple) -> DTensor:

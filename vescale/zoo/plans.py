@@ -7,7 +7,8 @@ Both models use the same module names, so one plan serves both. The plan is Mega
   logits stay vocabulary-sharded and the loss is computed on the shards);
 * sequence parallel (SP, on TP): between blocks the residual stream is split along the sequence
   (``Shard(1)``), gathered before attention/MLP and reduce-scattered after them, so norms and
-  residual adds run on 1/TP of the tokens;
+  residual adds run on 1/TP of the tokens (HF's model body, which reads the sequence length from
+  the embeddings, gets them whole where no DP splits the batch: the first layer takes its shard);
 * data parallel (DP): the batch (``input_ids``, ``labels``) is split along dim 0;
 * ZeRO-3 (on DP): every parameter is stored as ``Shard(0)`` on DP (INIT) and gathered to Replicate
   only while its module runs (RUN). Lowering stores a weight TP also shards on dim 0 inside its TP
@@ -61,19 +62,23 @@ def llama_plan(
     if zero3 and not use_dp:
         raise ValueError(f"llama_plan: zero3=True shards parameters over the DP dimension, but {dp!r} is not in the mesh")
     plan = VescalePlan()
+    # Static Eager and HF's LlamaModel: its own ops read the batch size and the sequence length for
+    # the position ids and the causal mask from the embeddings. On local shards a DP-split batch
+    # gives sizes that differ from the recorded ones (position ids expanded to the local batch), so
+    # under DP (of more than one rank) its own few ops stay on DTensors; the decoder layers inside
+    # it still run static. The sequence SP would split is kept whole instead: the embeddings leave
+    # the vocabulary-parallel lookup all-reduced and the first layer takes its sequence shard (a
+    # local slice), so the body runs static and its layers meet a static caller (no DTensor
+    # wrapping around each layer). The zoo's LlamaModel reads the length from input_ids (whole
+    # along the sequence) and broadcasts over the batch: it runs static either way, and its
+    # embeddings are reduce-scattered. Without a config, HF's model is assumed.
+    hf = not _is_zoo_config(config)
+    body_eager = hf and use_dp and (mesh is None or mesh[dp].size() > 1)
     if use_tp:
         kv_heads = getattr(config, "num_key_value_heads", None)
         split_kv = kv_heads is None or mesh is None or kv_heads % mesh[tp].size() == 0
-        _tensor_parallel(plan, tp, sequence_parallel, split_kv, mlp)
-    if (sequence_parallel or (use_dp and (mesh is None or mesh[dp].size() > 1))) and not _is_zoo_config(config):
-        # Static Eager: HF's LlamaModel reads the batch size and sequence length for its position
-        # ids and causal mask from the embeddings, whose batch DP splits and whose sequence SP
-        # splits, so its own few ops stay on DTensors; the decoder layers inside it still run
-        # static. The zoo's LlamaModel reads the length from input_ids (whole along the sequence)
-        # and broadcasts over the batch, so its own ops run static too and its layers meet a static
-        # caller (no DTensor wrapping around each layer). Without a config,
-        # keep it eager: the static step's shape check would otherwise reject HF's model. A DP dim
-        # of size 1 (TP-only training's (1, N) mesh) splits no batch: without SP the body runs static.
+        _tensor_parallel(plan, tp, sequence_parallel, split_kv, mlp, whole_embeddings=hf and not body_eager)
+    if body_eager:
         plan.eager(r"model")
     if use_dp:
         plan.shard(r"<in>\[input_ids\]", Shard(0), mesh=dp)
@@ -84,14 +89,22 @@ def llama_plan(
     return plan
 
 
-def _tensor_parallel(plan: VescalePlan, tp: str, sequence_parallel: bool, split_kv: bool, mlp: bool = True) -> None:
+def _tensor_parallel(plan: VescalePlan, tp: str, sequence_parallel: bool, split_kv: bool, mlp: bool = True,
+                     whole_embeddings: bool = False) -> None:
     # Between blocks: sequence-sharded with SP, replicated without.
     between = Shard(1) if sequence_parallel else Replicate()
-    # Vocabulary-parallel embedding with SP (its Partial output is reduce-scattered along the sequence).
-    # Without SP, split the hidden dim instead: DTensor cannot turn a Partial gradient back into the
-    # masked-partial layout of a vocabulary-parallel lookup whose output was all-reduced.
+    # Vocabulary-parallel embedding with SP: its Partial output is reduce-scattered along the
+    # sequence, or with ``whole_embeddings`` all-reduced and split along the sequence where the first
+    # layer takes it (a local slice; backward: an all-gather), so that the model body sees the whole
+    # sequence. (Its gradient arrives whole there, not Partial.) Without SP, split the hidden dim
+    # instead: DTensor cannot turn a Partial gradient back into the masked-partial layout of a
+    # vocabulary-parallel lookup whose output was all-reduced.
     plan.shard(r"model\.embed_tokens\.weight", Shard(0) if sequence_parallel else Shard(1), mesh=tp)
-    plan.shard(r"model\.embed_tokens\.<out>", between, mesh=tp)
+    if whole_embeddings and sequence_parallel:
+        plan.shard(r"model\.embed_tokens\.<out>", Replicate(), mesh=tp)
+        plan.shard(r"model\.layers\.0\.<in>[hidden_states]", between, mesh=tp)
+    else:
+        plan.shard(r"model\.embed_tokens\.<out>", between, mesh=tp)
     blocks = [("self_attn", r"(q|k|v)_proj" if split_kv else "q_proj", "o_proj")]
     if mlp:
         blocks.append(("mlp", r"(gate|up)_proj", "down_proj"))
