@@ -1,11 +1,14 @@
 """Static Eager mode on the zoo's other unchanged models: HF ``GPT2LMHeadModel`` (``gpt2_plan``) and
 diffusers' ``DiTTransformer2DModel`` (``dit_plan``), on DP=2 and on TP=2, against one device.
 
-Each model reads a global size somewhere a sharded module would see a local one (GPT-2's Conv1D
-reshapes to its global width and its attention splits q|k|v with the global ``split_size``; DiT's
-attention views with the global head count; both models expand position ids or embeddings to the
+Each model reads a global size somewhere a sharded module would see a local one (GPT-2's attention
+splits q|k|v with the global ``split_size``; DiT's attention views with the global head count but
+a head size it computes from the local width; both models expand position ids or embeddings to the
 batch they read from the DP-split input); the zoo plans keep exactly those modules on DTensors
-(``plan.eager``), so ``mode="static"`` works on the models unchanged. Checked: 3 steps with dropout
+(``plan.eager``), so ``mode="static"`` works on the models unchanged. GPT-2's Conv1D views its
+output with its global width, which static steps rewrite to the local one
+(``vescale.static.local_sizes``): its ``c_fc`` is the probe below, and on TP neither it nor ``c_attn``
+stays eager (the row-parallel ``c_proj`` does: its bias added to a partial sum needs DTensor). Checked: 3 steps with dropout
 on, the loss at each step within 1e-5 of one device (fp32 sums in another order), the last steps
 ran static, and a module the plan leaves static ran on plain local tensors of its shard's shape.
 
@@ -48,7 +51,8 @@ def _dit_steps(model):
 
 # name: (builder, plan, steps, a module the plan leaves static: its output's local shape on TP=2 / DP=2)
 MODELS = {
-    "gpt2": (tiny_hf_gpt2, gpt2_plan, _causal_lm_steps, "transformer.h.0.mlp.act", {"TP": (4, 16, 128), "DP": (2, 16, 256)}),
+    # c_fc: a Conv1D, which views its output with its global width (static steps pass the local one)
+    "gpt2": (tiny_hf_gpt2, gpt2_plan, _causal_lm_steps, "transformer.h.0.mlp.c_fc", {"TP": (4, 16, 128), "DP": (2, 16, 256)}),
     "llama": (lambda: tiny_llama(hidden_dropout=0.1, attention_dropout=0.1), llama_plan, _causal_lm_steps,
               "model.layers.0.mlp.act_fn", {"TP": (4, 16, 64), "DP": (2, 16, 128)}),
     "dit": (tiny_dit, dit_plan, _dit_steps, "transformer_blocks.0.ff.net.0.proj", {"TP": (4, 16, 64), "DP": (2, 16, 128)}),
@@ -74,16 +78,20 @@ def _train(name: str, dim: str | None):
         opt.zero_grad()
         losses.append(loss.item())
     static_steps = vescale.static.static_runtime(model).static_steps if dim is not None else 0
-    return losses, static_steps, seen[-1] if seen else None
+    eager = sorted(vescale.static.eager_modules(model)) if dim is not None else None
+    return losses, static_steps, seen[-1] if seen else None, eager
 
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("dim", ["DP", "TP"])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_zoo_model_runs_static_and_matches_one_device(name, dim):
-    ref, _, _ = _train(name, None)
-    losses, static_steps, probe_out = run_on_ranks(_train, 2, name, dim)[0]
+    ref, _, _, _ = _train(name, None)
+    losses, static_steps, probe_out, eager = run_on_ranks(_train, 2, name, dim)[0]
     assert static_steps >= 1, "no step ran static"
     for step, (a, b) in enumerate(zip(losses, ref)):
         assert abs(a - b) <= TOL, f"{name} {dim}=2: step {step} loss {a} vs one device {b}"
     assert probe_out == ("Tensor", MODELS[name][4][dim]), f"{MODELS[name][3]} ran on {probe_out}"
+    assert MODELS[name][3] not in eager, f"{MODELS[name][3]} kept eager: {eager}"
+    if name == "gpt2" and dim == "TP":  # the column-parallel Conv1Ds view to their local width
+        assert not {"transformer.h.0.attn.c_attn", "transformer.h.0.mlp.c_fc"} & set(eager), eager

@@ -83,11 +83,11 @@ def gpt2_plan(
         plan.shard(rf"{_BLOCK}\.mlp\.c_fc\.bias", Shard(0), mesh=tp)
         plan.shard(rf"{_BLOCK}\.mlp\.c_proj\.weight", Shard(0), mesh=tp)
         plan.shard(rf"{_BLOCK}\.mlp\.c_proj\.<out>", Replicate(), mesh=tp)
-        # Static Eager: Conv1D reshapes its output with its own global width (``nf``), which a
-        # column-parallel layer's local output does not have, and attention splits q|k|v with the
-        # global ``split_size``: these stay on DTensors (attention's row-parallel c_proj and the
-        # rest of each block run static).
-        plan.eager(rf"{_BLOCK}\.(attn|attn\.c_attn|mlp\.c_fc)")
+        # Static Eager: attention splits q|k|v with the global ``split_size``, which the local,
+        # head-split projection does not have: its own ops stay on DTensors (its projections and
+        # the rest of each block run static). Conv1D views its output with its global width
+        # (``nf``); static steps pass the local one (vescale.static.local_sizes).
+        plan.eager(rf"{_BLOCK}\.attn")
     if use_dp:
         # Static Eager: GPT2Model expands its position ids to the batch size it reads from the
         # input, which DP splits, so its own few ops stay on DTensors; its blocks run static.
