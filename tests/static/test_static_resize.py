@@ -20,6 +20,8 @@ On gloo ranks, the zoo LLaMA with attention and residual dropout drawn under
   size is split over ranks (the shifted slice sequence-sharded), the derived step raises
   ``ResizeMismatch``, leaves nothing behind, and the same step run again records and is right;
 * a model that reads a length from values (``.item()``) records its new lengths;
+* a view given the whole sequence's length (a global size ``vescale.static.local_sizes`` rewrites)
+  on a sequence-split tensor: new lengths derive their records and split the length as recorded;
 * HF's LlamaForCausalLM reuses bit for bit as the zoo model does; HF Mixtral (its default experts
   kernel routes with fixed sizes: sort, counts, ``grouped_mm`` offsets) reuses too, under DP=2 +
   ZeRO-3 and TP=2 + SP, within 1e-5 of the single device.
@@ -378,6 +380,69 @@ def test_a_length_read_from_values_records():
     assert not raised, raised
     assert counters[-1][0] == counters[1][0] + 1 and counters[-1][2] == 0, f"(recorded, static, derived) {counters}"
     assert "_local_scalar_dense" in why and "depends on values" in why, why
+    for a, b in zip(static, eager):
+        assert abs(a - b) <= 1e-6, (static, eager)
+
+
+class _Viewer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, length: int):
+        # ``length`` is the whole sequence's, ``x`` this rank's piece of it: a global size in a view
+        return self.lin(x).view(x.shape[0], length, 2, 4).softmax(-1)
+
+
+class _GlobalLength(nn.Module):
+    """Views its sequence-split block output with the length the root reads from the whole input: a
+    global size that follows the inputs (vescale.static.local_sizes rewrites it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blk = _Viewer()
+
+    def forward(self, x):
+        return self.blk(x, x.shape[1]).pow(2).mean()
+
+
+def _global_length(mode: str, lengths=(16, 16, 16, 24, 24, 32)):
+    mesh = vescale.init_mesh((2,), ("TP",))
+    torch.manual_seed(0)
+    model = _GlobalLength()
+    plan = vescale.VescalePlan().shard(r"blk\.<in>\[x\]", Shard(1), mesh="TP")
+    vescale.parallelize(model, plan, mesh, mode=mode)
+    data = torch.Generator().manual_seed(1)
+    losses, raised, counters = [], [], []
+    for seq in lengths:
+        x = torch.randn(4, seq, 8, generator=data)
+        try:
+            loss = model(x)
+        except ResizeMismatch as e:
+            raised.append(str(e))
+            loss = model(x)
+        loss.backward()
+        model.blk.lin.weight.grad = model.blk.lin.bias.grad = None
+        losses.append(_value(loss).item())
+        if mode == "static":
+            counters.append(_counters(model._vescale_static))
+    rewrites = None
+    if mode == "static":
+        rewrites = [(r.positions, r.global_sizes, r.local_sizes) for r in model._vescale_static.latest().sizes.get("blk", []) if r]
+    return losses, raised, counters, rewrites
+
+
+@pytest.mark.multiproc
+def test_a_global_size_following_the_input_is_split_in_a_derived_record():
+    eager, *_ = run_on_ranks(_global_length, 2, "eager")[0]
+    static, raised, counters, rewrites = run_on_ranks(_global_length, 2, "static")[0]
+    assert not raised, raised
+    # view(4, 16, 2, 4) of the sequence-split block: the length (position 1) is 8 on each rank.
+    assert rewrites == [((1,), (16,), (8,))], rewrites
+    # 16 records (the root may record twice), runs static (its first step keeps the rewrite); 24 and
+    # 32 derive their records from it, the view's length split as recorded (12 and 16 a rank).
+    recorded = counters[2][0]
+    assert counters[-1][0] == recorded and counters[-1][2] == 2, f"(recorded, static, derived) {counters}"
     for a, b in zip(static, eager):
         assert abs(a - b) <= 1e-6, (static, eager)
 

@@ -70,11 +70,13 @@ class LocalCalls(SwitchedMode):
     """On while the body of a module with recorded kernels or rewrites runs (``turn``): in each step,
     its k-th ``F.cross_entropy`` call runs its k-th recorded kernel and its k-th sized call takes its
     k-th recorded rewrite (None: the call as it is). ``derived``: the record was derived for new input
-    sizes (a rewrite that no longer fits then means the step must record)."""
+    sizes (a rewrite that no longer fits then means the step must record); ``scale``: derived from a
+    record whose first static step ran (``SizeRewrite.local``)."""
 
-    def __init__(self, losses: dict, sizes: dict, own_ops_off, derived: bool = False):
+    def __init__(self, losses: dict, sizes: dict, own_ops_off, derived: bool = False, scale: bool = False):
         super().__init__()
-        self.losses, self.sizes, self.own_ops_off, self.derived = losses, sizes, own_ops_off, derived
+        self.losses, self.sizes, self.own_ops_off = losses, sizes, own_ops_off
+        self.derived, self.scale = derived, scale
         self.path = None
         self.calls: dict = {}  # (module path, table) -> its calls so far in this step
 
@@ -102,7 +104,7 @@ class LocalCalls(SwitchedMode):
                 return func(*args, **kwargs)
             call = size_call(func, args, kwargs)
             tensor, sizes = call if call is not None else (args[0], ())
-            local = notes[k].local(sizes, self.path, func, self.derived)
+            local = notes[k].local(sizes, self.path, func, self.derived, self.scale)
             if local is None:  # the model read the size from the local tensor: nothing to rewrite, ever
                 notes[k] = None
                 return func(*args, **kwargs)

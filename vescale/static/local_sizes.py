@@ -21,8 +21,11 @@ The recorded facts fix it, as they fix the vocabulary-parallel lookup (``local_o
   in static steps already: a call that passes the local sizes runs as it is, and its note is
   dropped for good (``SizeRewrite.local`` returns None), so a body with nothing left to rewrite runs
   without the mode from the next step on. Any other size at a rewritten position is another tensor
-  than the recorded one (a new input size that the size follows, in a record derived for it:
-  ``resize.ResizeMismatch``, the step records instead).
+  than the recorded one, except in a record derived for new input sizes (``resize.py``) from one
+  whose first static step kept the rewrite (so the call passes a global size): there a global size
+  that follows the inputs (a sequence length the model reads from an unsplit tensor) is split as
+  the recorded one was, over ``global / local`` ranks, evenly (else ``resize.ResizeMismatch``: the
+  step records instead).
 
 The first static step's shape check still runs over the rewritten call, so a rewrite that did not
 give DTensor's local shape fails there, naming the module and op.
@@ -69,11 +72,18 @@ class SizeRewrite:
     global_sizes: tuple
     local_sizes: tuple
 
-    def local(self, sizes: tuple, module: str, func, derived: bool) -> tuple | None:
+    def local(self, sizes: tuple, module: str, func, derived: bool, scale: bool = False) -> tuple | None:
         """``sizes`` with the rewritten positions local, or None where the call passes the local sizes
-        already (read from the local tensor); raises where the call is not the recorded one."""
+        already (read from the local tensor); raises where the call is not the recorded one.
+        ``derived``: the record was derived for new input sizes; ``scale``: from a record whose first
+        static step kept this rewrite (the call passed the global size there, so a size that
+        changed is a global one too)."""
         if len(sizes) == self.ndim and all(sizes[i] == n for i, n in zip(self.positions, self.local_sizes)):
             return None
+        if scale and len(sizes) == self.ndim:
+            scaled = self._scaled(sizes)
+            if scaled is not None:
+                return scaled
         if len(sizes) != self.ndim or any(sizes[i] != g for i, g in zip(self.positions, self.global_sizes)):
             want = ["*"] * self.ndim
             for i, g in zip(self.positions, self.global_sizes):
@@ -89,6 +99,21 @@ class SizeRewrite:
         out = list(sizes)
         for i, n in zip(self.positions, self.local_sizes):
             out[i] = n
+        return tuple(out)
+
+
+    def _scaled(self, sizes: tuple) -> tuple | None:
+        """In a record derived for new input sizes: the local sizes where each rewritten size is the
+        recorded global one or follows the inputs (a global sequence length), split evenly over the
+        ranks that split it when recorded (``global / local`` of them); None where one is not."""
+        out = list(sizes)
+        for i, g, n in zip(self.positions, self.global_sizes, self.local_sizes):
+            if sizes[i] == g:
+                out[i] = n
+            elif n > 0 and g % n == 0 and sizes[i] > 0 and sizes[i] % (g // n) == 0:
+                out[i] = sizes[i] // (g // n)
+            else:
+                return None
         return tuple(out)
 
 

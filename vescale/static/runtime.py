@@ -741,7 +741,8 @@ class StaticRuntime:
             if local:  # on only while those modules' own bodies run (see _follow_body)
                 self.local_calls = LocalCalls({p: k for p, k in rec.losses.items() if p in local},
                                               {p: r for p, r in rec.sizes.items() if p in local},
-                                              self.own_ops_off, derived=rec.resized_from is not None)
+                                              self.own_ops_off, derived=rec.resized_from is not None,
+                                              scale=resize.checked_before(rec))
             if not rec.checked:
                 rec.checked = True
                 self.verifying = rec

@@ -1,0 +1,60 @@
+"""``vescale.static.local_sizes`` on its own: how a recorded global size becomes the local one.
+
+The model-level behaviour (HF's loss view, a global head count, a global length in a derived record)
+is tested in ``test_static_llama.py``, ``test_static_errors.py`` and ``test_static_resize.py``; here
+the rule itself, case by case, and the parsing of the calls it rewrites.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vescale import PlanError
+from vescale.static.local_sizes import SizeRewrite, size_call
+from vescale.static.resize import ResizeMismatch
+
+VIEW = torch.Tensor.view
+# logits.view(-1, 512) recorded on logits split 4 ways along the vocabulary: 128 a rank
+VOCAB = SizeRewrite(2, (1,), (512,), (128,))
+
+
+def test_the_global_size_becomes_the_local_one_and_minus_one_stays():
+    assert VOCAB.local((-1, 512), "", VIEW, derived=False) == (-1, 128)
+
+
+def test_a_call_passing_the_local_size_runs_as_it_is():
+    assert VOCAB.local((-1, 128), "", VIEW, derived=False) is None  # read from the local tensor
+
+
+def test_another_size_is_refused_naming_the_module_and_the_fix():
+    with pytest.raises(PlanError, match=r"module 'lm': view\(-1, 300\).*plan\.eager\('lm'\)"):
+        VOCAB.local((-1, 300), "lm", VIEW, derived=False)
+    with pytest.raises(PlanError, match="module 'lm'"):
+        VOCAB.local((4, -1, 512), "lm", VIEW, derived=False)  # another rank of sizes
+
+
+def test_a_derived_record_splits_a_global_size_that_follows_the_inputs():
+    length = SizeRewrite(4, (1,), (16,), (8,))  # view(b, 16, 2, 4) of a sequence split 2 ways
+    # Derived from a record whose first static step kept the rewrite: the new global length is split.
+    assert length.local((4, 24, 2, 4), "blk", VIEW, derived=True, scale=True) == (4, 12, 2, 4)
+    assert length.local((4, 16, 2, 4), "blk", VIEW, derived=True, scale=True) == (4, 8, 2, 4)
+    # A length the two ranks do not split evenly, or a record whose source was never checked: record.
+    with pytest.raises(ResizeMismatch, match="records instead"):
+        length.local((4, 25, 2, 4), "blk", VIEW, derived=True, scale=True)
+    with pytest.raises(ResizeMismatch, match="records instead"):
+        length.local((4, 24, 2, 4), "blk", VIEW, derived=True, scale=False)
+    # Not derived: the same call must pass the same sizes every step.
+    with pytest.raises(PlanError):
+        length.local((4, 24, 2, 4), "blk", VIEW, derived=False)
+
+
+def test_size_calls_are_parsed_in_every_spelling():
+    t = torch.zeros(2, 3)
+    assert size_call(VIEW, (t, 3, 2), {}) == (t, (3, 2))
+    assert size_call(VIEW, (t, (3, 2)), {}) == (t, (3, 2))
+    assert size_call(VIEW, (t, torch.Size([6])), {}) == (t, (6,))
+    assert size_call(torch.Tensor.reshape, (t, [-1]), {}) == (t, (-1,))
+    assert size_call(torch.reshape, (t, (3, -1)), {}) == (t, (3, -1))
+    assert size_call(torch.reshape, (), {"input": t, "shape": (6,)}) == (t, (6,))
+    assert size_call(VIEW, (t, torch.float32), {}) is None  # a dtype view: no sizes
