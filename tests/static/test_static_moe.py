@@ -1,4 +1,4 @@
-"""Static Eager mode on HF Mixtral (unchanged, default ``grouped_mm`` experts kernel) under
+"""Static Eager mode on HF Mixtral (and Qwen3-MoE on TP=2 + SP; unchanged, default ``grouped_mm`` experts kernel) under
 ``vescale.zoo.moe_plan``: the same losses and gradients as eager mode and the single device, with the
 MoE blocks (router, experts and the block's own ops) running on local tensors in every config (the
 test fails if any of them is kept eager).
@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 
 import vescale
 from vescale.testing import run_on_ranks
-from vescale.zoo import moe_plan, synthetic_batches, tiny_hf_mixtral
+from vescale.zoo import moe_plan, synthetic_batches, tiny_hf_mixtral, tiny_hf_qwen3_moe
 
 STEPS, LR, TOL = 6, 0.05, 1e-5
 BATCH, SEQ = 4, 16
@@ -59,15 +59,15 @@ def _train(model) -> tuple[list[float], dict]:
     return losses, grads
 
 
-def _run(shape, names, zero3: bool) -> dict:
+def _run(shape, names, zero3: bool, build=tiny_hf_mixtral) -> dict:
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     out = {}
     torch.manual_seed(0)
-    out["single"] = _train(tiny_hf_mixtral())  # Mixtral's defaults draw no random numbers in training
+    out["single"] = _train(build())  # the MoE models' defaults draw no random numbers in training
     mesh = vescale.init_mesh(shape, names)
     for mode in ("eager", "static"):
         torch.manual_seed(0)
-        model = tiny_hf_mixtral()
+        model = build()
         plan = moe_plan(mesh, model.config, sequence_parallel="TP" in names, zero3=zero3)
         vescale.parallelize(model, plan, mesh, mode=mode)
         rows = out[f"{mode}_rows"] = set()  # tokens the experts get, as local tensors in static steps
@@ -80,18 +80,19 @@ def _run(shape, names, zero3: bool) -> dict:
     return out
 
 
-CONFIGS = {  # id: (ranks, mesh shape, mesh names, ZeRO-3)
-    "TP=2+SP": (2, (2,), ("TP",), False),
-    "DP=1xTP=2+SP": (2, (1, 2), ("DP", "TP"), False),  # TP-only training's mesh: a size-1 DP dim
-    "DP=2+ZeRO-3": (2, (2,), ("DP",), True),
-    "DP=2xTP=2+SP+ZeRO-3": (4, (2, 2), ("DP", "TP"), True),
+CONFIGS = {  # id: (ranks, mesh shape, mesh names, ZeRO-3, model)
+    "TP=2+SP": (2, (2,), ("TP",), False, tiny_hf_mixtral),
+    "DP=1xTP=2+SP": (2, (1, 2), ("DP", "TP"), False, tiny_hf_mixtral),  # TP-only training's mesh: a size-1 DP dim
+    "DP=2+ZeRO-3": (2, (2,), ("DP",), True, tiny_hf_mixtral),
+    "DP=2xTP=2+SP+ZeRO-3": (4, (2, 2), ("DP", "TP"), True, tiny_hf_mixtral),
+    "Qwen3-MoE TP=2+SP": (2, (2,), ("TP",), False, tiny_hf_qwen3_moe),  # per-head q/k norms, its own router
 }
 
 
 @functools.cache
 def _results(config: str):
-    ranks, shape, names, zero3 = CONFIGS[config]
-    return run_on_ranks(_run, ranks, shape, names, zero3)[0]
+    ranks, shape, names, zero3, build = CONFIGS[config]
+    return run_on_ranks(_run, ranks, shape, names, zero3, build)[0]
 
 
 @pytest.mark.multiproc
