@@ -19,7 +19,9 @@ or draw random numbers; a module that runs such an op itself (not in a child) st
 vocabulary-parallel lookup into the module's own table, which static steps run masked on the local
 rows (``local_ops.py``). Ops whose size arguments DTensor rewrites to local
 sizes (view, reshape, expand, new_zeros, ...) are fine when the model derives sizes from its tensors;
-their local shapes are recorded and the first static step checks them. Once that step's backward
+their local shapes are recorded and the first static step checks them. A ``view`` / ``reshape`` the
+model gives a global size (one from its config) gets the local size in static steps instead
+(``local_sizes.py``). Once that step's backward
 has finished, later steps with the same input shapes run ``STATIC``. New input shapes that differ
 from a recorded record's only in sizes (a new sequence length) derive their record from it instead
 of recording (``resize.py``: sizes left open, settled by the first step's tensors); other new
