@@ -104,16 +104,18 @@ def _view_with_global_heads():
     rt = model._vescale_static
     rec = rt.latest()
     rewrites = [(r.positions, r.global_sizes, r.local_sizes) for r in rec.sizes.get("attn", []) if r is not None]
-    return eager, static, (rt.recorded_steps, rt.static_steps), sorted(rec.unsafe), rewrites
+    return eager, static, (rt.recorded_steps, rt.static_steps), sorted(rec.unsafe), rewrites, vescale.static.export_plan(model)
 
 
 @pytest.mark.multiproc
 def test_a_global_head_count_in_view_runs_static_with_the_local_one():
-    eager, static, steps, unsafe, rewrites = run_on_ranks(_view_with_global_heads, 2)[0]
+    eager, static, steps, unsafe, rewrites, exported = run_on_ranks(_view_with_global_heads, 2)[0]
     # (The root stays eager: its mean of the TP-partial output needs DTensor.)
     assert steps[1] >= 3 and "attn" not in unsafe, f"steps {steps}, eager modules {unsafe}"
     # view(b, s, 4, -1) on the TP-split projection: the head count (position 2) is 2 on each rank.
     assert rewrites == [((2,), (4,), (2,))], rewrites
+    # export_plan says so (a comment: the recording finds these, no statement is needed)
+    assert "# module 'attn', sized call #0: static steps pass (*, *, 2, *) for the global (*, *, 4, *)" in exported, exported
     assert static == eager  # the same local ops and collectives: equal to the last bit
 
 

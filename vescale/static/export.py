@@ -10,7 +10,9 @@ This module prints that as Plan API calls:
 * ``plan.annotate(path, placements)`` where a DTensor crossed unmoved,
 * ``plan.annotate("<parameter>.grad", placements)`` for gradients laid out unlike their parameter
   (a ``Partial`` gradient waiting for reduction),
-* ``plan.eager(path)`` for each module that must stay eager, with the reason.
+* ``plan.eager(path)`` for each module that must stay eager, with the reason;
+* a comment for each ``view`` / ``reshape`` call whose global size static steps rewrite to the local
+  one (``local_sizes.py``): not a statement (the recording finds them), but what static mode does.
 
 Every statement is full-mesh (one placement per mesh dim) and escaped, so the text can be pasted into
 the plan (``exec`` with ``plan`` and the placement classes in scope): the statements agree with what
@@ -80,7 +82,23 @@ def export_plan(model: nn.Module) -> str:
         lines.append(f"plan.eager({re.escape(path)!r})  # {why}")
     lines += _boundary_lines(rec, model._vescale_mesh)
     lines += _grad_lines(model, rec)
+    lines += _size_lines(rec)
     return "\n".join(lines)
+
+
+def _size_lines(rec) -> list[str]:
+    lines = []
+    for path, notes in rec.sizes.items():
+        for k, r in enumerate(notes):
+            if r is None:
+                continue
+            sizes = ["*"] * r.ndim
+            local = ["*"] * r.ndim
+            for i, g, n in zip(r.positions, r.global_sizes, r.local_sizes):
+                sizes[i], local[i] = str(g), str(n)
+            lines.append(f"# module {path!r}, sized call #{k}: static steps pass ({', '.join(local)}) for the global "
+                         f"({', '.join(sizes)}) (vescale.static.local_sizes)")
+    return lines
 
 
 def _mesh_names(rec) -> tuple:
