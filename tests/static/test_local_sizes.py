@@ -49,12 +49,24 @@ def test_a_derived_record_splits_a_global_size_that_follows_the_inputs():
         length.local((4, 24, 2, 4), "blk", VIEW, derived=False)
 
 
+def _parsed(func, args, kwargs=None):
+    call = size_call(func, args, kwargs or {})
+    return None if call is None else (call.tensor, call.sizes, call.split_dim)
+
+
 def test_size_calls_are_parsed_in_every_spelling():
     t = torch.zeros(2, 3)
-    assert size_call(VIEW, (t, 3, 2), {}) == (t, (3, 2))
-    assert size_call(VIEW, (t, (3, 2)), {}) == (t, (3, 2))
-    assert size_call(VIEW, (t, torch.Size([6])), {}) == (t, (6,))
-    assert size_call(torch.Tensor.reshape, (t, [-1]), {}) == (t, (-1,))
-    assert size_call(torch.reshape, (t, (3, -1)), {}) == (t, (3, -1))
-    assert size_call(torch.reshape, (), {"input": t, "shape": (6,)}) == (t, (6,))
-    assert size_call(VIEW, (t, torch.float32), {}) is None  # a dtype view: no sizes
+    assert _parsed(VIEW, (t, 3, 2)) == (t, (3, 2), None)
+    assert _parsed(VIEW, (t, (3, 2))) == (t, (3, 2), None)
+    assert _parsed(VIEW, (t, torch.Size([6]))) == (t, (6,), None)
+    assert _parsed(torch.Tensor.reshape, (t, [-1])) == (t, (-1,), None)
+    assert _parsed(torch.reshape, (t, (3, -1))) == (t, (3, -1), None)
+    assert _parsed(torch.reshape, (), {"input": t, "shape": (6,)}) == (t, (6,), None)
+    assert _parsed(VIEW, (t, torch.float32)) is None  # a dtype view: no sizes
+    # splits: the section size and the dim (negative dims normalised); listed sections are left alone
+    assert _parsed(torch.Tensor.split, (t, 1, -1)) == (t, (1,), 1)
+    assert _parsed(torch.Tensor.split, (t, 1), {"dim": 1}) == (t, (1,), 1)
+    assert _parsed(torch.split, (t, 1)) == (t, (1,), 0)
+    assert _parsed(torch.Tensor.split, (t, [1, 2], 1)) is None
+    call = size_call(torch.Tensor.split, (t, 1, 1), {})
+    assert [p.shape for p in call.run(torch.Tensor.split, (2,))] == [(2, 2), (2, 1)]

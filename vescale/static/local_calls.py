@@ -55,7 +55,7 @@ class CallWatch(TorchFunctionMode):
         if func in SIZED_CALLS:
             out = func(*args, **kwargs)
             call = size_call(func, args, kwargs)
-            self.sizes.setdefault(path, []).append(size_rewrite(*call, out) if call is not None else None)
+            self.sizes.setdefault(path, []).append(size_rewrite(call, out) if call is not None else None)
             return out
         with self.own_ops_off():  # classifying runs ops (DTensor's offset arithmetic) of the runtime's own
             kernel = loss_kernel(cross_entropy_args(args, kwargs))
@@ -103,12 +103,11 @@ class LocalCalls(SwitchedMode):
             if notes is None or notes[k] is None:
                 return func(*args, **kwargs)
             call = size_call(func, args, kwargs)
-            tensor, sizes = call if call is not None else (args[0], ())
-            local = notes[k].local(sizes, self.path, func, self.derived, self.scale)
+            local = notes[k].local(call.sizes if call is not None else (), self.path, func, self.derived, self.scale)
             if local is None:  # the model read the size from the local tensor: nothing to rewrite, ever
                 notes[k] = None
                 return func(*args, **kwargs)
-            return func(tensor, local)
+            return call.run(func, local)
         if func is not F.cross_entropy:
             return func(*args, **kwargs)
         notes, k = self._next(self.losses)

@@ -1,4 +1,4 @@
-"""Local size arguments: a static body's ``view`` / ``reshape`` given a global size gets the local one.
+"""Local size arguments: a static body's ``view`` / ``reshape`` / ``split`` given a global size gets the local one.
 
 A module may reshape a sharded tensor with a size read from its config rather than from the tensor:
 HF's causal-LM loss does ``logits.view(-1, config.vocab_size)`` on the logits, which a
@@ -6,14 +6,18 @@ vocabulary-parallel LM head leaves split along the vocabulary. On DTensors that 
 view rule turns the global sizes into the local ones. On the local shards the same call either fails
 or, where a ``-1`` absorbs the difference, silently makes another shape (``(rows / n, vocab)`` for
 ``(rows, vocab / n)``). The first static step's shape check catches it; until this module the only
-remedy was to keep the module eager (and a plan for HF's models gathered the logits for it).
+remedy was to keep the module eager (and a plan for HF's models gathered the logits for it). The
+same holds for a fused projection cut into sections of a config size: GPT-2's attention does
+``c_attn(x).split(embed_dim, dim=2)`` on q|k|v split by heads (``InterleavedShard``), whose local
+sections are ``embed_dim / n`` wide.
 
 The recorded facts fix it, as they fix the vocabulary-parallel lookup (``local_ops.py``):
 
-* **Recording** (``size_rewrite``): each ``view`` / ``reshape`` call of a module's own body is noted
-  in call order (``local_calls.CallWatch``). For one on a DTensor whose explicit sizes differ from
-  its local output's shape, a ``SizeRewrite`` keeps those positions: the global size the model passed
-  and the local size DTensor used. Every other call is noted as None (the call as it is).
+* **Recording** (``size_rewrite``): each ``view`` / ``reshape`` / ``split`` call of a module's own
+  body is noted in call order (``local_calls.CallWatch``). For one on a DTensor whose explicit sizes
+  differ from those its local output takes (a view's local shape, a split's local section size), a
+  ``SizeRewrite`` keeps those positions: the global size the model passed and the local size DTensor
+  used. Every other call is noted as None (the call as it is; a split into listed sections too).
 * **Static steps** (``local_calls.LocalCalls``): the k-th call gets its rewritten positions' local
   sizes. A ``-1`` stays ``-1`` (inferred from the local tensor: a new sequence length changes it),
   other positions stay as passed. A size the model reads from the tensor itself (the zoo LLaMA's
@@ -41,15 +45,49 @@ from torch.distributed.tensor import DTensor
 from ..plan.ir import PlanError
 from .resize import ResizeMismatch
 
-__all__ = ["SIZED_CALLS", "SizeRewrite", "size_call", "size_rewrite"]
+__all__ = ["SIZED_CALLS", "SizeRewrite", "SizedCall", "size_call", "size_rewrite"]
 
-# The torch functions whose sizes are rewritten: what models call to reshape by a config size.
-SIZED_CALLS = frozenset({torch.Tensor.view, torch.Tensor.reshape, torch.reshape})
+_SPLITS = (torch.Tensor.split, torch.split)
+# The torch functions whose sizes are rewritten: what models call to reshape by a config size, and
+# to cut a fused projection into sections of a config size (GPT-2's ``split(embed_dim, dim=2)``).
+SIZED_CALLS = frozenset({torch.Tensor.view, torch.Tensor.reshape, torch.reshape, *_SPLITS})
 
 
-def size_call(func, args, kwargs) -> tuple[torch.Tensor, tuple] | None:
-    """``(tensor, sizes)`` of a ``SIZED_CALLS`` call, or None where its sizes are not plain ints (a
-    dtype view, symbolic sizes)."""
+@dataclass(frozen=True)
+class SizedCall:
+    """One ``SIZED_CALLS`` call: its tensor, its sizes (a split's: its section size) and, for a
+    split, the dim it cuts."""
+
+    tensor: torch.Tensor
+    sizes: tuple
+    split_dim: int | None = None
+
+    def local_sizes(self, out) -> tuple | None:
+        """The sizes this call would take to give ``out``'s local tensors (None: not a DTensor result)."""
+        if self.split_dim is None:
+            return tuple(out._local_tensor.shape) if isinstance(out, DTensor) else None
+        if not isinstance(out, (tuple, list)) or not out or not isinstance(out[0], DTensor):
+            return None
+        return (out[0]._local_tensor.shape[self.split_dim],)  # every piece but the last has the section size
+
+    def run(self, func, sizes: tuple):
+        """The call again with ``sizes``."""
+        if self.split_dim is None:
+            return func(self.tensor, sizes)
+        return func(self.tensor, sizes[0], dim=self.split_dim)
+
+
+def size_call(func, args, kwargs) -> SizedCall | None:
+    """The ``SizedCall`` of a ``SIZED_CALLS`` call, or None where its sizes are not plain ints (a
+    dtype view, symbolic sizes, a split into listed sections)."""
+    if func in _SPLITS:
+        names = ("tensor" if func is torch.split else "self", "split_size_or_sections", "dim")
+        values = dict(zip(names, args))
+        values.update(kwargs)
+        tensor, size = values.get(names[0], values.get("input")), values.get("split_size_or_sections", values.get("split_size"))
+        if not isinstance(tensor, torch.Tensor) or type(size) is not int:
+            return None
+        return SizedCall(tensor, (size,), values.get("dim", 0) % max(tensor.ndim, 1))
     if func is torch.reshape:
         tensor = args[0] if args else kwargs.get("input")
         rest = args[1:] or (kwargs.get("shape"),)
@@ -59,7 +97,7 @@ def size_call(func, args, kwargs) -> tuple[torch.Tensor, tuple] | None:
         rest = tuple(rest[0])
     if not isinstance(tensor, torch.Tensor) or not all(type(s) is int for s in rest):
         return None
-    return tensor, tuple(rest)
+    return SizedCall(tensor, tuple(rest))
 
 
 @dataclass(frozen=True)
@@ -117,13 +155,13 @@ class SizeRewrite:
         return tuple(out)
 
 
-def size_rewrite(tensor: torch.Tensor, sizes: tuple, out) -> SizeRewrite | None:
-    """The recording's note for a sized call on ``tensor`` that gave ``out``: a ``SizeRewrite`` where
-    an explicit size is global (differs from the local output's), else None."""
-    if not isinstance(tensor, DTensor) or not isinstance(out, DTensor):
+def size_rewrite(call: SizedCall, out) -> SizeRewrite | None:
+    """The recording's note for a sized call that gave ``out``: a ``SizeRewrite`` where an explicit
+    size is global (differs from the one the local tensors take), else None."""
+    if not isinstance(call.tensor, DTensor):
         return None
-    local = tuple(out._local_tensor.shape)
-    if len(local) != len(sizes):
+    local, sizes = call.local_sizes(out), call.sizes
+    if local is None or len(local) != len(sizes):
         return None
     positions = tuple(i for i, s in enumerate(sizes) if s != -1 and s != local[i])
     if not positions:

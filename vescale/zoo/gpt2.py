@@ -83,11 +83,9 @@ def gpt2_plan(
         plan.shard(rf"{_BLOCK}\.mlp\.c_fc\.bias", Shard(0), mesh=tp)
         plan.shard(rf"{_BLOCK}\.mlp\.c_proj\.weight", Shard(0), mesh=tp)
         plan.shard(rf"{_BLOCK}\.mlp\.c_proj\.<out>", Replicate(), mesh=tp)
-        # Static Eager: attention splits q|k|v with the global ``split_size``, which the local,
-        # head-split projection does not have: its own ops stay on DTensors (its projections and
-        # the rest of each block run static). Conv1D views its output with its global width
-        # (``nf``); static steps pass the local one (vescale.static.local_sizes).
-        plan.eager(rf"{_BLOCK}\.attn")
+        # Static Eager: attention splits q|k|v with the global ``split_size`` and Conv1D views its
+        # output with its global width (``nf``); static steps pass the local sizes
+        # (vescale.static.local_sizes), so the blocks run on local tensors.
     if use_dp:
         # Static Eager: GPT2Model expands its position ids to the batch size it reads from the
         # input, which DP splits, so its own few ops stay on DTensors; its blocks run static.
