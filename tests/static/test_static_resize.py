@@ -324,6 +324,15 @@ def _shifted(mode: str, build=_Shifted, split_second: bool = False, lengths=(16,
     if split_second:
         plan.shard(r"second\.<in>", Shard(1), mesh="TP")
     vescale.parallelize(model, plan, mesh, mode=mode)
+    losses, raised, counters = _over_lengths(model, mode, lengths)
+    last_refusal = model._vescale_static.last_refusal if mode == "static" else None
+    return losses, raised, counters, last_refusal
+
+
+def _over_lengths(model, mode: str, lengths) -> tuple[list, list, list]:
+    """One backward per length of (4, length, 8) inputs: the losses, what a ``ResizeMismatch``
+    said and left behind (dispatch modes, whether the parameters are DTensors) before the same step
+    ran again, and the static runtime's counters after each step."""
     data = torch.Generator().manual_seed(1)
     losses, raised, counters = [], [], []
     for seq in lengths:
@@ -341,8 +350,7 @@ def _shifted(mode: str, build=_Shifted, split_second: bool = False, lengths=(16,
         losses.append(_value(loss).item())
         if mode == "static":
             counters.append(_counters(model._vescale_static))
-    last_refusal = model._vescale_static.last_refusal if mode == "static" else None
-    return losses, raised, counters, last_refusal
+    return losses, raised, counters
 
 
 def _shifted_both(build=_Shifted, split_second: bool = False, lengths=(16, 16, 24, 24)):
@@ -412,20 +420,7 @@ def _global_length(mode: str, lengths=(16, 16, 16, 24, 24, 32)):
     model = _GlobalLength()
     plan = vescale.VescalePlan().shard(r"blk\.<in>\[x\]", Shard(1), mesh="TP")
     vescale.parallelize(model, plan, mesh, mode=mode)
-    data = torch.Generator().manual_seed(1)
-    losses, raised, counters = [], [], []
-    for seq in lengths:
-        x = torch.randn(4, seq, 8, generator=data)
-        try:
-            loss = model(x)
-        except ResizeMismatch as e:
-            raised.append(str(e))
-            loss = model(x)
-        loss.backward()
-        model.blk.lin.weight.grad = model.blk.lin.bias.grad = None
-        losses.append(_value(loss).item())
-        if mode == "static":
-            counters.append(_counters(model._vescale_static))
+    losses, raised, counters = _over_lengths(model, mode, lengths)
     rewrites = None
     if mode == "static":
         rewrites = [(r.positions, r.global_sizes, r.local_sizes) for r in model._vescale_static.latest().sizes.get("blk", []) if r]

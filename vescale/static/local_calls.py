@@ -25,12 +25,19 @@ from .local_loss import cross_entropy_args, loss_kernel
 from .local_sizes import SIZED_CALLS, size_call, size_rewrite
 from .random_gate import SwitchedMode, exit_function_mode
 
-__all__ = ["CallWatch", "LocalCalls", "local_call_paths"]
+__all__ = ["CallWatch", "LocalCalls", "local_call_paths", "drop_plain_sizes"]
 
 
 def local_call_paths(losses: dict, sizes: dict) -> set:
     """The module paths whose static bodies run some call their own way."""
     return {p for p, kernels in losses.items() if any(kernels)} | {p for p, rewrites in sizes.items() if any(rewrites)}
+
+
+def drop_plain_sizes(sizes: dict) -> None:
+    """Forget the bodies none of whose sized calls is rewritten (every module that reshapes has
+    notes, almost all None): static steps then look at the few bodies that have rewrites only."""
+    for path in [p for p, rewrites in sizes.items() if not any(rewrites)]:
+        del sizes[path]
 
 
 class CallWatch(TorchFunctionMode):

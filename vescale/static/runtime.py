@@ -56,7 +56,7 @@ from ..parallel.placing import grad_layout
 from . import averaged, resize
 from .boundary import HandOvers, Move, ParamShadow, dtensor_of, grad_spec, local_of, settled_on_unit_dims
 from .random_gate import CallTracker, RandomGate
-from .local_calls import CallWatch, LocalCalls, local_call_paths
+from .local_calls import CallWatch, LocalCalls, drop_plain_sizes, local_call_paths
 from .local_ops import LocalLookups, check_lookup, grad_placements, is_masked, masked_lookup, unmasked, unmasked_inputs
 
 __all__ = ["StaticRuntime", "State"]
@@ -116,8 +116,8 @@ class Record:
     # module path -> per F.cross_entropy call of its body, the LocalLoss its static steps run (None:
     # the call as it is; local_loss.py)
     losses: dict = field(default_factory=dict)
-    # module path -> per view / reshape call of its body, the SizeRewrite its static steps apply
-    # (None: the call as it is; local_sizes.py)
+    # module path -> per view / reshape / split call of its body, the SizeRewrite its static steps
+    # apply (None: the call as it is; local_sizes.py); bodies with no rewrite are dropped once known
     sizes: dict = field(default_factory=dict)
     # The torch functions its drawing bodies' random ops come from (random_gate.py): None until the
     # first static step has learnt them; empty where they cannot be told (the replay then watches
@@ -788,6 +788,7 @@ class StaticRuntime:
         rec, self.verifying = self.verifying, None
         if ok:
             rec.verified = True
+            drop_plain_sizes(rec.sizes)  # and those whose notes the first static step dropped
             if rec.resized_from is not None:
                 resize.finish(rec)
         elif rec.resized_from is not None:
@@ -912,6 +913,7 @@ class StaticRuntime:
             if not found:
                 break
             record.unsafe.update(found)
+        drop_plain_sizes(record.sizes)
         record.complete = True
 
     # -- per-module hooks ----------------------------------------------------------------------
