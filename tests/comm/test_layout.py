@@ -13,6 +13,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
 from vescale import InterleavedShard
+from vescale.placement.nested import shard_indices
 from vescale.comm.layout import (
     NOTHING, _gather_plan, _reduce_plan, pack_gather, pack_rows, unpack_gather, unpack_row,
 )
@@ -21,6 +22,10 @@ P, R = Partial(), Replicate()
 
 
 def _local(glob, mesh_shape, coord, placements):
+    if any(isinstance(p, InterleavedShard) for p in placements):  # no block: gathered index by index
+        for d in range(glob.dim()):
+            glob = glob.index_select(d, shard_indices(glob.shape[d], d, mesh_shape, coord, placements))
+        return glob
     shape, off = _compute_local_shape_and_global_offset(glob.shape, mesh_shape, list(coord), placements)
     return glob[tuple(slice(o, o + s) for o, s in zip(off, shape))]
 
@@ -132,6 +137,31 @@ def test_gather_plans_give_each_rank_its_run_block(shape, mesh_shape, src, dst, 
         members, _ = _group(c, t.dims, mesh_shape)
         gathered = torch.cat([pack_gather(_local(glob, mesh_shape, m, src), plans[m]) for m in members])
         torch.testing.assert_close(unpack_gather(gathered, t), _local(glob, mesh_shape, c, dst), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 2), (3, 2)])
+def test_fused_sections_split_on_a_kept_dim_gather_and_reduce_over_dp_alone(mesh_shape):
+    """A fused gate|up expert weight (experts, 2 x intermediate, hidden): its ``InterleavedShard`` on
+    TP keeps no block, but the ZeRO shard on DP splits another dim (the experts), so the gather and
+    the gradient's reduce-scatter are over DP alone on the local tensors (not DTensor's fallback)."""
+    dp, tp = mesh_shape
+    shape, fused = (dp * 2, 2 * tp * 3, 5), InterleavedShard(1, 2)
+    rest, run = (Shard(0), fused), (R, fused)
+    glob = torch.randn(shape, generator=torch.Generator().manual_seed(2))
+    plans = {c: _gather_plan(shape, mesh_shape, c, rest, run, None) for c in _coords(mesh_shape)}
+    for c, t in plans.items():
+        assert (t.kind, t.dims, t.even) == ("all_gather", (0,), True)
+        members, _ = _group(c, t.dims, mesh_shape)
+        rows = torch.cat([pack_gather(_local(glob, mesh_shape, m, rest), plans[m]) for m in members])
+        assert torch.equal(unpack_gather(rows, t), _local(glob, mesh_shape, c, run))
+    gen = torch.Generator().manual_seed(3)
+    parts = [torch.randn(shape, generator=gen) for _ in range(dp)]  # one partial gradient per DP rank
+    locals_ = {c: _local(parts[c[0]], mesh_shape, c, run) for c in _coords(mesh_shape)}
+    plans = {c: _reduce_plan(shape, mesh_shape, c, (P, fused), rest) for c in _coords(mesh_shape)}
+    assert {(t.kind, t.dims) for t in plans.values()} == {("reduce_scatter", (0,))}
+    _check_reduce(plans, locals_, mesh_shape, sum(parts), rest)
+    # Split along the same dim as the ZeRO shard, the sections are no blocks: DTensor's fallback.
+    assert _gather_plan((8, 12), (2, 2), (0, 0), (Shard(1), fused), (R, fused), None) is None
 
 
 def test_nested_sharding_is_one_group_and_other_layouts_fall_back():

@@ -115,3 +115,67 @@ def test_static_moe_matches_eager_and_single_device(config):
     assert not kept & {"model.layers.0.mlp", "model.layers.1.mlp"}, f"MoE blocks kept eager: {r['eager_modules']}"
     if dp == 1:  # no DP splits the batch: HF's body and root run static too (moe_plan / llama_plan)
         assert not kept, f"modules kept eager: {r['eager_modules']}"
+
+
+def _relabels(relabels: bool) -> dict:
+    """DP=2 x TP=2 + SP + ZeRO-3 static steps with the batch-local MoE blocks' hooks replaced by
+    precompiled relabels (``vescale.static.relabel``) or run (``relabels=False``); the last step has
+    a new sequence length (a derived record, which runs the hooks)."""
+    from vescale.debug import CollectiveCounter
+    from vescale.parallel import batch_local
+
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    mesh = vescale.init_mesh((2, 2), ("DP", "TP"))
+    torch.manual_seed(0)
+    model = tiny_hf_mixtral()
+    vescale.parallelize(model, moe_plan(mesh, model.config, sequence_parallel=True, zero3=True), mesh, mode="static")
+    rt = vescale.static.static_runtime(model)
+    rt.relabels = relabels
+    conversions = [0]  # the scopes' DTensor conversions (inputs, parameters), forward
+    to_sub = batch_local._ToSub.forward
+    batch_local._ToSub.forward = lambda *a: conversions.__setitem__(0, conversions[0] + 1) or to_sub(*a)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    out = {"losses": [], "grads": [], "collectives": [], "conversions": []}
+    batches = list(synthetic_batches(STEPS, BATCH, SEQ, 128, seed=1)) + list(synthetic_batches(1, BATCH, SEQ - 4, 128, seed=2))
+    try:
+        for input_ids, labels in batches:
+            conversions[0], counter = 0, CollectiveCounter()
+            with counter:
+                loss = model(input_ids=input_ids, labels=labels).loss
+                loss.backward()
+            out["losses"].append(loss.full_tensor().item())
+            out["grads"].append({n: p.grad.full_tensor().clone() for n, p in model.named_parameters()})
+            out["collectives"].append(dict(counter.counts))
+            out["conversions"].append(conversions[0])
+            opt.step()
+            opt.zero_grad()
+    finally:
+        batch_local._ToSub.forward = to_sub
+    rec = next(r for r in rt.records.values() if r.resized_from is None)
+    out["relabelled"] = sorted(rec.relabelled)
+    out["quiet"] = sorted(p for p in rec.quiet or {} if p.endswith((".mlp.gate", ".mlp.experts")))  # those with parameters
+    out["derived"] = rt.resized_records
+    return out
+
+
+@pytest.mark.multiproc
+def test_batch_local_blocks_run_as_relabels_in_static_steps():
+    """The batch-local MoE blocks of a static step: no DTensor conversion of their hooks runs (their
+    inputs, outputs and parameters relabelled by precompiled moves), the router and experts are quiet
+    (no hooks), and losses, gradients and collectives are those of the steps that run the hooks, bit
+    for bit; a new sequence length (derived record) runs the hooks, and matches too."""
+    fast, hooks = run_on_ranks(lambda: (_relabels(True), _relabels(False)), 4)[0]
+    blocks = ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert fast["relabelled"] == blocks and hooks["relabelled"] == []
+    assert fast["quiet"] == [f"{b}.{m}" for b in blocks for m in ("experts", "gate")] and hooks["quiet"] == []
+    assert fast["derived"] == hooks["derived"] == 1
+    # Recording, then static steps: the first static step checks shapes, then the blocks run quiet.
+    assert all(n > 0 for n in hooks["conversions"]) and fast["conversions"][0] == hooks["conversions"][0]
+    assert fast["conversions"][1:STEPS] == [0] * (STEPS - 1), fast["conversions"]
+    assert fast["conversions"][STEPS] == hooks["conversions"][STEPS] > 0  # the derived record's step
+    assert fast["collectives"] == hooks["collectives"]
+    for step, (a, b) in enumerate(zip(fast["losses"], hooks["losses"])):
+        assert a == b, f"step {step}: {a} vs {b}"
+    for step, (ga, gb) in enumerate(zip(fast["grads"], hooks["grads"])):
+        for n, g in ga.items():
+            assert torch.equal(g, gb[n]), f"step {step}: gradient of {n}"

@@ -20,9 +20,11 @@ on DP, ``Shard(0)`` on TP, every shard still one block) a ZeRO-3 collective of a
 is over DP alone. Where a weight is sharded on the same tensor dimension by an outer dimension that
 changes (DP) and an inner one that does not (TP) (``(Shard(0), Shard(0))``, kept where the dim does
 not divide evenly), the inner one joins the group: one collective over DP x TP instead of DTensor's
-two steps. Anything else (other placement types, layouts whose shards are not blocks, Partial
-targets) is ``None``: the
-caller falls back to DTensor's per-tensor ``redistribute``.
+two steps. A tensor dim that an unchanged mesh dim splits, and no changing one touches, is taken at
+its local extent (``_fold_kept``): every member holds the same part of it, so its split need not be
+a block (a fused gate|up expert weight's ``InterleavedShard`` on TP beside its ZeRO shard on DP).
+Anything else (other placement types, layouts whose shards are not blocks, Partial targets) is
+``None``: the caller falls back to DTensor's per-tensor ``redistribute``.
 """
 
 from __future__ import annotations
@@ -161,11 +163,36 @@ def _even(base: Block, members) -> bool:
     return bool(bs) and at == bo[0] + bs[0]
 
 
+def _fold_kept(shape, mesh_shape, src, dst, group=None) -> tuple:
+    """``(shape, src, dst)`` with every tensor dim that one unchanged mesh dim splits (alike in both
+    layouts, evenly) and no changing mesh dim touches taken as whole at its local extent: every
+    member of the collective holds the same part of it, so the collective never looks inside it.
+    A fused gate|up weight's ``InterleavedShard`` on TP (no block) beside its ZeRO shard on DP along
+    another dim is one all-gather over DP of the local tensors then, not DTensor's fallback. Dims of a
+    forced ``group`` stay: its members differ there."""
+    changed = [i for i in range(len(src)) if src[i] != dst[i]]
+    touched = {p.dim for i in changed for p in (src[i], dst[i]) if _is_shard_like(p)}
+    splits = [p.dim for p in src if _is_shard_like(p)]
+    shape, src, dst = list(shape), list(src), list(dst)
+    for i, p in enumerate(src):
+        if i in changed or i in (group or ()) or not _is_shard_like(p) or p.dim in touched or splits.count(p.dim) > 1:
+            continue
+        sections = p._split_factor_int() if _is_strided(p) else 1
+        if shape[p.dim] % (mesh_shape[i] * sections):
+            continue  # uneven: members' extents differ
+        shape[p.dim] //= mesh_shape[i]
+        src[i] = dst[i] = Replicate()
+    return tuple(shape), tuple(src), tuple(dst)
+
+
 @functools.lru_cache(maxsize=4096)
 def _reduce_plan(shape, mesh_shape, coord, src, dst) -> Transfer | None:
     if src == dst:
         return NOTHING
-    if not all(_supported(p) for p in (*src, *dst)) or not _blocks_only(shape, mesh_shape, src, dst):
+    if not all(_supported(p) for p in (*src, *dst)):
+        return None
+    shape, src, dst = _fold_kept(shape, mesh_shape, src, dst)
+    if not _blocks_only(shape, mesh_shape, src, dst):
         return None
     changed = [i for i in range(len(src)) if src[i] != dst[i]]
     if any(dst[i].is_partial() for i in changed):
@@ -204,6 +231,7 @@ def _gather_plan(shape, mesh_shape, coord, src, dst, dims) -> Transfer | None:
         return NOTHING
     if not all(type(p) in (Shard, Replicate) or _is_strided(p) for p in (*src, *dst)):
         return None
+    shape, src, dst = _fold_kept(shape, mesh_shape, src, dst, dims)
     if not _blocks_only(shape, mesh_shape, src, dst):
         return None
     changed = [i for i in range(len(src)) if src[i] != dst[i]]

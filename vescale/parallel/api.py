@@ -184,13 +184,14 @@ def parallelize(
         if gathers is not None:
             gathered_modules[mpath] = (gathers, frozenset(h.id for h in installed))
     handles += install_expert_parallel(model, plan, mesh)  # after the gathers: it sees RUN params
-    handles += install_batch_local(model, plan, mesh)  # after the gathers too
+    local_handles, scopes = install_batch_local(model, plan, mesh)  # after the gathers too
+    handles += local_handles
     handles += attach_grad_reduction(model.parameters(), reducer)
     handles += attach_state_dict_hooks(model)  # DCP-describable layouts for InterleavedShard tensors
     if mode == "static":
         from ..static import install_static
 
-        handles += install_static(model, plan, ir, frozenset(h.id for h in handles), scheduler, gathered_modules)
+        handles += install_static(model, plan, ir, frozenset(h.id for h in handles), scheduler, gathered_modules, scopes)
 
     model._vescale_ir = ir
     model._vescale_mesh = mesh

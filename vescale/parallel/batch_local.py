@@ -44,7 +44,7 @@ from ..plan.ir import PlanError
 from ..plan.lower import runs_forward
 from .hooks import _map_tensors
 
-__all__ = ["install_batch_local", "batch_local_paths"]
+__all__ = ["install_batch_local", "batch_local_paths", "Scope"]
 
 
 def batch_local_paths(plan, model: nn.Module) -> dict[str, object]:
@@ -65,14 +65,15 @@ def batch_local_paths(plan, model: nn.Module) -> dict[str, object]:
     return found
 
 
-def install_batch_local(model: nn.Module, plan, mesh: DeviceMesh) -> list:
-    """Hooks for every ``plan.batch_local`` statement; returns the handles. Call after the plan's
-    own hooks (the parameter views must see ZeRO-3's gathered copies)."""
+def install_batch_local(model: nn.Module, plan, mesh: DeviceMesh) -> tuple[list, dict]:
+    """Hooks for every ``plan.batch_local`` statement; returns the handles and the scopes (module
+    path -> ``Scope``). Call after the plan's own hooks (the parameter views must see ZeRO-3's
+    gathered copies)."""
     scopes = batch_local_paths(plan, model)
     if not scopes:
-        return []
+        return [], {}
     experts = [s for s in plan.statements if s.kind == "experts"]
-    handles, subs = [], {}
+    handles, subs, installed = [], {}, {}
     for path, st in scopes.items():
         names = tuple(mesh.mesh_dim_names or ())
         if st.mesh_dim not in names:
@@ -82,8 +83,9 @@ def install_batch_local(model: nn.Module, plan, mesh: DeviceMesh) -> list:
         if st.mesh_dim not in subs:  # sub-meshes made once, in statement order on every rank
             rest = tuple(n for n in names if n != st.mesh_dim)
             subs[st.mesh_dim] = mesh[rest if len(rest) > 1 else rest[0]] if rest else None
-        handles += _Scope(module, path, st, mesh, names.index(st.mesh_dim), subs[st.mesh_dim]).install()
-    return handles
+        installed[path] = Scope(module, path, st, mesh, names.index(st.mesh_dim), subs[st.mesh_dim])
+        handles += installed[path].install()
+    return handles, installed
 
 
 def _check_inside(plan, st, path: str, module: nn.Module, experts: list) -> None:
@@ -204,14 +206,20 @@ class _RandomGuard(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-class _Scope:
-    """The hooks of one batch-local module and of the modules inside it."""
+class Scope:
+    """The hooks of one batch-local module and of the modules inside it.
+
+    On local tensors every conversion here is the identity (only the DTensor labels change), so
+    Static Eager steps that move the scope's inputs and outputs with precompiled relabels and give
+    its parameters their full-mesh gradient layouts turn the hooks off (``bypass``) for the step."""
 
     def __init__(self, module: nn.Module, path: str, st, mesh: DeviceMesh, dp: int, sub):
         self.module, self.path, self.st, self.mesh, self.dp, self.sub = module, path, st, mesh, dp, sub
         self.dim = 0  # the batch dim of the scope's inputs and outputs
         self.checked: set[bool] = set()  # training modes whose first call was watched for random ops
         self.guards: list[_RandomGuard] = []
+        self.bypass = False
+        self.param_hooks: dict[str, frozenset] = {}  # module path -> ids of its parameter-view hooks
 
     def install(self) -> list:
         handles = [
@@ -223,15 +231,19 @@ class _Scope:
         for name, mod in self.module.named_modules(prefix=self.path):
             if any(True for _ in mod.parameters(recurse=False)):
                 swapped: list = []
-                handles += [
+                views = [
                     mod.register_forward_pre_hook(lambda m, a, name=name, s=swapped: self.view_params(m, name, s)),
                     mod.register_forward_hook(lambda m, a, o, s=swapped: self.put_back(m, s), prepend=True, always_call=True),
                 ]
+                self.param_hooks[name] = frozenset(h.id for h in views)
+                handles += views
         return handles
 
     # -- inputs and outputs -----------------------------------------------------------------
 
     def enter(self, mod, args, kwargs):
+        if self.bypass:
+            return None
         if mod.training not in self.checked:  # watched once per mode: models turn randomness on with train()
             self.checked.add(mod.training)
             guard = _RandomGuard(self.path, self.st)
@@ -262,7 +274,7 @@ class _Scope:
 
     def leave(self, mod, args, kwargs, output):
         self.close_guard()
-        return _map_tensors(self._output, output)
+        return None if self.bypass else _map_tensors(self._output, output)
 
     def _output(self, t: torch.Tensor):
         if isinstance(t, DTensor) and t.device_mesh != self.sub:
@@ -281,6 +293,8 @@ class _Scope:
     def view_params(self, mod: nn.Module, name: str, swapped: list) -> None:
         """The module's parameters (ZeRO-3's gathered copies, if any) on the sub-mesh, for this call."""
         swapped.clear()
+        if self.bypass:
+            return
         for pname, p in mod._parameters.items():
             if not isinstance(p, DTensor):
                 continue

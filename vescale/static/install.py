@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch.nn as nn
 
 from ..plan import PlanIR, VescalePlan
-from ..parallel.batch_local import batch_local_paths
 from ..parallel.zero import unit_of
 from ..plan.lower import runs_forward
 from .runtime import StaticRuntime, resolve_eager_paths
@@ -28,11 +27,12 @@ def static_runtime(model: nn.Module) -> StaticRuntime:
 
 
 def install_static(model: nn.Module, plan: VescalePlan, ir: PlanIR, plan_hooks: frozenset = frozenset(), scheduler=None,
-                   gathered_modules: dict | None = None) -> list:
+                   gathered_modules: dict | None = None, batch_local: dict | None = None) -> list:
     """Create the runtime (``model._vescale_static``) and install its hooks; returns the handles.
     ``plan_hooks``: the ids of the hooks parallelize installed before (the plan's and the root's);
     ``scheduler`` (ZeRO-3's GatherScheduler) and ``gathered_modules`` (path -> (gather entries, plan
-    hook ids) of modules whose plan hooks only gather): the ZeRO-3 units static steps run as one."""
+    hook ids) of modules whose plan hooks only gather): the ZeRO-3 units static steps run as one;
+    ``batch_local``: path -> ``vescale.parallel.batch_local.Scope`` of each batch-local module."""
     hooks = ir.hooks()
     # Modules whose plan hooks place inputs / outputs. A pre-hook that only gathers ZeRO-3
     # parameters moves no activation: wrapping there would only add a gradient reduction per
@@ -40,8 +40,8 @@ def install_static(model: nn.Module, plan: VescalePlan, ir: PlanIR, plan_hooks: 
     planned_pre = {m for (m, h), entries in hooks.items() if h == "forward_pre" and any(e.action == "redist" for e in entries)}
     planned_post = {m for (m, h), entries in hooks.items() if h == "forward" and any(e.action == "redist" for e in entries)}
     # A batch-local module's hooks move its inputs and outputs between meshes (DTensors in, DTensors out).
-    batch_local = set(batch_local_paths(plan, model))
-    planned_pre, planned_post = planned_pre | batch_local, planned_post | batch_local
+    batch_local = dict(batch_local or {})
+    planned_pre, planned_post = planned_pre | set(batch_local), planned_post | set(batch_local)
     annotated = tuple({m for (m, h), entries in hooks.items() if h == hook and any(e.action == "annotate" for e in entries)}
                       for hook in ("forward_pre", "forward"))
     # Tensors made by planned factories are DTensors: the module that makes them stays eager.
@@ -49,7 +49,7 @@ def install_static(model: nn.Module, plan: VescalePlan, ir: PlanIR, plan_hooks: 
     eager |= {m for (m, h) in hooks if h == "factory"}
     where = {"forward_pre": "in", "forward": "out"}
     grad_dst_spots = {(m, where[h], e.key): e.grad_targets for (m, h), entries in hooks.items() if h in where for e in entries if e.grad_targets}
-    rt = StaticRuntime(model, eager, planned_pre, planned_post, annotated, grad_dst_spots)
+    rt = StaticRuntime(model, eager, planned_pre, planned_post, annotated, grad_dst_spots, batch_local)
     model._vescale_static = rt
     handles = []
     for path, mod in model.named_modules():

@@ -53,7 +53,7 @@ from ..parallel.faults import _first_line
 from ..parallel.hooks import IO_PLACED, _register_once_on_grads, release_gathered
 from ..plan.ir import PlanError
 from ..parallel.placing import grad_layout
-from . import averaged, resize
+from . import averaged, relabel, resize
 from .boundary import HandOvers, Move, ParamShadow, dtensor_of, grad_spec, local_of, settled_on_unit_dims
 from .random_gate import CallTracker, RandomGate
 from .local_calls import CallWatch, LocalCalls, drop_plain_sizes, local_call_paths
@@ -133,6 +133,9 @@ class Record:
     unit_reached: set = field(default_factory=set)  # recording: units whose output gradient arrived
     member_calls: dict = field(default_factory=dict)  # recording: member path -> calls this step
     resized_from: "Record | None" = None  # derived from this recorded record for other input sizes (resize.py)
+    # The batch-local modules whose hooks its static steps replace by relabels (relabel.py); None
+    # until its first static step.
+    relabelled: frozenset | None = None
 
 
 @dataclass
@@ -613,6 +616,7 @@ class StaticRuntime:
         planned_post: set[str],
         annotated: tuple[set[str], set[str]] = (set(), set()),
         grad_dst_spots: dict | None = None,
+        batch_local: dict | None = None,
     ):
         self.model = model
         # Module path -> its caller's path ("" is the root, whose caller is the user: None): the
@@ -675,6 +679,12 @@ class StaticRuntime:
         self.unit_hooks: dict[str, frozenset] = {}
         self.active_units: dict[str, list] = {}
         self.zero3_units = True  # False: every member keeps its own hooks (tests compare the two bit for bit)
+        # Batch-local modules (path -> vescale.parallel.batch_local.Scope), and the scope of every
+        # module at or inside one. False: static steps run their hooks (tests compare the two bit
+        # for bit); see relabel.py.
+        self.scopes = dict(batch_local or {})
+        self.scope_of = {inner: path for path, scope in self.scopes.items() for inner, _ in scope.module.named_modules(prefix=path)}
+        self.relabels = True
         self.unit_state: dict[str, tuple] = {}  # unit -> (gathered parameters, swaps) while its body runs
 
     # -- which representation each module uses in the current step ---------------------------
@@ -699,6 +709,9 @@ class StaticRuntime:
         """Root pre-hook: pick this step's state from the root inputs' shapes."""
         self.hand_overs.discard()  # left over only by a backward that failed before its end
         self._begin(args, kwargs)
+        relabelled = self.record.relabelled if self.state is State.STATIC else None
+        for path, scope in self.scopes.items():
+            scope.bypass = bool(relabelled) and path in relabelled
         # Hooks come off the modules with nothing to do in this step, back on every other module.
         quiet = self._quiet_now()
         self._silence(quiet)
@@ -736,6 +749,8 @@ class StaticRuntime:
         if rec is not None and rec.complete:
             self.state, self.record = State.STATIC, rec
             self.static_steps += 1
+            if rec.relabelled is None:
+                rec.relabelled = self._find_relabelled(rec)
             if rec.random:
                 # Entered only while the body of a module that draws runs (see _follow_body).
                 self.replay = _RandomReplay(rec, self.stack)
@@ -758,6 +773,39 @@ class StaticRuntime:
         last = self.latest()
         self._new_record(key, frozenset(last.assumed_eager | set(last.unsafe)) if last is not None else frozenset())
 
+    def _find_relabelled(self, rec: Record) -> frozenset:
+        """The batch-local modules whose hooks ``rec``'s static steps replace by precompiled relabels
+        (relabel.py): static, with a static caller and everything inside static, every tensor at
+        their boundary relabelled. Their moves go into ``rec.moves`` now. Not in derived records,
+        whose sizes settle at the first call (their scopes run their hooks)."""
+        if not self.relabels or rec.resized_from is not None:
+            return frozenset()
+        found = set()
+        for path, scope in self.scopes.items():
+            inside = [p for p, s in self.scope_of.items() if s == path]
+            if not self.parent_static(path) or not all(self.is_static(p) and p not in rec.lookups for p in inside):
+                continue
+            if any(spot[0] in inside for spot in self.grad_dst_spots):
+                continue
+            moves = [_compile_moves(rec.crossings, path, src, dst, (scope, side))
+                     for src, dst, side in (("in", "body", "in"), ("out", "result", "out"))]
+            if None not in moves:
+                rec.moves[(path, "in")], rec.moves[(path, "out")] = moves
+                found.add(path)
+        return frozenset(found)
+
+    def _without_relabels(self, rec: Record, scopes: frozenset) -> None:
+        """What a derived ``rec`` took over from a source that relabels ``scopes``, less what assumed
+        the relabels (the derived record runs the scopes' hooks): quiet modules and their steps,
+        ZeRO-3 units' quiet members and gradient specs inside them."""
+        inside = {p for p, s in self.scope_of.items() if s in scopes}
+        if rec.quiet is not None:
+            rec.quiet = {p: m for p, m in rec.quiet.items() if p not in inside}
+        rec.steps = {p: st for p, st in rec.steps.items() if p not in inside}
+        if rec.quiet_units is not None:
+            rec.quiet_units = {u: [m for m in ms if m[0] not in inside] for u, ms in rec.quiet_units.items()}
+        rec.param_grad_specs = {k: v for k, v in rec.param_grad_specs.items() if k[0] not in inside}
+
     def _derive(self, key) -> Record | None:
         """A record for ``key`` derived from the latest complete recorded one that differs from it in
         sizes only (``resize.py``), or None (the step records)."""
@@ -770,6 +818,8 @@ class StaticRuntime:
             if factors is None:
                 continue
             rec, self.last_refusal = resize.derive(old, factors, Record, Crossing)
+            if rec is not None and old.relabelled:
+                self._without_relabels(rec, old.relabelled)
             if rec is not None:
                 self.records[key] = rec
                 self._bound_records(rec)
@@ -1061,6 +1111,9 @@ class StaticRuntime:
         spec = rec.param_grad_specs.get((path, name))
         if spec is None:
             placements = grad_placements(rec.lookups, path, name, p, rec.param_grads.get((path, name)))
+            scope = self.scope_of.get(path)
+            if scope is not None and scope in (rec.relabelled or ()):  # recorded on the sub-mesh
+                placements = relabel.grad_placements(placements, p, self.scopes[scope])
             spec = rec.param_grad_specs[(path, name)] = grad_spec(p._spec, settled_on_unit_dims(placements, p._spec))
         return spec
 
@@ -1273,6 +1326,9 @@ class StaticRuntime:
         quiet, units = {}, {}
         local_calls = local_call_paths(rec.losses, rec.sizes)
         for path, (mod, own) in self.own_hooks.items():
+            scope = self.scope_of.get(path)
+            if scope in rec.relabelled:  # its parameter views are bypassed in these steps
+                own = own | self.scopes[scope].param_hooks.get(path, frozenset())
             steps = rec.steps.get(path)
             if not path or steps is None or not steps.static or not steps.parent_static or path in rec.random:
                 continue
@@ -1516,15 +1572,21 @@ def _unsafe_with_caller(rec: Record, parent: dict, path: str, why: str) -> None:
         rec.unsafe.setdefault(parent[path], f"calls {path!r}: {why}")
 
 
-def _compile_moves(crossings: dict, path: str, src: str, dst: str) -> list | None:
+def _compile_moves(crossings: dict, path: str, src: str, dst: str, relabelled: tuple | None = None) -> list | None:
     """One ``Move`` (or None: a plain tensor passing through) per tensor recorded at ``(path, src)``,
-    or None if some tensor there cannot move as local tensors (a plain tensor the plan places)."""
+    or None if some tensor there cannot move as local tensors (a plain tensor the plan places).
+    ``relabelled``: ``(scope, side)`` of a batch-local module's boundary (relabel.py)."""
     moves = []
     while (path, src, len(moves)) in crossings:
         i = len(moves)
         a, b = crossings[(path, src, i)], crossings.get((path, dst, i))
         if b is None:
             return None
+        if relabelled is not None:
+            pair = relabel.relabelled(a, b, *relabelled)
+            if pair is None:
+                return None
+            a, b = pair
         if a.spec is None and b.spec is None:
             moves.append(None)
         elif a.spec is None or b.spec is None or a.spec.mesh != b.spec.mesh or a.spec.shape != b.spec.shape:
