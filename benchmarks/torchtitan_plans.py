@@ -131,7 +131,10 @@ def vescale_llama() -> "VescalePlan":
     plan.shard(rf"{layer}\.(self_attn\.o|mlp\.down)_proj\.weight", Shard(1), mesh="TP")
     # Sequence parallel: gather the sequence into attention, the MLP and the head, scatter it after.
     plan.shard(rf"({layer}\.(self_attn|mlp)|lm_head)\.<in>", Replicate(), mesh="TP")
-    plan.shard(rf"(model\.embed_tokens|{layer}\.(self_attn|mlp))\.<out>", Shard(1), mesh="TP")
+    plan.shard(rf"{layer}\.(self_attn|mlp)\.<out>", Shard(1), mesh="TP")
+    # HF's model body reads the sequence length from the embeddings: whole there, split from the first layer.
+    plan.shard(r"model\.embed_tokens\.<out>", Replicate(), mesh="TP")
+    plan.shard(r"model\.layers\.0\.<in>[hidden_states]", Shard(1), mesh="TP")
     plan.shard(r"lm_head\.<out>", Shard(-1), mesh="TP")  # the logits stay split: the loss runs vocabulary-parallel
     plan.shard(r"<in>\[(input_ids|labels)\]", Shard(0), mesh="DP")  # data parallel: split the batch
     plan.shard(r".*weight", Shard(0), mesh="DP", phase=INIT)  # ZeRO-3: stored sharded, gathered to run
@@ -150,7 +153,10 @@ def vescale_moe() -> "VescalePlan":
     plan.shard(rf"{layer}\.mlp\.experts\.gate_up_proj", InterleavedShard(1, 2), mesh="TP")
     plan.shard(rf"{layer}\.mlp\.experts\.down_proj", Shard(2), mesh="TP")
     plan.shard(rf"({layer}\.(self_attn|mlp)|lm_head)\.<in>", Replicate(), mesh="TP")
-    plan.shard(rf"(model\.embed_tokens|{layer}\.(self_attn|mlp))\.<out>", Shard(1), mesh="TP")
+    plan.shard(rf"{layer}\.(self_attn|mlp)\.<out>", Shard(1), mesh="TP")
+    # HF's model body reads the sequence length from the embeddings: whole there, split from the first layer.
+    plan.shard(r"model\.embed_tokens\.<out>", Replicate(), mesh="TP")
+    plan.shard(r"model\.layers\.0\.<in>[hidden_states]", Shard(1), mesh="TP")
     plan.shard(r"lm_head\.<out>", Shard(-1), mesh="TP")  # the logits stay split: the loss runs vocabulary-parallel
     plan.shard(r"<in>\[(input_ids|labels)\]", Shard(0), mesh="DP")
     plan.shard(r".*(weight|gate_up_proj|down_proj)", Shard(0), mesh="DP", phase=INIT)

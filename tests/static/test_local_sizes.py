@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from vescale import PlanError
-from vescale.static.local_sizes import SizeRewrite, size_call
+from vescale.static.local_sizes import GlobalSizes, SizeRewrite, size_call, size_rewrite
 from vescale.static.resize import ResizeMismatch
 
 VIEW = torch.Tensor.view
@@ -52,6 +52,39 @@ def test_a_derived_record_splits_a_global_size_that_follows_the_inputs():
 def _parsed(func, args, kwargs=None):
     call = size_call(func, args, kwargs or {})
     return None if call is None else (call.tensor, call.sizes, call.split_dim)
+
+
+EXPAND = torch.Tensor.expand
+
+
+def test_a_plain_tensor_call_with_the_recorded_sizes_runs_as_it_is():
+    note = size_rewrite(size_call(EXPAND, (torch.zeros(1, 16), 8, -1), {}), torch.zeros(8, 16))
+    assert note == GlobalSizes((8, -1))  # a plain tensor: the global one, the same on every rank
+    assert note.local((8, -1), "model", EXPAND, derived=False) is None  # the same sizes: dropped for good
+
+
+def test_a_plain_tensor_call_sized_from_a_local_share_gets_the_recorded_global_size():
+    # HF's mask code: position_ids.expand(inputs_embeds.shape[0], -1), the batch of 8 split 2 ways on DP.
+    note = GlobalSizes((8, -1))
+    assert note.local((4, -1), "model", EXPAND, derived=False) == (8, -1)
+    assert (note.positions, note.global_sizes, note.local_sizes) == ((0,), (8,), (4,))  # learnt
+    assert note.local((4, -1), "model", EXPAND, derived=False) == (8, -1)  # every later step
+    with pytest.raises(PlanError, match=r"module 'model': expand\(2, -1\) on a plain tensor.*plan\.eager\('model'\)"):
+        note.local((2, -1), "model", EXPAND, derived=False)  # not the share it was
+    # A derived record (new sizes): a learnt share that follows the inputs gives the new global size.
+    assert note.local((6, -1), "model", EXPAND, derived=True, scale=True) == (12, -1)
+    with pytest.raises(ResizeMismatch):
+        note.local((2, -1), "model", EXPAND, derived=True)
+
+
+def test_a_plain_tensor_call_whose_sizes_are_no_share_is_refused():
+    with pytest.raises(PlanError, match="module 'm'"):
+        GlobalSizes((8, 16)).local((3, 16), "m", VIEW, derived=False)  # 3 is no share of 8
+    with pytest.raises(PlanError, match="module 'm'"):
+        GlobalSizes((8, 16)).local((16, 16), "m", VIEW, derived=False)  # larger than the recorded size
+    # In a derived record no static step has run the call yet: it runs as it is (the derived
+    # record's first step checks its local shapes).
+    assert GlobalSizes((8, 16)).local((8, 20), "m", VIEW, derived=True) == (8, 20)
 
 
 def test_size_calls_are_parsed_in_every_spelling():

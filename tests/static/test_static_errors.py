@@ -152,7 +152,8 @@ def fake_world_2():
 class _Mix(nn.Module):
     """Expands a batch-sharded tensor to the batch size read from a whole (plain) one: fine on
     DTensors (both sizes are global), impossible on local shards (the sizes differ). (A ``view`` or
-    ``reshape`` that way would get the local size: ``vescale/static/local_sizes.py``.)"""
+    ``reshape`` that way would get the local size: ``vescale/static/local_sizes.py``; an ``expand``
+    of a DTensor does not: its gradient's layout in static steps is not recorded.)"""
 
     def __init__(self):
         super().__init__()

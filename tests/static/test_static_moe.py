@@ -15,10 +15,12 @@ test fails if any of them is kept eager).
 * DP=2 + ZeRO-3 and DP=2 x TP=2 + SP + ZeRO-3: ``moe_plan`` makes the MoE blocks batch-local
   (``plan.batch_local``): each DP rank's block runs on its own tokens, on the TP sub-mesh, and in
   every config the experts see the DP rank's tokens only.
-* Where no DP splits the batch, nothing stays eager: HF's model body (which reads the sequence
-  length from the embeddings: the plan hands it them whole and splits the sequence at the first
-  layer) and the root (whose loss views the vocabulary-sharded logits with the config's vocabulary
-  size, rewritten to the local one: ``vescale.static.local_sizes``) run static too.
+* Nothing stays eager: HF's model body (which reads the sequence length from the embeddings: the
+  plan hands it them whole and splits the sequence at the first layer; under DP its mask code
+  expands the plain position ids to the batch size it reads there, given the global one back:
+  ``vescale.static.local_sizes.GlobalSizes``) and the root (whose loss views the
+  vocabulary-sharded logits with the config's vocabulary size, rewritten to the local one) run
+  static too.
 
 Losses within 1e-5 of the single device and of eager mode over 6 SGD steps, and the last step's
 gradients within 1e-5 (fp32: sharded matmuls and collectives sum in another order, and a static step
@@ -112,9 +114,8 @@ def test_static_moe_matches_eager_and_single_device(config):
     dp = 2 if "DP=2" in config else 1
     for mode in ("eager", "static"):  # each DP rank's experts see its own tokens only
         assert r[f"{mode}_rows"] == {(BATCH * SEQ // dp, 32)}, (mode, r[f"{mode}_rows"])
-    assert not kept & {"model.layers.0.mlp", "model.layers.1.mlp"}, f"MoE blocks kept eager: {r['eager_modules']}"
-    if dp == 1:  # no DP splits the batch: HF's body and root run static too (moe_plan / llama_plan)
-        assert not kept, f"modules kept eager: {r['eager_modules']}"
+    # Nothing at all: HF's body and root run static too (moe_plan / llama_plan), under DP as well.
+    assert not kept, f"modules kept eager: {r['eager_modules']}"
 
 
 def _relabels(relabels: bool) -> dict:
@@ -155,6 +156,7 @@ def _relabels(relabels: bool) -> dict:
     out["relabelled"] = sorted(rec.relabelled)
     out["quiet"] = sorted(p for p in rec.quiet or {} if p.endswith((".mlp.gate", ".mlp.experts")))  # those with parameters
     out["derived"] = rt.resized_records
+    out["export"] = vescale.static.export_plan(model)
     return out
 
 
@@ -169,6 +171,9 @@ def test_batch_local_blocks_run_as_relabels_in_static_steps():
     assert fast["relabelled"] == blocks and hooks["relabelled"] == []
     assert fast["quiet"] == [f"{b}.{m}" for b in blocks for m in ("experts", "gate")] and hooks["quiet"] == []
     assert fast["derived"] == hooks["derived"] == 1
+    # HF's body runs static under DP: its mask code's expand of the plain position ids to the batch
+    # size read from the embeddings (this rank's 2 of 4 rows) gets the global size back.
+    assert "module 'model', sized call #0 on a plain tensor: static steps pass the global (4, *) for (2, *)" in fast["export"]
     # Recording, then static steps: the first static step checks shapes, then the blocks run quiet.
     assert all(n > 0 for n in hooks["conversions"]) and fast["conversions"][0] == hooks["conversions"][0]
     assert fast["conversions"][1:STEPS] == [0] * (STEPS - 1), fast["conversions"]

@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from ..parallel.placing import grad_layout
 from .install import static_runtime
+from .local_sizes import GlobalSizes
 
 __all__ = ["export_plan", "eager_modules"]
 
@@ -90,14 +91,18 @@ def _size_lines(rec) -> list[str]:
     lines = []
     for path, notes in rec.sizes.items():
         for k, r in enumerate(notes):
-            if r is None:
+            if r is None or not r.positions:  # nothing rewritten (yet)
                 continue
             sizes = ["*"] * r.ndim
             local = ["*"] * r.ndim
             for i, g, n in zip(r.positions, r.global_sizes, r.local_sizes):
                 sizes[i], local[i] = str(g), str(n)
-            lines.append(f"# module {path!r}, sized call #{k}: static steps pass ({', '.join(local)}) for the global "
-                         f"({', '.join(sizes)}) (vescale.static.local_sizes)")
+            if isinstance(r, GlobalSizes):
+                lines.append(f"# module {path!r}, sized call #{k} on a plain tensor: static steps pass the global "
+                             f"({', '.join(sizes)}) for ({', '.join(local)}) (vescale.static.local_sizes)")
+            else:
+                lines.append(f"# module {path!r}, sized call #{k}: static steps pass ({', '.join(local)}) for the global "
+                             f"({', '.join(sizes)}) (vescale.static.local_sizes)")
     return lines
 
 

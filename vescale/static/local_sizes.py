@@ -45,22 +45,23 @@ from torch.distributed.tensor import DTensor
 from ..plan.ir import PlanError
 from .resize import ResizeMismatch
 
-__all__ = ["SIZED_CALLS", "SizeRewrite", "SizedCall", "size_call", "size_rewrite"]
+__all__ = ["SIZED_CALLS", "GlobalSizes", "SizeRewrite", "SizedCall", "size_call", "size_rewrite"]
 
 _SPLITS = (torch.Tensor.split, torch.split)
-# The torch functions whose sizes are rewritten: what models call to reshape by a config size, and
-# to cut a fused projection into sections of a config size (GPT-2's ``split(embed_dim, dim=2)``).
-SIZED_CALLS = frozenset({torch.Tensor.view, torch.Tensor.reshape, torch.reshape, *_SPLITS})
+# The torch functions whose sizes are rewritten: what models call to reshape or broadcast by a config
+# size, and to cut a fused projection into sections of a config size (GPT-2's ``split(embed_dim, dim=2)``).
+SIZED_CALLS = frozenset({torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.expand, *_SPLITS})
 
 
 @dataclass(frozen=True)
 class SizedCall:
-    """One ``SIZED_CALLS`` call: its tensor, its sizes (a split's: its section size) and, for a
-    split, the dim it cuts."""
+    """One ``SIZED_CALLS`` call: its tensor, its sizes (a split's: its section size), for a split
+    the dim it cuts, and the function."""
 
     tensor: torch.Tensor
     sizes: tuple
     split_dim: int | None = None
+    func: object = None
 
     def local_sizes(self, out) -> tuple | None:
         """The sizes this call would take to give ``out``'s local tensors (None: not a DTensor result)."""
@@ -87,7 +88,7 @@ def size_call(func, args, kwargs) -> SizedCall | None:
         tensor, size = values.get(names[0], values.get("input")), values.get("split_size_or_sections", values.get("split_size"))
         if not isinstance(tensor, torch.Tensor) or type(size) is not int:
             return None
-        return SizedCall(tensor, (size,), values.get("dim", 0) % max(tensor.ndim, 1))
+        return SizedCall(tensor, (size,), values.get("dim", 0) % max(tensor.ndim, 1), func)
     if func is torch.reshape:
         tensor = args[0] if args else kwargs.get("input")
         rest = args[1:] or (kwargs.get("shape"),)
@@ -97,7 +98,7 @@ def size_call(func, args, kwargs) -> SizedCall | None:
         rest = tuple(rest[0])
     if not isinstance(tensor, torch.Tensor) or not all(type(s) is int for s in rest):
         return None
-    return SizedCall(tensor, tuple(rest))
+    return SizedCall(tensor, tuple(rest), None, func)
 
 
 @dataclass(frozen=True)
@@ -155,10 +156,84 @@ class SizeRewrite:
         return tuple(out)
 
 
-def size_rewrite(call: SizedCall, out) -> SizeRewrite | None:
+@dataclass
+class GlobalSizes:
+    """A recorded call on a plain tensor, the global tensor (the same on every rank): the sizes it
+    passed. A static body may pass a size it computes from a local shard where the recording read
+    the global one from the DTensor: HF's mask code expands the position ids to the batch size of
+    the embeddings, this DP rank's share in static steps. Such a call gets the recorded sizes, so
+    the plain tensor is the recording's (and eager mode's) again.
+
+    The first static step tells (``local``): the same sizes, and the note is dropped; sizes that
+    differ only where each is a whole share of the recorded one (a size read from a split dim), and
+    those positions are learnt (``positions`` / ``local_sizes``) and rewritten every step; anything
+    else raises, naming the module. In a record derived for new input sizes, a learnt position that
+    follows the inputs scales as ``SizeRewrite._scaled`` does, the other way round."""
+
+    sizes: tuple
+    positions: tuple = ()
+    local_sizes: tuple = ()
+
+    @property
+    def ndim(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def global_sizes(self) -> tuple:
+        return tuple(self.sizes[i] for i in self.positions)
+
+    def local(self, sizes: tuple, module: str, func, derived: bool, scale: bool = False) -> tuple | None:
+        """The sizes the call takes (the recorded global ones where it passes local ones), or None
+        where it passes the recorded sizes (nothing to rewrite, ever); raises where the call is not
+        the recorded one. ``derived`` / ``scale``: as for ``SizeRewrite.local``."""
+        if tuple(sizes) == self.sizes and not self.positions:
+            return None
+        if derived and not self.positions:
+            # No static step has run this call: as before the rewrites, the derived record's first
+            # step checks its local shapes (resize.checked_before).
+            return tuple(sizes)
+        if len(sizes) == self.ndim:
+            if not self.positions and not derived:
+                self._learn(sizes)
+            out = self._global(sizes, scale)
+            if out is not None:
+                return out
+        message = (f"module {module!r}: {func.__name__}{tuple(sizes)} on a plain tensor in a static step, where the recording "
+                   f"passed {func.__name__}{self.sizes}")
+        if derived:
+            raise ResizeMismatch(f"{message}: a size there follows the inputs' sizes; the step records instead (run it again)")
+        raise PlanError(f"{message}: the module must size its plain tensors the same way every step, or stay on DTensors "
+                        f"with plan.eager({module!r})")
+
+    def _learn(self, sizes: tuple) -> None:
+        positions = tuple(i for i, (s, g) in enumerate(zip(sizes, self.sizes)) if s != g)
+        if all(0 < sizes[i] < self.sizes[i] and self.sizes[i] % sizes[i] == 0 for i in positions):
+            self.positions, self.local_sizes = positions, tuple(sizes[i] for i in positions)
+
+    def _global(self, sizes: tuple, scale: bool) -> tuple | None:
+        if not self.positions:
+            return None
+        out = list(sizes)
+        for i, g, n in zip(self.positions, self.global_sizes, self.local_sizes):
+            if sizes[i] == n:
+                out[i] = g
+            elif scale and sizes[i] > 0:
+                out[i] = sizes[i] * (g // n)  # a share of a global size that follows the inputs
+            else:
+                return None
+        rest = [i for i in range(self.ndim) if i not in self.positions]
+        return tuple(out) if scale or all(sizes[i] == self.sizes[i] for i in rest) else None
+
+
+def size_rewrite(call: SizedCall, out):
     """The recording's note for a sized call that gave ``out``: a ``SizeRewrite`` where an explicit
-    size is global (differs from the one the local tensors take), else None."""
+    size is global (differs from the one the local tensors take), ``GlobalSizes`` for a call on a
+    plain tensor, else None."""
     if not isinstance(call.tensor, DTensor):
+        return GlobalSizes(tuple(call.sizes))
+    if call.func is torch.Tensor.expand:
+        # Not on DTensors: an expanded dim's gradient is a sum, whose layout in static steps (a share
+        # of it) the recording does not see. The first static step's shape check names the module.
         return None
     local, sizes = call.local_sizes(out), call.sizes
     if local is None or len(local) != len(sizes):

@@ -87,9 +87,9 @@ def gpt2_plan(
         # output with its global width (``nf``); static steps pass the local sizes
         # (vescale.static.local_sizes), so the blocks run on local tensors.
     if use_dp:
-        # Static Eager: GPT2Model expands its position ids to the batch size it reads from the
-        # input, which DP splits, so its own few ops stay on DTensors; its blocks run static.
-        plan.eager(r"transformer")
+        # Static Eager: GPT2Model expands its plain position ids to the batch size it reads from the
+        # input, which DP splits; static steps give that call the global size back
+        # (vescale.static.local_sizes.GlobalSizes), so its body runs static too.
         plan.shard(r"<in>[(input_ids|labels)]", Shard(0), mesh=dp)  # keys are regexes too
         if zero3:
             # Not the tied wte/lm_head (a shared tensor keeps one placement) and not the biases

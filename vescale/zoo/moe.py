@@ -126,12 +126,6 @@ def moe_plan(
         # data-dependent ops would replicate the tokens over DP: every rank would run the experts
         # on every rank's tokens.
         plan.batch_local(r"model\.layers\.\d+\.mlp", mesh=dp)
-        # HF's mask code (transformers.masking_utils._preprocess_mask_arguments) expands the position
-        # ids to the batch size it reads from the embeddings: the global batch on DTensors, the local
-        # one on local shards. The result only tells packed sequences apart and is not used for
-        # unpacked batches, but Static Eager refuses the size mismatch: the model body stays on
-        # DTensors (under TP the plan's factory statement keeps it there anyway).
-        plan.eager(r"model")
     if zero3 and use_dp:
         # `.*weight` in llama_plan does not match HF's expert tensors.
         plan.shard(rf"{_EXPERTS}\.(gate_up_proj|down_proj)", Shard(0), mesh=dp, phase=INIT)

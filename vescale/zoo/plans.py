@@ -8,7 +8,7 @@ Both models use the same module names, so one plan serves both. The plan is Mega
 * sequence parallel (SP, on TP): between blocks the residual stream is split along the sequence
   (``Shard(1)``), gathered before attention/MLP and reduce-scattered after them, so norms and
   residual adds run on 1/TP of the tokens (HF's model body, which reads the sequence length from
-  the embeddings, gets them whole where no DP splits the batch: the first layer takes its shard);
+  the embeddings, gets them whole: the first layer takes its shard);
 * data parallel (DP): the batch (``input_ids``, ``labels``) is split along dim 0;
 * ZeRO-3 (on DP): every parameter is stored as ``Shard(0)`` on DP (INIT) and gathered to Replicate
   only while its module runs (RUN). Lowering stores a weight TP also shards on dim 0 inside its TP
@@ -62,24 +62,20 @@ def llama_plan(
     if zero3 and not use_dp:
         raise ValueError(f"llama_plan: zero3=True shards parameters over the DP dimension, but {dp!r} is not in the mesh")
     plan = VescalePlan()
-    # Static Eager and HF's LlamaModel: its own ops read the batch size and the sequence length for
-    # the position ids and the causal mask from the embeddings. On local shards a DP-split batch
-    # gives sizes that differ from the recorded ones (position ids expanded to the local batch), so
-    # under DP (of more than one rank) its own few ops stay on DTensors; the decoder layers inside
-    # it still run static. The sequence SP would split is kept whole instead: the embeddings leave
-    # the vocabulary-parallel lookup all-reduced and the first layer takes its sequence shard (a
-    # local slice), so the body runs static and its layers meet a static caller (no DTensor
-    # wrapping around each layer). The zoo's LlamaModel reads the length from input_ids (whole
-    # along the sequence) and broadcasts over the batch: it runs static either way, and its
+    # Static Eager and HF's LlamaModel: its own ops read the sequence length for the position ids
+    # and the causal mask from the embeddings, which SP would split. So for HF's model the sequence
+    # is kept whole there: the embeddings leave the vocabulary-parallel lookup all-reduced and the
+    # first layer takes its sequence shard (a local slice), and the body runs static (its layers
+    # meet a static caller: no DTensor wrapping around each layer). (Under DP it reads the batch
+    # size there too, the DP share in static steps, and expands the plain position ids to it:
+    # vescale.static.local_sizes gives that call the recorded global size.) The zoo's LlamaModel
+    # reads the length from input_ids (whole along the sequence) and broadcasts over the batch; its
     # embeddings are reduce-scattered. Without a config, HF's model is assumed.
     hf = not _is_zoo_config(config)
-    body_eager = hf and use_dp and (mesh is None or mesh[dp].size() > 1)
     if use_tp:
         kv_heads = getattr(config, "num_key_value_heads", None)
         split_kv = kv_heads is None or mesh is None or kv_heads % mesh[tp].size() == 0
-        _tensor_parallel(plan, tp, sequence_parallel, split_kv, mlp, whole_embeddings=hf and not body_eager)
-    if body_eager:
-        plan.eager(r"model")
+        _tensor_parallel(plan, tp, sequence_parallel, split_kv, mlp, whole_embeddings=hf)
     if use_dp:
         plan.shard(r"<in>\[input_ids\]", Shard(0), mesh=dp)
         plan.shard(r"<in>\[labels\]", Shard(0), mesh=dp)
