@@ -121,7 +121,7 @@ def test_static_moe_matches_eager_and_single_device(config):
 def _relabels(relabels: bool) -> dict:
     """DP=2 x TP=2 + SP + ZeRO-3 static steps with the batch-local MoE blocks' hooks replaced by
     precompiled relabels (``vescale.static.relabel``) or run (``relabels=False``); the last step has
-    a new sequence length (a derived record, which runs the hooks)."""
+    a new sequence length (a derived record: its relabels settle their sizes at the first call)."""
     from vescale.debug import CollectiveCounter
     from vescale.parallel import batch_local
 
@@ -154,6 +154,7 @@ def _relabels(relabels: bool) -> dict:
         batch_local._ToSub.forward = to_sub
     rec = next(r for r in rt.records.values() if r.resized_from is None)
     out["relabelled"] = sorted(rec.relabelled)
+    out["derived_relabelled"] = [sorted(r.relabelled) for r in rt.records.values() if r.resized_from is not None]
     out["quiet"] = sorted(p for p in rec.quiet or {} if p.endswith((".mlp.gate", ".mlp.experts")))  # those with parameters
     out["derived"] = rt.resized_records
     out["export"] = vescale.static.export_plan(model)
@@ -165,7 +166,7 @@ def test_batch_local_blocks_run_as_relabels_in_static_steps():
     """The batch-local MoE blocks of a static step: no DTensor conversion of their hooks runs (their
     inputs, outputs and parameters relabelled by precompiled moves), the router and experts are quiet
     (no hooks), and losses, gradients and collectives are those of the steps that run the hooks, bit
-    for bit; a new sequence length (derived record) runs the hooks, and matches too."""
+    for bit; a new sequence length (derived record) relabels too, and matches too."""
     fast, hooks = run_on_ranks(lambda: (_relabels(True), _relabels(False)), 4)[0]
     blocks = ["model.layers.0.mlp", "model.layers.1.mlp"]
     assert fast["relabelled"] == blocks and hooks["relabelled"] == []
@@ -177,7 +178,8 @@ def test_batch_local_blocks_run_as_relabels_in_static_steps():
     # Recording, then static steps: the first static step checks shapes, then the blocks run quiet.
     assert all(n > 0 for n in hooks["conversions"]) and fast["conversions"][0] == hooks["conversions"][0]
     assert fast["conversions"][1:STEPS] == [0] * (STEPS - 1), fast["conversions"]
-    assert fast["conversions"][STEPS] == hooks["conversions"][STEPS] > 0  # the derived record's step
+    assert fast["conversions"][STEPS] == 0 < hooks["conversions"][STEPS]  # the derived record's step
+    assert fast["derived_relabelled"] == [blocks] and hooks["derived_relabelled"] == [[]]
     assert fast["collectives"] == hooks["collectives"]
     for step, (a, b) in enumerate(zip(fast["losses"], hooks["losses"])):
         assert a == b, f"step {step}: {a} vs {b}"

@@ -750,6 +750,8 @@ class StaticRuntime:
             self.state, self.record = State.STATIC, rec
             self.static_steps += 1
             if rec.relabelled is None:
+                # (A derived record finds its source's: the same recorded specs and eager modules,
+                # so the quiet modules it took over stay quiet.)
                 rec.relabelled = self._find_relabelled(rec)
             if rec.random:
                 # Entered only while the body of a module that draws runs (see _follow_body).
@@ -776,9 +778,9 @@ class StaticRuntime:
     def _find_relabelled(self, rec: Record) -> frozenset:
         """The batch-local modules whose hooks ``rec``'s static steps replace by precompiled relabels
         (relabel.py): static, with a static caller and everything inside static, every tensor at
-        their boundary relabelled. Their moves go into ``rec.moves`` now. Not in derived records,
-        whose sizes settle at the first call (their scopes run their hooks)."""
-        if not self.relabels or rec.resized_from is not None:
+        their boundary relabelled. Their moves go into ``rec.moves`` now (in a derived record, moves
+        compiled at their first call, once the sizes settle)."""
+        if not self.relabels:
             return frozenset()
         found = set()
         for path, scope in self.scopes.items():
@@ -794,18 +796,6 @@ class StaticRuntime:
                 found.add(path)
         return frozenset(found)
 
-    def _without_relabels(self, rec: Record, scopes: frozenset) -> None:
-        """What a derived ``rec`` took over from a source that relabels ``scopes``, less what assumed
-        the relabels (the derived record runs the scopes' hooks): quiet modules and their steps,
-        ZeRO-3 units' quiet members and gradient specs inside them."""
-        inside = {p for p, s in self.scope_of.items() if s in scopes}
-        if rec.quiet is not None:
-            rec.quiet = {p: m for p, m in rec.quiet.items() if p not in inside}
-        rec.steps = {p: st for p, st in rec.steps.items() if p not in inside}
-        if rec.quiet_units is not None:
-            rec.quiet_units = {u: [m for m in ms if m[0] not in inside] for u, ms in rec.quiet_units.items()}
-        rec.param_grad_specs = {k: v for k, v in rec.param_grad_specs.items() if k[0] not in inside}
-
     def _derive(self, key) -> Record | None:
         """A record for ``key`` derived from the latest complete recorded one that differs from it in
         sizes only (``resize.py``), or None (the step records)."""
@@ -818,8 +808,6 @@ class StaticRuntime:
             if factors is None:
                 continue
             rec, self.last_refusal = resize.derive(old, factors, Record, Crossing)
-            if rec is not None and old.relabelled:
-                self._without_relabels(rec, old.relabelled)
             if rec is not None:
                 self.records[key] = rec
                 self._bound_records(rec)
@@ -1583,10 +1571,11 @@ def _compile_moves(crossings: dict, path: str, src: str, dst: str, relabelled: t
         if b is None:
             return None
         if relabelled is not None:
-            pair = relabel.relabelled(a, b, *relabelled)
-            if pair is None:
+            move = relabel.relabelled_move(a, b, *relabelled, lambda a, b: Move(a.spec, b.spec, b.grad_placements, a.leave_grad))
+            if move is False:
                 return None
-            a, b = pair
+            moves.append(move)
+            continue
         if a.spec is None and b.spec is None:
             moves.append(None)
         elif a.spec is None or b.spec is None or a.spec.mesh != b.spec.mesh or a.spec.shape != b.spec.shape:
