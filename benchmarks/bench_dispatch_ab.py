@@ -17,6 +17,11 @@ interleaved round by round in one process, so the arms see the same machine load
   loss then over the whole vocabulary; now ``Shard(-1)``, HF's loss view rewritten by
   ``vescale.static.local_sizes``), and under SP the embeddings reduce-scattered along the sequence
   with HF's model body kept eager (now all-reduced, split at the first layer, the body static);
+* ``static-body-eager``: Static Eager mode with HF's model body kept eager and its embeddings
+  reduce-scattered (the zoo plans under DP before HF's body ran static there: ``llama_plan`` /
+  ``moe_plan`` stated ``plan.eager("model")``; the logits as now);
+* ``static-hooks``: Static Eager mode running the batch-local MoE blocks' hooks
+  (``runtime.relabels = False``; ``vescale.static.relabel`` replaces them by precompiled relabels);
 * ``eager-pertensor``, ``static-pertensor``: the optimiser step per tensor on local shards, without
   ``vescale.dispatch.flat``'s flat runs (``optim.flat_allowed`` answering no around the arm's steps).
 
@@ -25,6 +30,7 @@ Each arm's forward / backward / optimiser-step medians (the step includes ``zero
     .venv/bin/python benchmarks/bench_dispatch_ab.py [--config dp2tp4] [--model moe] [--rounds 15] [--arms torch,eager-off,eager]
     .venv/bin/python benchmarks/bench_dispatch_ab.py --model llama --config tp8 --arms static-pertensor,static
     .venv/bin/python benchmarks/bench_dispatch_ab.py --model moe --config tp8 --arms static-before,static
+    .venv/bin/python benchmarks/bench_dispatch_ab.py --model moe --config dp2tp4 --arms torch,static-body-eager,static-hooks,static
 """
 
 from __future__ import annotations
@@ -48,14 +54,15 @@ _FLAT_ALLOWED = optim.flat_allowed
 _PLAN = B._vescale_plan
 
 
-def _plan_before(kind, model, mesh, sp, zero3):
-    """The bench's plan as it was for HF's models before 2026-11-26 (``static-before``)."""
+def _plan_before(kind, model, mesh, sp, zero3, whole_logits: bool = True):
+    """The bench's plan as it was for HF's models before 2026-11-26 (``static-before``), or with
+    the logits as now (``static-body-eager``)."""
     plan = _PLAN(kind, model, mesh, sp, zero3)
     if isinstance(model.config, LlamaConfig):
         return plan  # the zoo LLaMA's plan did not change
     kept = []
     for st in plan.statements:
-        if st.path == r"lm_head\.<out>" and st.placements == (Shard(-1),):
+        if st.path == r"lm_head\.<out>" and st.placements == (Shard(-1),) and whole_logits:
             st = dataclasses.replace(st, placements=(Replicate(),))
         elif st.path == r"model\.embed_tokens\.<out>" and sp:
             st = dataclasses.replace(st, placements=(Shard(1),))
@@ -136,9 +143,12 @@ def main() -> None:
     for arm in arms:
         dispatch.install = _installer(arm.endswith("-off"))
         dispatch.install()
-        B._vescale_plan = _plan_before if arm == "static-before" else _PLAN
+        plans = {"static-before": _plan_before, "static-body-eager": lambda *a: _plan_before(*a, whole_logits=False)}
+        B._vescale_plan = plans.get(arm, _PLAN)
         runners[arm] = B.Runner(_variant(arm), mesh, *shape, sp, zero3, args.model)
         B._vescale_plan = _PLAN
+        if arm == "static-hooks":
+            runners[arm].model._vescale_static.relabels = False
         if arm == "eager-gradR":
             _replicate_routing_grads(runners[arm].model)
     times = {arm: [] for arm in arms}
