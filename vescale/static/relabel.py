@@ -29,16 +29,11 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ..dispatch.metas import contiguous_strides
+from ..parallel.batch_local import _with  # the placements with DP's put back, as the scope's hooks do
 from ..parallel.placing import grad_layout
 from .resize import LazyMove, ResizeMismatch, settle
 
 __all__ = ["relabelled_move", "LazyRelabel", "grad_placements"]
-
-
-def _with(placements: tuple, i: int, p) -> tuple:
-    out = list(placements)
-    out.insert(i, p)
-    return tuple(out)
 
 
 def relabelled_move(a, b, scope, side: str, make_move):
