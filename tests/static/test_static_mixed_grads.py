@@ -11,6 +11,9 @@ eager child's mirrored wrap, a child's body-input alias) keeps the caller eager
 assumed static). On 2 gloo ranks (TP=2), 4 SGD steps: ``block`` is kept eager with that reason,
 ``b`` still runs static, and losses and last gradients match eager mode and the single device
 within 1e-6 relative (fp32: the row-parallel matmul sums in another order).
+
+The same for a body that makes a gradient no local tensor holds (a ``sum`` over a DP-split
+activation, whose DTensor backward expands the gradient replicated): ``_unlaid_gradients``.
 """
 
 from __future__ import annotations
@@ -95,3 +98,53 @@ def test_a_body_summing_gradients_of_different_layouts_stays_eager():
             for name, want in ref["grads"].items():
                 diff = (got[mode]["grads"][name] - want).abs().max().item()
                 assert diff <= TOL * max(1.0, want.abs().max().item()), (rank, mode, name, diff)
+
+
+class Summing(nn.Module):
+    """Sums its DP-split activation itself: DTensor's backward of that sum expands the gradient
+    replicated, which the static body's local autograd cannot (it expands it to the local rows)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Linear(6, 6)
+
+    def forward(self, x, y):
+        return self.w(y).sum() * x.sum()
+
+
+class SummingNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mix = Summing()
+
+    def forward(self, x, y):
+        return self.mix(x, y)
+
+
+def _summing(mode: str) -> dict:
+    mesh = vescale.init_mesh((2,), ("DP",))
+    torch.manual_seed(0)
+    model = SummingNet()
+    plan = vescale.VescalePlan().shard(r"mix\.<in>\[y\]", Shard(0), mesh="DP")
+    vescale.parallelize(model, plan, mesh, mode=mode)
+    g = torch.Generator().manual_seed(5)
+    out = sgd_steps(model, [(torch.randn(4, 6, generator=g), torch.randn(4, 6, generator=g)) for _ in range(STEPS)], lr=0.01)
+    if mode == "static":
+        out["why"] = vescale.static.eager_modules(model)
+        out["static_steps"] = vescale.static.static_runtime(model).static_steps
+    return out
+
+
+@pytest.mark.multiproc
+def test_a_body_making_a_gradient_no_local_tensor_holds_stays_eager():
+    """``mix`` sums ``w``'s DP-split output: DTensor hands ``w`` a replicated gradient for it, which
+    a local tensor of ``w``'s output (this rank's rows) cannot be. Before the check the static step
+    handed the local rows over as that gradient and DTensor failed on the shapes (a RuntimeError in
+    backward); now the recording keeps ``mix`` eager, naming why, and static training is eager
+    mode's bit for bit (everything that computes is eager here)."""
+    eager, static = run_on_ranks(lambda: (_summing("eager"), _summing("static")), 2)[0]
+    assert "is [Replicate()] on DTensors, which a local tensor laid out as [Shard(dim=0)] cannot hold" in static["why"]["mix"], static["why"]
+    assert static["static_steps"] >= 1
+    assert static["losses"] == eager["losses"]
+    for name, g in eager["grads"].items():
+        assert torch.equal(static["grads"][name], g), name

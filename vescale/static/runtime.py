@@ -45,6 +45,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -625,8 +626,9 @@ class StaticRuntime:
         self.parent = _callers(model)
         self.modules = dict(model.named_modules(remove_duplicate=False))
         self.forced_eager = set(eager_paths)
-        # Modules a recording found summing gradients of different layouts (_OpWatcher._mixed_sum):
-        # the cause shows only while they are assumed static, so every later record starts with them.
+        # Modules a recording found summing gradients of different layouts (_OpWatcher._mixed_sum),
+        # or handing one over in a layout no local tensor holds (_unlaid_gradients): the cause shows
+        # only while they are assumed static, so every later record starts with them.
         self.mixed_sums: dict[str, str] = {}
         self.planned_pre, self.planned_post = planned_pre, planned_post
         # Modules whose inputs / outputs a plan.annotate describes: between two static modules the
@@ -943,6 +945,9 @@ class StaticRuntime:
         torch.autograd.Variable._execution_engine.queue_callback(lambda: self._complete(record))
 
     def _complete(self, record: Record) -> None:
+        unlaid = self._unlaid_gradients(record)
+        record.unsafe.update(unlaid)
+        self.mixed_sums.update(unlaid)
         # Modules that would get an eager module's unmasked masked-Partial stay eager (local_ops.py),
         # counting those this recording found eager (they will be next time), to a fixed point.
         while True:
@@ -953,6 +958,30 @@ class StaticRuntime:
             record.unsafe.update(found)
         drop_plain_sizes(record.sizes)
         record.complete = True
+
+    def _unlaid_gradients(self, record: Record) -> dict:
+        """Static bodies that would hand a gradient over in a layout their local tensor cannot have.
+
+        Autograd gives a tensor's gradient the tensor's own shape. A static body's gradient for its
+        input (``body``) or for a child's output (``result``) is a local tensor of the forward
+        tensor's local shape, handed over as the placements DTensor's backward gave it while
+        recording. Where those split the tensor otherwise (DTensor's backward of a ``sum`` over a
+        sharded activation expands its gradient replicated, where local autograd expands it to the
+        local shard), no local tensor is that gradient: the body that makes it stays eager (path ->
+        why). Not a body that only passes on such a gradient it got for its own output: once the
+        maker is eager, the boundary there hands it over laid out (the recording mirrors it)."""
+        eager = set(record.assumed_eager) | self.forced_eager | set(record.unsafe)
+        unlaid = {key for key, c in record.crossings.items() if key[1] in ("body", "result") and not _laid(c)}
+        found = {}
+        for path, where, i in sorted(unlaid):
+            maker = path if where == "body" else self.parent.get(path)
+            if maker is None or maker in eager or maker in found or any(k[0] == maker and k[1] == "result" for k in unlaid):
+                continue
+            c = record.crossings[(path, where, i)]
+            tensor = f"its input {i}" if where == "body" else f"output {i} of {path!r}"
+            found[maker] = (f"in backward, the gradient of {tensor} is {list(c.grad_placements)} on DTensors, which a "
+                            f"local tensor laid out as {list(c.spec.placements)} cannot hold")
+        return found
 
     # -- per-module hooks ----------------------------------------------------------------------
     #
@@ -1558,6 +1587,17 @@ def _unsafe_with_caller(rec: Record, parent: dict, path: str, why: str) -> None:
     rec.unsafe.setdefault(path, why)
     if parent.get(path) is not None:
         rec.unsafe.setdefault(parent[path], f"calls {path!r}: {why}")
+
+
+def _laid(c: Crossing) -> bool:
+    """Whether a local tensor laid out as crossing ``c``'s spec has the local shape of its recorded
+    gradient (or nothing to compare: a plain tensor, no gradient, the same placements)."""
+    spec = c.spec
+    if spec is None or c.grad_placements is None or tuple(c.grad_placements) == tuple(spec.placements):
+        return True
+    local = compute_local_shape_and_global_offset(spec.shape, spec.mesh, spec.placements, skip_offset=True)[0]
+    laid = compute_local_shape_and_global_offset(spec.shape, spec.mesh, tuple(c.grad_placements), skip_offset=True)[0]
+    return tuple(local) == tuple(laid)
 
 
 def _compile_moves(crossings: dict, path: str, src: str, dst: str, relabelled: tuple | None = None) -> list | None:
