@@ -1341,7 +1341,7 @@ class StaticRuntime:
         Also the members of ZeRO-3 units whose only other hooks are the plan's gathers: their unit's
         module gathers for them (``rec.quiet_units``, see unit_in)."""
         quiet, units = {}, {}
-        local_calls = local_call_paths(rec.losses, rec.sizes)
+        local_calls = {p for p in local_call_paths(rec.losses, rec.sizes) if self.is_static(p)}  # the mode runs only there
         for path, (mod, own) in self.own_hooks.items():
             scope = self.scope_of.get(path)
             if scope in rec.relabelled:  # its parameter views are bypassed in these steps
