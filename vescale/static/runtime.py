@@ -1344,7 +1344,7 @@ class StaticRuntime:
         local_calls = {p for p in local_call_paths(rec.losses, rec.sizes) if self.is_static(p)}  # the mode runs only there
         for path, (mod, own) in self.own_hooks.items():
             scope = self.scope_of.get(path)
-            if scope in rec.relabelled:  # its parameter views are bypassed in these steps
+            if scope in (rec.relabelled or ()):  # its parameter views are bypassed in these steps
                 own = own | self.scopes[scope].param_hooks.get(path, frozenset())
             steps = rec.steps.get(path)
             if not path or steps is None or not steps.static or not steps.parent_static or path in rec.random:
