@@ -2,7 +2,8 @@
 
 Two kinds of call in a module's own body would leave the local shards although the recorded facts
 say how to run them on the local tensors: the cross entropy on sharded logits (``local_loss.py``) and
-a ``view`` / ``reshape`` given a global size (``local_sizes.py``). Both are told apart at the level of
+a ``view`` / ``reshape`` / ``split`` given a global size, or a plain tensor's sized from a local
+shard (``local_sizes.py``). Both are told apart at the level of
 the torch functions the model calls, so one ``TorchFunctionMode`` of each phase handles both:
 
 * ``CallWatch`` (the recording forward, on throughout): notes, per module body (``module()``: the
@@ -114,7 +115,7 @@ class LocalCalls(SwitchedMode):
             if local is None:  # the model read the size from the local tensor: nothing to rewrite, ever
                 notes[k] = None
                 return func(*args, **kwargs)
-            return call.run(func, local)
+            return call.run(local)
         if func is not F.cross_entropy:
             return func(*args, **kwargs)
         notes, k = self._next(self.losses)

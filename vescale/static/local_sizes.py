@@ -33,6 +33,15 @@ The recorded facts fix it, as they fix the vocabulary-parallel lookup (``local_o
 
 The first static step's shape check still runs over the rewritten call, so a rewrite that did not
 give DTensor's local shape fails there, naming the module and op.
+
+The other way round, a plain tensor (the global tensor, the same on every rank) may be sized from a
+local shard in static steps where the recording read the global size from the DTensor: HF's mask
+code expands the position ids to the batch size of the DP-split embeddings. Every ``view`` /
+``reshape`` / ``split`` / ``expand`` call on a plain tensor is noted with its sizes
+(``GlobalSizes``); the first static step drops the note where the sizes are the recorded ones, or
+learns where the body passes a whole share of a recorded size and gives the call the global size
+there in every step. (``expand`` of a DTensor is not rewritten: an expanded dim's gradient is a sum,
+whose layout in static steps the recording does not see.)
 """
 
 from __future__ import annotations
@@ -60,8 +69,8 @@ class SizedCall:
 
     tensor: torch.Tensor
     sizes: tuple
+    func: object
     split_dim: int | None = None
-    func: object = None
 
     def local_sizes(self, out) -> tuple | None:
         """The sizes this call would take to give ``out``'s local tensors (None: not a DTensor result)."""
@@ -71,11 +80,11 @@ class SizedCall:
             return None
         return (out[0]._local_tensor.shape[self.split_dim],)  # every piece but the last has the section size
 
-    def run(self, func, sizes: tuple):
+    def run(self, sizes: tuple):
         """The call again with ``sizes``."""
         if self.split_dim is None:
-            return func(self.tensor, sizes)
-        return func(self.tensor, sizes[0], dim=self.split_dim)
+            return self.func(self.tensor, sizes)
+        return self.func(self.tensor, sizes[0], dim=self.split_dim)
 
 
 def size_call(func, args, kwargs) -> SizedCall | None:
@@ -88,7 +97,7 @@ def size_call(func, args, kwargs) -> SizedCall | None:
         tensor, size = values.get(names[0], values.get("input")), values.get("split_size_or_sections", values.get("split_size"))
         if not isinstance(tensor, torch.Tensor) or type(size) is not int:
             return None
-        return SizedCall(tensor, (size,), values.get("dim", 0) % max(tensor.ndim, 1), func)
+        return SizedCall(tensor, (size,), func, values.get("dim", 0) % max(tensor.ndim, 1))
     if func is torch.reshape:
         tensor = args[0] if args else kwargs.get("input")
         rest = args[1:] or (kwargs.get("shape"),)
@@ -98,7 +107,7 @@ def size_call(func, args, kwargs) -> SizedCall | None:
         rest = tuple(rest[0])
     if not isinstance(tensor, torch.Tensor) or not all(type(s) is int for s in rest):
         return None
-    return SizedCall(tensor, tuple(rest), None, func)
+    return SizedCall(tensor, tuple(rest), func)
 
 
 @dataclass(frozen=True)
