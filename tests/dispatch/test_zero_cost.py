@@ -1,6 +1,6 @@
 """Cost-searched decisions reused at a new length: ``_grouped_mm`` with its stride rule in the key
 (``interleaved.grouped_mm_layout_key``) and zero-cost moves of replicated inputs
-(``vescale.dispatch.zerocost``).
+(``vescale.dispatch.zerocost``: mm, bmm, index_put, scatter, elementwise ops).
 
 Each case is learned at one length and run at another with PyTorch's shape-keyed caches cleared:
 the shape-free cache answers (one hit, no miss), and the result equals PyTorch's own (placements,
@@ -68,7 +68,15 @@ def _partial_times_replicate(m, n):
     return _dt(m, (n, 8), (R, P), n) * _dt(m, (n, 8), (R, R), n + 1)
 
 
-CASES = {"grouped_mm up": _experts_up, "grouped_mm down": _experts_down, "grouped_mm weight grad": _experts_weight_grad,
+def _mm_weight_grad(m, n):  # a linear's weight gradient under DP x TP: the replicated operand's columns sliced
+    return _dt(m, (n, 16), (Shard(0), R), n) @ _dt(m, (16, 8), (R, Shard(0)), 1)
+
+
+def _bmm_both_moved(m, n):  # each operand's replicated placement sliced, one per mesh dim
+    return torch.bmm(_dt(m, (4, n, 16), (Shard(0), R), n), _dt(m, (4, 16, 8), (R, Shard(1)), 1))
+
+
+CASES = {"mm weight grad": _mm_weight_grad, "bmm": _bmm_both_moved, "grouped_mm up": _experts_up, "grouped_mm down": _experts_down, "grouped_mm weight grad": _experts_weight_grad,
          "index_put of a Partial": _index_put_partial, "scatter of a Partial": _scatter_partial,
          "Partial + Replicate": _partial_plus_replicate, "Partial * Replicate": _partial_times_replicate}
 

@@ -17,7 +17,8 @@ which zero-cost strategy wins does not depend on sizes either:
 
 Both hold while the candidate list is a function of what the shape-free key keeps. That is checked
 rule by rule (``_size_free_rule``): PyTorch's single-dim rules of elementwise ops (ranks and size-1
-broadcast dims, which the key keeps), of ``index_put`` (index structure, ranks) and of ``embedding``
+broadcast dims, which the key keeps), of ``mm`` and ``bmm`` (their einsum equation), of ``index_put``
+(index structure, ranks) and of ``embedding``
 (ranks, and the weight's shape, which its masked Partial carries: ``embedding_key`` puts it in the
 key), and ``scatter`` (its shardable axes are those where the operands' sizes agree: ``scatter_axes``
 puts them in the key). A reused masked Partial shares its mask buffer between calls, as PyTorch's
@@ -47,8 +48,12 @@ aten = torch.ops.aten
 
 
 def _single_dim(prop, op) -> bool:
-    """Whether the op's rule is PyTorch's single-dim one, searched by ``search.py``."""
-    return getattr(prop.op_strategy_funcs.get(op), "single_dim_info", None) is not None
+    """Whether the op's rule is PyTorch's single-dim one, searched by ``search.py``; also behind
+    ``interleaved.py``'s matmul rule, which answers for ``_StridedShard`` operands only (and a
+    free move has none: ``_plain_specs``)."""
+    rule = prop.op_strategy_funcs.get(op)
+    return getattr(rule, "single_dim_info", None) is not None or getattr(
+        getattr(rule, "__wrapped__", None), "single_dim_info", None) is not None
 
 
 def _scatter_rule(prop, op) -> bool:
@@ -67,8 +72,11 @@ def _size_free_rule(prop, op_schema: OpSchema) -> bool:
 
 
 # Ops whose PyTorch single-dim rule reads only what the key keeps: index_put (which dims are
-# indexed, ranks), embedding (ranks, and the weight's shape for its masked Partial: ``embedding_key``).
-_SINGLE_DIM_OPS = (aten.index_put.default, aten.embedding.default)
+# indexed, ranks), embedding (ranks, and the weight's shape for its masked Partial: ``embedding_key``),
+# mm and bmm (their einsum equation alone: ``gen_single_dim_einsum_strategies``). A linear's weight
+# gradient under DP x TP is such a move: activations (Shard(0), R) times a row-split gradient
+# (R, Shard(0)) slice the replicated activations' columns for a Partial sum, at every length.
+_SINGLE_DIM_OPS = (aten.index_put.default, aten.embedding.default, aten.mm.default, aten.bmm.default)
 
 
 def _moves_only_replicate(given: DTensorSpec, wanted: DTensorSpec) -> bool:
