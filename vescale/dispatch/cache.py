@@ -300,15 +300,19 @@ def _size_arg_keys(prop, op_schema: OpSchema) -> dict:
     return sizes(op_schema)
 
 
-# id(op) -> (op, whether it is view-like, its key extra or None). Keys hold id(op): an OpOverload's
-# hash runs Python (~0.3 us), and ops live as long as the process (the entry keeps it alive anyway).
+# id(op) -> (op, whether it is view-like, its key extra or None, whether it takes size arguments).
+# Keys hold id(op): an OpOverload's hash runs Python (~0.3 us), and ops live as long as the process
+# (the entry keeps it alive anyway).
 _OP_KINDS: dict = {}
 
 
-def _op_kind(op) -> tuple:
+def _op_kind(op, prop) -> tuple:
     found = _OP_KINDS.get(id(op))
     if found is None or found[0] is not op:
-        found = _OP_KINDS[id(op)] = (op, op in _VIEW_RULES, _KEY_EXTRAS.get(op))
+        # Only ops with size arguments can have a size-argument rule (``_SIZE_ARG_RULES``); which rule
+        # an op has is looked up per call (rules can be installed later), the others skip the lookup.
+        sized = op in prop.op_to_shape_and_stride_idx
+        found = _OP_KINDS[id(op)] = (op, op in _VIEW_RULES, _KEY_EXTRAS.get(op), sized)
     return found
 
 
@@ -317,11 +321,11 @@ def _key(op_schema: OpSchema, prop=None):
     whose rules decide (DTensor's own by default)."""
     prop = prop or DTensor._op_dispatcher.sharding_propagator
     op = op_schema.op
-    _, is_view, extra = _op_kind(op)
+    _, is_view, extra, has_sizes = _op_kind(op, prop)
     try:
         if is_view:
             return (id(op), _view_key(op_schema))
-        sized = _size_arg_keys(prop, op_schema)
+        sized = _size_arg_keys(prop, op_schema) if has_sizes else None
         if sized:
             args = tuple(sized[i] if i in sized else _arg_key(a) for i, a in enumerate(op_schema.args_schema))
         else:  # most ops: a plain map (this runs for every op at a new length)
@@ -431,6 +435,9 @@ def _any_interleaved(spec) -> bool:
 
 
 def _mesh_of(op_schema: OpSchema):
+    first = op_schema.args_schema[0] if op_schema.args_schema else None
+    if type(first) is DTensorSpec:  # most ops
+        return first.mesh
     for a in (*op_schema.args_schema, *op_schema.kwargs_schema.values()):
         for x in (a if isinstance(a, (list, tuple)) else (a,)):
             if isinstance(x, DTensorSpec):

@@ -157,6 +157,26 @@ def _contiguous(meta: TensorMeta) -> bool:
     return tuple(meta.stride) == contiguous_strides(meta.shape)
 
 
+_CONTIGUOUS: dict = {}  # shape -> its contiguous strides, for the elementwise fast path
+
+
+def _all_contiguous_alike(metas) -> bool:
+    """Whether every operand has the first one's shape and canonical contiguous strides."""
+    first = metas[0]
+    shape, stride = first.shape, tuple(first.stride)
+    wanted = _CONTIGUOUS.get(shape)
+    if wanted is None:
+        if len(_CONTIGUOUS) >= 8192:  # one entry per shape seen; a bound for runs of many lengths
+            _CONTIGUOUS.clear()
+        wanted = _CONTIGUOUS[shape] = contiguous_strides(shape)
+    if stride != wanted:
+        return False
+    for m in metas[1:]:
+        if m.shape != shape or tuple(m.stride) != stride:
+            return False
+    return True
+
+
 def _row_major(meta: TensorMeta) -> bool:
     """Strides that fall strictly from each dim of size > 1 to the next, broadcast (stride-0) dims
     left out: TensorIterator and the Python reference order such an operand's dims as they are
@@ -213,6 +233,10 @@ def _elementwise(op_schema: OpSchema, dtype):
     metas = _tensor_metas(op_schema)
     if not metas:
         return None
+    first = metas[0]
+    if _all_contiguous_alike(metas) and 0 not in first.shape:  # every branch below gives this; most calls are such
+        shape = first.shape if type(first.shape) is torch.Size else torch.Size(first.shape)
+        return TensorMeta(shape, _CONTIGUOUS[first.shape], dtype)
     shape = _broadcast([m.shape for m in metas])
     if shape is None or 0 in shape:
         return None
