@@ -32,6 +32,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.placement_types import _is_shard_like
 
 from ..placement import InterleavedShard, interleave_of, is_interleaved
+from .metas import local_shape
 
 __all__ = ["install_interleaved_rules", "uninstall_interleaved_rules", "SIZE_DEPENDENT_OPS", "grouped_mm_layout_key"]
 
@@ -153,7 +154,9 @@ def _kernel_strides(spec: DTensorSpec) -> bool:
     candidate's local metadata): the last two dims row- or column-major, the leading stride a
     multiple of 16 bytes."""
     meta = spec.tensor_meta
-    shape, _ = compute_local_shape_and_global_offset(meta.shape, spec.mesh, spec.placements, skip_offset=True)
+    shape = local_shape(meta.shape, spec.mesh, spec.placements)  # arithmetic where it knows the placements
+    if shape is None:
+        shape, _ = compute_local_shape_and_global_offset(meta.shape, spec.mesh, spec.placements, skip_offset=True)
     stride = compute_local_stride(meta.stride, shape)
     end, align = len(shape) - 1, 16 // meta.dtype.itemsize
     if stride[end - 1] == 1 and stride[end] >= max(1, shape[end - 1]):
@@ -174,18 +177,21 @@ def grouped_mm_layout_key(schema: OpSchema) -> tuple:
     return tuple(_layout_bits(s) for s in schema.args_schema[:2])
 
 
-_LAYOUT_BITS: dict = {}  # (sizes, strides, dtype, placements, mesh) -> _layout_bits: weights repeat at every length
+# (sizes, strides, ids of dtype, mesh and placements) -> (mesh, placements, _layout_bits): weights
+# repeat at every length. Ids, not the objects: hashing a mesh or placements runs Python per call;
+# the entry keeps both objects alive, so their ids stay theirs (dtypes are singletons).
+_LAYOUT_BITS: dict = {}
 
 
 def _layout_bits(spec: DTensorSpec) -> tuple:
-    meta = spec.tensor_meta
-    memo = (tuple(meta.shape), meta.stride, meta.dtype, spec.placements, spec.mesh)
+    meta, mesh, placements = spec.tensor_meta, spec.mesh, spec.placements
+    memo = (meta.shape, meta.stride, id(meta.dtype), id(mesh), id(placements))
     found = _LAYOUT_BITS.get(memo)
-    if found is None:
+    if found is None or found[0] is not mesh or found[1] is not placements:
         if len(_LAYOUT_BITS) >= 4096:
             _LAYOUT_BITS.clear()
-        found = _LAYOUT_BITS[memo] = (_kernel_strides(spec), _aligned_rows(spec))
-    return found
+        found = _LAYOUT_BITS[memo] = (mesh, placements, (_kernel_strides(spec), _aligned_rows(spec)))
+    return found[2]
 
 
 def _local_matmul(schema: OpSchema) -> OpStrategy | None:
