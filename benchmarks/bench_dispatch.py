@@ -29,7 +29,7 @@ same model's own arithmetic. Variants, interleaved round by round in one run:
 
 Printed: steady step time (median and the 25-75% spread over rounds) and its ratio to ``local``
 and to ``torch``, and its forward / backward / optimiser-step parts; the first step of a fresh model with cold sharding caches; a step with a new
-sequence length against a repeated one (static mode derives the new length's record from a
+sequence length against the faster of two repeats of it, the median over ``--lengths`` lengths (static mode derives the new length's record from a
 recorded one, ``vescale/static/resize.py``; ``reuse_records = False`` on its runtime records again). ``--gloo``
 runs the same on real gloo ranks (one process each; ``local`` is ``megatron_local.MegatronLlama``
 there, ``megatron_moe.MegatronMixtral`` for ``--model moe`` on the TP-only tp2; 4 ranks oversubscribe 2 cores, so read ratios, not
@@ -38,7 +38,7 @@ configs in N fresh launches of its own: in one interleaved process the variants 
 find PyTorch's process-wide state warmed (FakeTensor's dispatch cache, op tables, gloo's
 connections). Run:
 
-    .venv/bin/python benchmarks/bench_dispatch.py [--rounds 7] [--configs tp8,dp2tp4] [--gloo tp2,dp2tp2] [--model llama|moe] [--clock wall|cpu|thread] [--gloo-clock wall|cpu] [--dropout 0.1] [--cold-first 3]
+    .venv/bin/python benchmarks/bench_dispatch.py [--rounds 7] [--configs tp8,dp2tp4] [--gloo tp2,dp2tp2] [--model llama|moe] [--clock wall|cpu|thread] [--gloo-clock wall|cpu] [--lengths 3] [--dropout 0.1] [--cold-first 3]
 
 ``--model moe``: HF's unchanged ``MixtralForCausalLM`` with many small experts (16 experts of
 intermediate 64, 2 per token) under ``vescale.zoo.moe_plan`` (tensor-parallel experts, SP, ZeRO-3),
@@ -384,7 +384,7 @@ def _local_twin(name: str, out):
     return lambda: a @ a.transpose(2, 3)
 
 
-def _measure(mesh, shape, sp, zero3, rounds, variants, kind, real_collectives: bool = False) -> dict:
+def _measure(mesh, shape, sp, zero3, rounds, variants, kind, real_collectives: bool = False, lengths: int = 3) -> dict:
     """First step, steady steps (interleaved rounds) and new-length ratios of every variant."""
     dp, tp = shape
     first, runners = {}, {}
@@ -402,11 +402,11 @@ def _measure(mesh, shape, sp, zero3, rounds, variants, kind, real_collectives: b
             steady[v].append(runners[v].step())
             phases[v].append(runners[v].phases)
     fresh_len = {v: [] for v in variants}
-    for i in range(3):  # a new sequence length each time, then the same length again
+    for i in range(lengths):  # a new sequence length each time, then the same length again
         for k, v in enumerate(variants):
             # Lengths no variant has run: the variants share PyTorch's shape-keyed sharding cache,
             # so a length another variant ran first would not be new to this one.
-            seq = SEQ + 8 * (1 + i + 3 * k)
+            seq = SEQ + 8 * (1 + k + len(variants) * i)
             new = runners[v].step(seq)
             again = min(runners[v].step(seq) for _ in range(2))
             fresh_len[v].append(new / again)
@@ -439,7 +439,7 @@ def _report(title: str, r: dict, base_name: str) -> None:
         print(f"static: modules kept eager: {r['eager_modules']}")
 
 
-def bench(config: str, rounds: int, variants: list[str], kind: str) -> None:
+def bench(config: str, rounds: int, variants: list[str], kind: str, lengths: int = 3) -> None:
     shape, names, sp, zero3 = CONFIGS[config]
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -448,12 +448,12 @@ def bench(config: str, rounds: int, variants: list[str], kind: str) -> None:
     vescale.manual_seed(0)
     if kind != "llama" and shape[0] > 1:  # megatron_moe writes out tensor parallelism only
         variants = [v for v in variants if v != "megatron"]
-    r = _measure(mesh, shape, sp, zero3, rounds, variants, kind)
+    r = _measure(mesh, shape, sp, zero3, rounds, variants, kind, lengths=lengths)
     _report(f"\n## {kind} {config}: mesh {dict(zip(names, shape))}, SP={sp}, ZeRO-3={zero3}; rank 0 of "
             f"{math.prod(shape)} (fake group)", r, "local")
 
 
-def _on_gloo_rank(config: str, rounds: int, variants: list[str], kind: str, dropout: float, clock: str):
+def _on_gloo_rank(config: str, rounds: int, variants: list[str], kind: str, dropout: float, clock: str, lengths: int = 3):
     # Wall time counts the waits for the other ranks (and for the cores they share); the process's
     # CPU time (``--gloo-clock cpu``) is this rank's own work, gloo's threads included, which
     # other sessions on a shared machine disturb far less.
@@ -463,7 +463,7 @@ def _on_gloo_rank(config: str, rounds: int, variants: list[str], kind: str, drop
     shape, names, sp, zero3 = CONFIGS[config]
     mesh = vescale.init_mesh(shape, names)
     vescale.manual_seed(0)
-    r = _measure(mesh, shape, sp, zero3, rounds, variants, kind, real_collectives=True)
+    r = _measure(mesh, shape, sp, zero3, rounds, variants, kind, real_collectives=True, lengths=lengths)
     return r if dist.get_rank() == 0 else None
 
 
@@ -501,7 +501,7 @@ def bench_cold_first(config: str, launches: int, variants: list[str], kind: str,
         print(f"{v:16s} median {med:.2f} (runs {' '.join(f'{x:.2f}' for x in xs)}){ratio}")
 
 
-def bench_gloo(config: str, rounds: int, variants: list[str], kind: str, clock: str = "wall") -> None:
+def bench_gloo(config: str, rounds: int, variants: list[str], kind: str, clock: str = "wall", lengths: int = 3) -> None:
     from vescale.testing import run_on_ranks
 
     shape, names, sp, zero3 = CONFIGS[config]
@@ -509,7 +509,7 @@ def bench_gloo(config: str, rounds: int, variants: list[str], kind: str, clock: 
     if kind != "llama" and shape[0] > 1:  # megatron_moe writes out tensor parallelism only
         variants = [v for v in variants if v != "local"]
     r = run_on_ranks(_on_gloo_rank, math.prod(shape), config, rounds, variants, kind, MODEL.attention_dropout, clock,
-                     timeout=1800)[0]
+                     lengths, timeout=1800)[0]
     _report(f"\n## {kind} {config} on {math.prod(shape)} gloo ranks (processes): mesh {dict(zip(names, shape))}, "
             f"SP={sp}, ZeRO-3={zero3}; rank 0's times ({clock} clock)", r, "local" if "local" in variants else "torch")
 
@@ -530,6 +530,9 @@ def main() -> None:
                          "time, steadier on a shared machine")
     ap.add_argument("--cold-first", type=int, default=0, metavar="N",
                     help="for the --gloo configs, instead: each variant's first step in N fresh launches of its own")
+    ap.add_argument("--lengths", type=int, default=3,
+                    help="new sequence lengths per variant (each: a step at a length no variant ran, over the "
+                         "faster of two repeats; the table shows the median)")
     ap.add_argument("--gloo-clock", choices=("wall", "cpu"), default="wall",
                     help="gloo-rank step times: wall clock (waits for the other ranks included), or the "
                          "rank's process CPU time (its own work, gloo's threads included)")
@@ -546,14 +549,14 @@ def main() -> None:
         per_op(vescale.init_mesh((2, 2), ("DP", "TP")))
         dist.destroy_process_group()
     for config in filter(None, args.configs.split(",")):
-        bench(config, args.rounds, args.variants.split(","), args.model)
+        bench(config, args.rounds, args.variants.split(","), args.model, args.lengths)
     if dist.is_initialized():
         dist.destroy_process_group()
     for config in filter(None, args.gloo.split(",")):
         if args.cold_first:
             bench_cold_first(config, args.cold_first, args.variants.split(","), args.model, args.gloo_clock)
         else:
-            bench_gloo(config, args.rounds, args.variants.split(","), args.model, args.gloo_clock)
+            bench_gloo(config, args.rounds, args.variants.split(","), args.model, args.gloo_clock, args.lengths)
 
 
 if __name__ == "__main__":
