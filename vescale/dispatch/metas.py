@@ -160,8 +160,9 @@ def _contiguous(meta: TensorMeta) -> bool:
 _CONTIGUOUS: dict = {}  # shape -> its contiguous strides, for the elementwise fast path
 
 
-def _all_contiguous_alike(metas) -> bool:
-    """Whether every operand has the first one's shape and canonical contiguous strides."""
+def _shared_contiguous_strides(metas) -> tuple | None:
+    """The operands' strides where every one has the first one's shape and its canonical
+    contiguous strides; else None."""
     first = metas[0]
     shape, stride = first.shape, tuple(first.stride)
     wanted = _CONTIGUOUS.get(shape)
@@ -170,11 +171,11 @@ def _all_contiguous_alike(metas) -> bool:
             _CONTIGUOUS.clear()
         wanted = _CONTIGUOUS[shape] = contiguous_strides(shape)
     if stride != wanted:
-        return False
+        return None
     for m in metas[1:]:
         if m.shape != shape or tuple(m.stride) != stride:
-            return False
-    return True
+            return None
+    return wanted
 
 
 def _row_major(meta: TensorMeta) -> bool:
@@ -233,10 +234,10 @@ def _elementwise(op_schema: OpSchema, dtype):
     metas = _tensor_metas(op_schema)
     if not metas:
         return None
-    first = metas[0]
-    if _all_contiguous_alike(metas) and 0 not in first.shape:  # every branch below gives this; most calls are such
-        shape = first.shape if type(first.shape) is torch.Size else torch.Size(first.shape)
-        return TensorMeta(shape, _CONTIGUOUS[first.shape], dtype)
+    shape = metas[0].shape
+    strides = None if 0 in shape else _shared_contiguous_strides(metas)
+    if strides is not None:  # operands of one shape, all contiguous (most calls): every branch below gives this
+        return TensorMeta(shape if type(shape) is torch.Size else torch.Size(shape), strides, dtype)
     shape = _broadcast([m.shape for m in metas])
     if shape is None or 0 in shape:
         return None
