@@ -157,25 +157,16 @@ def _contiguous(meta: TensorMeta) -> bool:
     return tuple(meta.stride) == contiguous_strides(meta.shape)
 
 
-_CONTIGUOUS: dict = {}  # shape -> its contiguous strides, for the elementwise fast path
-
-
 def _shared_contiguous_strides(metas) -> tuple | None:
     """The operands' strides where every one has the first one's shape and its canonical
     contiguous strides; else None."""
-    first = metas[0]
-    shape, stride = first.shape, tuple(first.stride)
-    wanted = _CONTIGUOUS.get(shape)
-    if wanted is None:
-        if len(_CONTIGUOUS) >= 8192:  # one entry per shape seen; a bound for runs of many lengths
-            _CONTIGUOUS.clear()
-        wanted = _CONTIGUOUS[shape] = contiguous_strides(shape)
-    if stride != wanted:
+    shape, stride = metas[0].shape, tuple(metas[0].stride)
+    if stride != contiguous_strides(shape):
         return None
     for m in metas[1:]:
         if m.shape != shape or tuple(m.stride) != stride:
             return None
-    return wanted
+    return stride
 
 
 def _row_major(meta: TensorMeta) -> bool:
