@@ -155,8 +155,10 @@ class PlanIR:
         return idle
 
     def _shards_activation_on(self, i: int) -> bool:
+        """Whether an activation is split on mesh dim i: moved there (a shard / redistribute), or
+        annotated as split there (a per-rank batch share at the root, say: each rank its own rows)."""
         return any(
-            e.hook != "param" and e.action not in ("gather", "annotate") and e.targets[i] is not None and not isinstance(e.targets[i], Replicate)
+            e.hook not in ("param", "grad") and e.action != "gather" and e.targets[i] is not None and not isinstance(e.targets[i], Replicate)
             for e in self.entries
         )
 

@@ -27,7 +27,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from ..placement import InterleavedShard
 from ..plan import INIT, RUN, VescalePlan
-from .plans import _mesh_has
+from .plans import LocalInputs, _mesh_has, batch_keys, split_batch
 from .hf import _transformers
 
 __all__ = ["TINY_GPT2_SIZES", "tiny_hf_gpt2_config", "tiny_hf_gpt2", "gpt2_plan"]
@@ -55,6 +55,7 @@ def gpt2_plan(
     tp: str | None = "TP",
     dp: str | None = "DP",
     zero3: bool = False,
+    local_inputs: LocalInputs = False,
 ) -> VescalePlan:
     """A plan for ``GPT2LMHeadModel``: head-parallel attention through the fused ``c_attn``
     (``InterleavedShard``), Megatron-style split MLP, replicated tied embeddings (TP); the batch
@@ -62,6 +63,7 @@ def gpt2_plan(
     DP and gathered while its module runs (the tied ``wte``/``lm_head`` and the biases stay
     replicated on DP). A name that is ``None`` or not in ``mesh`` turns that parallelism off.
     ``config`` (the model's GPT2Config) lets the plan check that TP divides the head count.
+    ``local_inputs`` (as in ``llama_plan``): each DP rank passes only its share of the batch.
     """
     use_tp, use_dp = _mesh_has(mesh, tp), _mesh_has(mesh, dp)
     if zero3 and not use_dp:
@@ -90,7 +92,8 @@ def gpt2_plan(
         # Static Eager: GPT2Model expands its plain position ids to the batch size it reads from the
         # input, which DP splits; static steps give that call the global size back
         # (vescale.static.local_sizes.GlobalSizes), so its body runs static too.
-        plan.shard(r"<in>[(input_ids|labels)]", Shard(0), mesh=dp)  # keys are regexes too
+        keys, local = batch_keys(local_inputs, [r"<in>[(input_ids|labels)]"], "gpt2_plan")  # keys are regexes too
+        split_batch(plan, keys, dp, local)
         if zero3:
             # Not the tied wte/lm_head (a shared tensor keeps one placement) and not the biases
             # (c_attn's is interleaved on its only dim).
