@@ -139,13 +139,14 @@ class GlobalBatchSampler(torch.utils.data.Sampler[list[int]]):
         return rows[self.index * each: (self.index + 1) * each].tolist()
 
     def __iter__(self) -> Iterator[list[int]]:
-        # Decided here, not in the generator: a DataLoader asks for the iterator when its own
-        # iterator is made, and vescale.data.DataLoader reads where the pass starts.
-        start = self._resume if self._resume is not None else 0
-        self._resume, self.started, self._next = None, start, start
-        return self._shares(self.order(), start)
+        # Where the pass starts is decided here, not in the generator: a DataLoader asks for the
+        # iterator when its own iterator is made, and vescale.data.DataLoader reads it then. (It may
+        # ask twice, so a resumed position is used up only when the pass hands out its first batch.)
+        self.started = self._resume if self._resume is not None else 0
+        return self._shares(self.order(), self.started)
 
     def _shares(self, order: torch.Tensor, start: int) -> Iterator[list[int]]:
+        self._resume, self._next = None, start
         batch = self.global_batch_size
         for i in range(start, len(self)):
             self._next = i + 1

@@ -108,6 +108,11 @@ def _ranks(ranks: list[int]) -> str:
     return str(ranks) if len(ranks) <= 8 else f"[{', '.join(map(str, ranks[:6]))}, ... ({len(ranks)} ranks)]"
 
 
+def _code(p) -> str:
+    """A placement as plan code: Shard(0), Replicate()."""
+    return f"Shard({p.dim})" if type(p) is Shard else "Replicate()" if p.is_replicate() else repr(p)
+
+
 def _groups(items: dict[int, object]) -> dict[object, list[int]]:
     """{value: [rank, ...]} from {rank: value}, in rank order."""
     out: dict[object, list[int]] = {}
@@ -244,8 +249,9 @@ class InputContract:
                 parts = " vs ".join(f"ranks {_ranks(rs)}" for rs in values.values())
                 hint = (
                     f" The plan takes {sorted(shares)} as per-rank shares and every other root input as the global tensor, "
-                    f"the same on every rank: if {name!r} is a per-rank share too, annotate it "
-                    f"(plan.annotate('<in>[{name}]', Shard(0), mesh='DP')), else pass every rank the same {name!r}."
+                    f"the same on every rank: if {name!r} is a per-rank share too, annotate it like them "
+                    f"({self._annotation(name, next(iter(shares.values())))}; zoo plans: local_inputs="
+                    f"{sorted(shares) + [name]}), else pass every rank the same {name!r}."
                     if shares else ""
                 )
                 return f"root input {name!r} differs across ranks ({parts} hold different values).{hint} {_TWO_MODES}"
@@ -283,6 +289,14 @@ class InputContract:
                         f"global_batch_size, mesh, dims=...) does). {_TWO_MODES}"
                     )
         return None
+
+    def _annotation(self, name: str, placed: tuple) -> str:
+        """The plan statement that takes input ``name`` as a share laid out as ``placed``."""
+        split = [(i, p) for i, p in enumerate(placed) if p is not None and not p.is_replicate()]
+        if len(split) == 1:
+            i, p = split[0]
+            return f"plan.annotate('<in>[{name}]', {_code(p)}, mesh={self.mesh.mesh_dim_names[i]!r})"
+        return f"plan.annotate('<in>[{name}]', [{', '.join(_code(p) if p is not None else 'Replicate()' for p in placed)}])"
 
     def _placed(self, placed: tuple) -> str:
         from ..plan.api import placement_str
