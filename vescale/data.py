@@ -20,6 +20,9 @@ data. ``set_epoch`` reshuffles, and ``state_dict()`` — the epoch and the globa
 same on every rank — goes into a checkpoint's extras (``vescale.checkpoint.save(..., data=...)``)
 for a resumed run to continue with the exact next batch, on any number of ranks.
 
+Tensors used outside the model next to its outputs (a diffusion target) are shares too:
+``as_global(target, mesh)`` makes them the global tensor the loss needs.
+
 A ``DataLoader`` with workers draws batches ahead of the training loop, so the sampler's own count
 runs ahead of what the loop took: ``vescale.data.DataLoader`` (torch's, with this sampler) counts
 the batches it delivered and saves that.
@@ -33,8 +36,9 @@ from typing import Iterator, Sequence, Sized, Union
 import torch
 import torch.utils.data
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
-__all__ = ["data_shard", "GlobalBatchSampler", "DataLoader"]
+__all__ = ["data_shard", "as_global", "GlobalBatchSampler", "DataLoader"]
 
 Dims = Union[str, Sequence[str]]
 
@@ -63,6 +67,22 @@ def data_shard(mesh: DeviceMesh | None, dims: Dims = "DP") -> tuple[int, int]:
     for i in sorted(mesh_dims.index(d) for d in names):  # mesh order, whatever order dims lists them in
         index, count = index * mesh.size(i) + coordinate[i], count * mesh.size(i)
     return index, count
+
+
+def as_global(share: torch.Tensor, mesh: DeviceMesh, dims: Dims = "DP", dim: int = 0) -> DTensor:
+    """The global tensor whose share on this rank is ``share`` (split along ``dim`` over the mesh
+    dims ``dims``, as ``GlobalBatchSampler`` loads it): a DTensor, no communication. For per-rank
+    tensors used *outside* the model next to its outputs, e.g. a diffusion model's target:
+
+        loss = ((model(x, timestep=t).sample - vescale.data.as_global(target, mesh)) ** 2).mean()
+
+    A plain tensor there would be taken as the global tensor (the same on every rank): a shape
+    error, or with one row per rank a silent broadcast. Inputs of the model itself are the plan's
+    job (``plan.annotate`` / ``local_inputs=True``)."""
+    data_shard(mesh, dims)  # checks the names
+    names = (dims,) if isinstance(dims, str) else tuple(dims)
+    placements = [Shard(dim) if d in names else Replicate() for d in mesh.mesh_dim_names]
+    return DTensor.from_local(share, mesh, placements, run_check=False)
 
 
 class GlobalBatchSampler(torch.utils.data.Sampler[list[int]]):
