@@ -83,3 +83,9 @@ def test_error_table_shows_real_messages(ranks):
             assert got.endswith(shown[4:]), (code, got)
         else:
             assert got == shown, (code, got)
+
+
+def test_per_rank_shares_example_prints_its_comment(ranks):
+    comment = re.search(r"\n# (per-rank shares train like the global batch: \w+)\n", DOC.read_text()).group(1)
+    assert comment == "per-rank shares train like the global batch: True"
+    assert comment in ranks[0]["printed"].splitlines()
