@@ -132,6 +132,7 @@ class GlobalBatchSampler(torch.utils.data.Sampler[list[int]]):
                 f"GlobalBatchSampler: {size} rows hold no whole global batch of {global_batch_size} (drop_last=True)"
             )
         self.epoch = 0
+        self._order: tuple[int, torch.Tensor] | None = None  # (epoch, its order of the rows)
         self._resume: int | None = None  # the batch a resumed epoch starts at (load_state_dict)
         self.started = 0  # the first batch of the pass in progress
         self._next = 0  # the next batch this sampler hands out
@@ -148,10 +149,12 @@ class GlobalBatchSampler(torch.utils.data.Sampler[list[int]]):
         self.epoch = epoch
 
     def order(self) -> torch.Tensor:
-        """This epoch's order of the dataset's rows (the same on every rank)."""
-        if not self.shuffle:
-            return torch.arange(self.size)
-        return torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        """This epoch's order of the dataset's rows (the same on every rank; drawn once an epoch)."""
+        if self._order is None or self._order[0] != self.epoch:
+            rows = torch.arange(self.size) if not self.shuffle else torch.randperm(
+                self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+            self._order = (self.epoch, rows)
+        return self._order[1]
 
     def share(self, rows: torch.Tensor) -> list[int]:
         """This rank's equal share of one global batch's rows."""
