@@ -4,8 +4,9 @@
   splits is annotated as this rank's share on the same mesh dims instead (``llama_plan``,
   ``gpt2_plan``, ``dit_plan``, ``moe_plan`` with DP and with EP, where the batch is split over both);
   a list of names annotates those; anything else is a TypeError.
-* Training (2 gloo ranks, DP=2, 2 AdamW steps, eager): the DiT (latents, timesteps and class
-  labels as shares) and Mixtral under ``moe_plan`` (batch-local MoE blocks) fed their shares give
+* Training (2 gloo ranks, 2 AdamW steps, eager): the DiT on DP=2 (latents, timesteps and class
+  labels as shares) and Mixtral under ``moe_plan`` on DP=2 (batch-local MoE blocks) and on EP=2
+  (experts split, the batch split over EP) fed their shares give
   the losses, gradients and parameters of the same plan fed the global batch, ``torch.equal``: the
   same local tensors reach the same DTensor layouts.
 """
@@ -82,11 +83,13 @@ def _dit_steps(local: bool, mesh) -> dict:
 
 
 def _moe_steps(local: bool, mesh) -> dict:
+    """Mixtral under moe_plan on a 1-D mesh: DP (batch-local MoE blocks) or EP (experts split, the
+    batch split over EP too)."""
     torch.manual_seed(0)
     model = tiny_hf_mixtral()
     vescale.parallelize(model, moe_plan(mesh, model.config, local_inputs=local), mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    k, out = mesh.get_coordinate()[0], {"losses": [], "shapes": []}
+    k, out = vescale.data.data_shard(mesh, mesh.mesh_dim_names[0])[0], {"losses": [], "shapes": []}
     model.register_forward_pre_hook(lambda m, a, kw: out["shapes"].append(tuple(kw["input_ids"].shape)), with_kwargs=True, prepend=True)
     for ids, labels in synthetic_batches(2, 4, 8, 128, seed=1):
         if local:
@@ -103,12 +106,13 @@ def _moe_steps(local: bool, mesh) -> dict:
 
 def _both():
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    mesh = vescale.init_mesh((2,), ("DP",))
-    return {name: (steps(False, mesh), steps(True, mesh)) for name, steps in (("dit", _dit_steps), ("moe", _moe_steps))}
+    dp, ep = vescale.init_mesh((2,), ("DP",)), vescale.init_mesh((2,), ("EP",))
+    cases = (("dit", _dit_steps, dp), ("moe DP", _moe_steps, dp), ("moe EP", _moe_steps, ep))
+    return {name: (steps(False, mesh), steps(True, mesh)) for name, steps, mesh in cases}
 
 
 @pytest.mark.multiproc
-def test_dit_and_moe_shares_train_bit_for_bit_like_the_global_batch():
+def test_dit_and_moe_dp_ep_shares_train_bit_for_bit_like_the_global_batch():
     for out in run_on_ranks(_both, 2, timeout=600):
         for name, (whole, share) in out.items():
             assert whole["shapes"][0][0] == 4 and share["shapes"][0][0] == 2, (name, whole["shapes"], share["shapes"])
