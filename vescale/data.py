@@ -30,7 +30,6 @@ the batches it delivered and saves that.
 
 from __future__ import annotations
 
-import math
 from typing import Iterator, Sequence, Sized, Union
 
 import torch

@@ -23,6 +23,7 @@ import torch.nn as nn
 from torch.distributed.tensor import Shard
 
 import vescale
+from vescale.debug import CollectiveCounter
 from vescale.parallel.contract import FIRST_STEPS, DataContractError, InputContract
 from vescale.plan.lower import forward_arg_names
 from vescale.testing import fake_world, run_on_ranks
@@ -104,21 +105,13 @@ def _collectives_per_call(world: int, shape: tuple) -> list[int]:
         plan = vescale.VescalePlan().annotate(r"<in>[(input_ids|labels)]", Shard(0), mesh="DP")
         root = [e for e in vescale.explain(_Net(), plan, mesh).hooks()[("", "forward_pre")] if e.tensor == "<in>"]
         contract = InputContract(root, forward_arg_names(_Net())[0], mesh)
-        counts, before = [], dist.all_reduce
+        counts = []
         for rows in (2, 2, 2, 2, 1):
             ids = torch.zeros(rows, 8, dtype=torch.long)
-            n = [0]
-
-            def counting(*a, **k):
-                n[0] += 1
-                return before(*a, **k)
-
-            dist.all_reduce = counting
-            try:
+            with CollectiveCounter() as counter:
                 contract((), {"input_ids": ids, "labels": ids})
-            finally:
-                dist.all_reduce = before
-            counts.append(n[0])
+            counts.append(counter.counts["all_reduce"])
+            assert counter.total == counts[-1]  # all-reduces only
         return counts
 
 

@@ -57,22 +57,14 @@ def test_local_inputs_annotates_the_batch_inputs_as_shares(name):
                 make(mesh, config, local_inputs=[1])
 
 
-def _dit_steps(local: bool, mesh) -> dict:
-    torch.manual_seed(0)
-    model = tiny_dit()
-    vescale.parallelize(model, dit_plan(mesh, model.config, local_inputs=local), mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    g, k = torch.Generator().manual_seed(1), mesh.get_coordinate()[0]
+def _train(model, batches, loss_of) -> dict:
+    """Two AdamW steps of ``loss_of(model, batch)``: losses, first gradients, final parameters (global
+    values) and the first dimension of the root's first input at each call."""
     out = {"losses": [], "shapes": []}
-    model.register_forward_pre_hook(lambda m, a, kw: out["shapes"].append(tuple(a[0].shape)), with_kwargs=True, prepend=True)
-    for _ in range(2):
-        x, t, c, target = torch.randn(4, 4, 8, 8, generator=g), torch.randint(0, 1000, (4,), generator=g), torch.randint(0, 10, (4,), generator=g), torch.randn(4, 4, 8, 8, generator=g)
-        if local:  # this rank's rows, as vescale.data would load them
-            x, t, c, target = (v[2 * k: 2 * k + 2] for v in (x, t, c, target))
-        sample = model(x, timestep=t, class_labels=c).sample
-        if local:  # the target, outside the model, is this rank's share too
-            target = vescale.data.as_global(target, mesh)
-        loss = ((sample - target) ** 2).mean()
+    model.register_forward_pre_hook(lambda m, a, kw: out["shapes"].append((a or list(kw.values()))[0].shape[0]), with_kwargs=True, prepend=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for batch in batches:
+        loss = loss_of(model, batch)
         loss.backward()
         out.setdefault("grads", {n: global_value(p.grad) for n, p in model.named_parameters()})
         opt.step()
@@ -80,6 +72,26 @@ def _dit_steps(local: bool, mesh) -> dict:
         out["losses"].append(global_value(loss))
     out["params"] = {n: global_value(p) for n, p in model.named_parameters()}
     return out
+
+
+def _dit_steps(local: bool, mesh) -> dict:
+    torch.manual_seed(0)
+    model = tiny_dit()
+    vescale.parallelize(model, dit_plan(mesh, model.config, local_inputs=local), mesh)
+    g, k = torch.Generator().manual_seed(1), mesh.get_coordinate()[0]
+    batches = [(torch.randn(4, 4, 8, 8, generator=g), torch.randint(0, 1000, (4,), generator=g),
+                torch.randint(0, 10, (4,), generator=g), torch.randn(4, 4, 8, 8, generator=g)) for _ in range(2)]
+    if local:  # this rank's rows, as vescale.data would load them
+        batches = [tuple(v[2 * k: 2 * k + 2] for v in batch) for batch in batches]
+
+    def loss_of(model, batch):
+        x, t, c, target = batch
+        sample = model(x, timestep=t, class_labels=c).sample
+        if local:  # the target, outside the model, is this rank's share too
+            target = vescale.data.as_global(target, mesh)
+        return ((sample - target) ** 2).mean()
+
+    return _train(model, batches, loss_of)
 
 
 def _moe_steps(local: bool, mesh) -> dict:
@@ -88,20 +100,11 @@ def _moe_steps(local: bool, mesh) -> dict:
     torch.manual_seed(0)
     model = tiny_hf_mixtral()
     vescale.parallelize(model, moe_plan(mesh, model.config, local_inputs=local), mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    k, out = vescale.data.data_shard(mesh, mesh.mesh_dim_names[0])[0], {"losses": [], "shapes": []}
-    model.register_forward_pre_hook(lambda m, a, kw: out["shapes"].append(tuple(kw["input_ids"].shape)), with_kwargs=True, prepend=True)
-    for ids, labels in synthetic_batches(2, 4, 8, 128, seed=1):
-        if local:
-            ids, labels = ids[2 * k: 2 * k + 2], labels[2 * k: 2 * k + 2]
-        loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
-        out.setdefault("grads", {n: global_value(p.grad) for n, p in model.named_parameters()})
-        opt.step()
-        opt.zero_grad()
-        out["losses"].append(global_value(loss))
-    out["params"] = {n: global_value(p) for n, p in model.named_parameters()}
-    return out
+    k = vescale.data.data_shard(mesh, mesh.mesh_dim_names[0])[0]
+    batches = synthetic_batches(2, 4, 8, 128, seed=1)
+    if local:
+        batches = [(ids[2 * k: 2 * k + 2], labels[2 * k: 2 * k + 2]) for ids, labels in batches]
+    return _train(model, batches, lambda model, b: model(input_ids=b[0], labels=b[1]).loss)
 
 
 def _both():
@@ -115,7 +118,7 @@ def _both():
 def test_dit_and_moe_dp_ep_shares_train_bit_for_bit_like_the_global_batch():
     for out in run_on_ranks(_both, 2, timeout=600):
         for name, (whole, share) in out.items():
-            assert whole["shapes"][0][0] == 4 and share["shapes"][0][0] == 2, (name, whole["shapes"], share["shapes"])
+            assert whole["shapes"] == [4, 4] and share["shapes"] == [2, 2], (name, whole["shapes"], share["shapes"])
             assert all(torch.equal(a, b) for a, b in zip(whole["losses"], share["losses"])), (name, whole["losses"], share["losses"])
             for what in ("grads", "params"):
                 bad = [n for n in whole[what] if not torch.equal(whole[what][n], share[what][n])]
