@@ -43,6 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from ..comm import moves
 from ..comm.gather import GatherProgram, GroupGather, gather
 from ..comm.layout import NOTHING
 
@@ -63,7 +64,7 @@ class GatheredParam:
         self.param, self.mesh, self.run_placements = param, mesh, tuple(run_placements)
         self.reducer = reducer
         if reducer is None:
-            self.value: DTensor = param.redistribute(mesh, self.run_placements)
+            self.value: DTensor = _per_tensor_gather(param, mesh, self.run_placements)
         else:
             if local is None:
                 local = gather(param, mesh, self.run_placements, reducer.stats)._local_tensor
@@ -134,14 +135,24 @@ class GatheredParam:
     def _take_grad(self, local: torch.Tensor, spec: DTensorSpec) -> None:
         """Bucketed mode: the gathered copy's gradient goes to the reducer; the copy is freed."""
         plan = self.reducer.plan_of(self.param, spec)
-        if plan is None:  # no bucketed form: DTensor reduces this one on its own
-            grad = DTensor(local, spec, requires_grad=False).redistribute(self.param.device_mesh, self.param.placements)
+        if plan is None:  # no bucketed form: reduced on its own
+            grad = self.reducer.reduce_alone(self.param, DTensor(local, spec, requires_grad=False))
             local, spec, plan = grad._local_tensor, grad._spec, NOTHING
         self.reducer.add_local(self.param, local, spec.placements, plan)
         self.free()
         gathered = getattr(self.param, "_vescale_gathered", [])
         if self in gathered:
             gathered.remove(self)
+
+
+def _per_tensor_gather(param: DTensor, mesh: DeviceMesh, placements: tuple) -> DTensor:
+    """Per-tensor mode: ``param`` redistributed to its RUN placements, autograd-tracked, with
+    ``vescale.comm.moves``' backward, which takes the gradient to the at-rest layout one split at a
+    time where DTensor's own backward would get it wrong (a fused bias's interleaved gradient into
+    its nested ZeRO shard). Over mesh dims of one rank DTensor's redistribute aliases the shard."""
+    if all(a == b or mesh.size(i) == 1 for i, (a, b) in enumerate(zip(param.placements, placements))):
+        return param.redistribute(mesh, placements)
+    return moves.redistribute(param, placements)
 
 
 def _run_spec(param: DTensor, mesh: DeviceMesh, placements: tuple) -> DTensorSpec:
