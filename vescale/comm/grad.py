@@ -160,12 +160,18 @@ class GradReducer:
         """File a gradient of ``param`` (called from backward hooks)."""
         self.add_local(param, grad._local_tensor, grad.placements, plan)
 
-    def add_local(self, param: DTensor, local: torch.Tensor, placements: tuple, plan: Transfer) -> None:
-        """``add`` for a gradient given as its local tensor and placements."""
-        if not self.sync:
+    def add_local(self, param: DTensor, local: torch.Tensor, placements: tuple, plan: Transfer,
+                  more_coming: bool = False) -> None:
+        """``add`` for a gradient given as its local tensor and placements. ``more_coming``: another
+        gradient of ``param`` arrives later in this backward (a tied parameter's other gathered
+        copy): this one waits, summed with it, so the parameter is reduced once (if the two come
+        in other layouts, each is reduced on its own)."""
+        if not self.sync or more_coming:
             key = (id(param), tuple(placements))
             held = self._pending.get(key)
             self._pending[key] = _Entry(param, local if held is None else held.local + local, plan)
+            if self.sync:
+                self._queue_finish()  # files it at the end of backward if no other gradient comes
             return
         if self._pending:  # micro-steps accumulated under no_grad_sync
             held = self._pending.pop((id(param), tuple(placements)), None)
