@@ -23,9 +23,8 @@ planner on every call, forward and backward.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
-
 import functools
+from typing import Callable, Optional
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -124,9 +123,11 @@ def split_steps(src: tuple, dst: tuple, mesh_shape: tuple) -> tuple | None:
     """The layouts to go through from ``src`` to ``dst`` (the last one ``dst``), one split changed
     per step, where a ``_StridedShard`` is involved and more than one mesh dim's split changes
     meaning (``vescale.placement.splits``), or one changes into another split; None where DTensor's
-    redistribution takes the move in one go. First the changed splits of ``src`` are undone, the last applied first (a nested ZeRO
-    shard before the TP split it sits in), then those of ``dst`` made, the first applied first (the
-    TP split, then the ZeRO shard inside it); a Partial goes straight to its target."""
+    redistribution takes the move in one go. First the changed splits of ``src`` are undone, the
+    last applied first (a nested ZeRO shard before the TP split it sits in), then those of ``dst``
+    made, the first applied first (the TP split, then the ZeRO shard inside it); a Partial goes
+    straight to its target. Each step is a move DTensor gets right (``tests/comm/test_split_steps.py``;
+    on gloo, every layout pair with a ``_StridedShard`` on (2, 2), (4, 2), (2, 4) and (2, 2, 2) meshes)."""
     if not any(isinstance(p, _StridedShard) for p in (*src, *dst)):
         return None
     a, b = splits(src, mesh_shape), splits(dst, mesh_shape)

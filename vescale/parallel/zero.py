@@ -81,8 +81,9 @@ class GatheredParam:
     def __init__(self, param: DTensor, mesh: DeviceMesh, run_placements, reducer=None, local=None):
         self.param, self.mesh, self.run_placements = param, mesh, tuple(run_placements)
         self.reducer = reducer
+        self.forward = _forward[0]  # the root forward it was gathered in (per-tensor sharing)
         if reducer is None:
-            self.value: DTensor = _per_tensor_gather(param, mesh, self.run_placements)
+            self.value: DTensor = _redistributed(param, mesh, self.run_placements)
         else:
             if local is None:
                 local = gather(param, mesh, self.run_placements, reducer.stats)._local_tensor
@@ -166,7 +167,7 @@ class GatheredParam:
             gathered.remove(self)
 
 
-def _per_tensor_gather(param: DTensor, mesh: DeviceMesh, placements: tuple) -> DTensor:
+def _redistributed(param: DTensor, mesh: DeviceMesh, placements: tuple) -> DTensor:
     """Per-tensor mode: ``param`` redistributed to its RUN placements, autograd-tracked, with
     ``vescale.comm.moves``' backward, which takes the gradient to the at-rest layout one split at a
     time where DTensor's own backward would get it wrong (a fused bias's interleaved gradient into
@@ -187,7 +188,6 @@ def per_tensor_gather(param: DTensor, mesh: DeviceMesh, run_placements) -> Gathe
         g.refill()
         return g
     g = GatheredParam(param, mesh, run)
-    g.forward = _forward[0]
     if torch.is_grad_enabled():
         param.__dict__["_vescale_shared_gather"] = g
     return g
