@@ -71,6 +71,12 @@ def test_explain_output_is_printed(ranks):
     assert pasted in ranks[0]["printed"]
 
 
+def test_tied_weight_example_prints_a_gather_before_each_module(ranks):
+    doc = DOC.read_text()
+    pasted = doc[doc.index("```text\n", doc.index("<!-- tied-output -->")) + 8 :].split("```")[0]
+    assert pasted.strip() and all(line in ranks[0]["printed"].splitlines() for line in pasted.strip().splitlines())
+
+
 def test_factory_example_prints_its_comment(ranks):
     comment = re.search(r"print\(out\.placements\)\s+# (\(.*?\)):", DOC.read_text()).group(1)
     assert comment in ranks[0]["printed"].splitlines()

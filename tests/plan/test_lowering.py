@@ -366,9 +366,20 @@ def test_tied_parameters_must_be_planned_alike(mesh):
     # Planned alike, they are one tensor with one entry, under its first name.
     alike = plan_of((r"(embed|head)\.weight", Shard(0), TP))
     assert lines(alike, Tied(), mesh) == ["embed.param:weight::distribute(R,DP; S(0),TP)"]
+
+
+def test_tied_parameter_under_zero3_is_gathered_before_each_module_that_holds_it(mesh):
+    """One distribute entry (one tensor, stored once), a gather before each of its modules."""
     zero3 = plan_of((r".*weight", Shard(0), {**DP, "phase": INIT}), (r".*weight", Replicate(), {**DP, "phase": RUN}))
-    with raises(f"{names}; different INIT and RUN placements (ZeRO-3) are not supported for shared parameters"):
-        lower(zero3, Tied(), mesh)
+    assert lines(zero3, Tied(), mesh) == [
+        "embed.param:weight::distribute(S(0),DP; R,TP)",
+        "embed.forward_pre:weight::gather(S(0),DP; R,TP->R,DP; R,TP)",
+        "head.forward_pre:weight::gather(S(0),DP; R,TP->R,DP; R,TP)",
+    ]
+    # Still: every name of the shared tensor gets the same statements.
+    half = plan_of((r"embed\.weight", Shard(0), {**DP, "phase": INIT}), (r"embed\.weight", Replicate(), {**DP, "phase": RUN}))
+    with raises("parameters ['embed.weight', 'head.weight'] are one shared (tied) tensor but the plan places them differently"):
+        lower(half, Tied(), mesh)
 
 
 def test_lower_checks_its_arguments(net, mesh, fake_world):

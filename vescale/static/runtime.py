@@ -1108,17 +1108,19 @@ class StaticRuntime:
 
     def _shadow(self, steps: "_Steps", name: str, p: DTensor, spec) -> torch.Tensor:
         """The plain leaf standing for the leaf parameter ``p`` (see ``ParamShadow``). One per
-        parameter and gradient spec, shared by every module that uses it (autograd sums their
-        gradients before the parameter's hooks run, as it does for the parameter); uses with
-        different gradient layouts hand their gradients over separately, as ``local_of`` would."""
+        parameter and gradient layout, shared by every module that uses it (autograd sums their
+        gradients before the parameter's hooks run, as it does for the parameter: a tied ZeRO-3
+        weight's two modules hand over one gradient, reduced once); uses with different gradient
+        layouts hand their gradients over separately, as ``local_of`` would. Modules record their
+        gradient specs apart, so equal specs are found by value."""
         shadow = steps.shadows.get(name)  # the last call's: the same parameter, outside ZeRO-3
         if shadow is None or shadow.param_ref() is not p or shadow.spec is not spec or not shadow.fits(p):
             per_spec = self.shadows.get(p)
             if per_spec is None:
                 per_spec = self.shadows[p] = {}
-            shadow = per_spec.get(id(spec))
-            if shadow is None or shadow.spec is not spec or not shadow.fits(p):
-                shadow = per_spec[id(spec)] = ParamShadow(p, spec, self.hand_overs)
+            shadow = per_spec.get(spec)
+            if shadow is None or shadow.spec != spec or not shadow.fits(p):
+                shadow = per_spec[spec] = ParamShadow(p, spec, self.hand_overs)
             if isinstance(p, nn.Parameter):  # not ZeRO-3's gathered copies: new each call, freed after
                 steps.shadows[name] = shadow
         return shadow.leaf
