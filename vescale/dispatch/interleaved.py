@@ -47,7 +47,7 @@ from ..placement import InterleavedShard, interleave_of, is_interleaved
 from .metas import local_shape
 
 __all__ = ["install_interleaved_rules", "uninstall_interleaved_rules", "SIZE_DEPENDENT_OPS", "grouped_mm_layout_key",
-           "local_bounds", "slice_sections"]
+           "local_bounds", "slice_sections", "slice_backward_layout"]
 
 aten = torch.ops.aten
 _SPLIT_OPS = (aten.split.Tensor, aten.split_with_sizes.default)
@@ -217,6 +217,15 @@ def _backward_sections(spec: DTensorSpec, dim, start, step, length=None) -> tupl
     if start % section:
         return None
     return m, start // section, count, section
+
+
+def slice_backward_layout(spec: DTensorSpec, input_sizes, dim, start, step) -> tuple | None:
+    """``(first section, section count, sections in the dim)`` where ``_local_slice_backward`` keeps
+    the gradient laid out as ``spec`` sharded (what its decision reads of the sizes), else None."""
+    if type(dim) is not int or not -len(input_sizes) <= dim < len(input_sizes):
+        return None
+    found = _backward_sections(spec, dim, start, step, input_sizes[dim])
+    return None if found is None else (found[1], found[2], input_sizes[dim] // found[3])
 
 
 def _local_slice_backward(schema: OpSchema) -> OpStrategy | None:
