@@ -18,9 +18,18 @@ A plain ``Shard`` always lands on the first output dim of a split (PyTorch's rew
 so); only a ``_StridedShard`` whose split factor matches can land on a later one. ``_Propagator``
 hides the plain shards of the split dim from that search for later split ids and is PyTorch's
 propagator otherwise; its rewrite phase (PyTorch's) then puts the TP split on the heads dim.
-``install_view_rule`` puts it in front of PyTorch's strategies for ``view``, ``_unsafe_view``,
-``view_copy`` and ``reshape`` through the propagator's strategy table, for inputs that have a
-``_StridedShard`` (PyTorch's function decides everything else unchanged); ``viewkey`` asks it too.
+
+Every decision is then checked (``_wrong_mesh_dims``): each mesh dim's rank coordinate picks digits
+of the flat (row-major) index, in the input's target layout and in the output's; where they differ
+the output layout is not the input's viewed, and those mesh dims are gathered first (a strict view
+raises). PyTorch's rule gets a few of those wrong silently: ``(1, 6)`` with ``_StridedShard(1, 3)``
+on 2 ranks viewed as ``(1, 2, 3)`` keeps ``_StridedShard(2, 3)`` (each rank holds every other
+element, which no layout of the last dim of 3 describes); ``(4,)`` split over 2 x 2 ranks viewed as
+``(2, 2)`` puts both mesh dims on the first dim of 2.
+
+``install_view_rule`` puts this in front of PyTorch's strategies for ``view``, ``_unsafe_view``,
+``view_copy`` and ``reshape`` through the propagator's strategy table: where the corrected decision
+is PyTorch's, PyTorch's strategy function answers unchanged; ``viewkey`` asks it too.
 ``tests/dispatch/test_view_rule.py`` checks its decisions against the local shards of random
 reshapes (any mesh, any placements), not against PyTorch's rule.
 """
@@ -154,16 +163,18 @@ def _output_shape(shape, rule) -> tuple:
 
 
 def propagate_view(placements, shape, rule, mesh_sizes, strict: bool):
-    """``propagate_shape_and_sharding`` (input target placements, output placements), corrected
-    for inputs with a ``_StridedShard`` (the only ones the correction changes): the split found for
-    later split ids, and a decision whose output layout is not the input's viewed (PyTorch keeps a
-    ``_StridedShard`` on an output dim whose size the split does not fit) gathers those mesh dims
-    first instead (a strict view raises, as PyTorch does for a view it cannot make local)."""
-    if not _has_strided(placements):
-        return propagate_shape_and_sharding(placements, shape, rule, mesh_sizes, strict)
-    propagator = _Propagator(placements, shape, rule, mesh_sizes, strict)
-    target, to_output = propagator.analyze()
-    out = propagator.rewrite_output_placements(target, to_output)
+    """``propagate_shape_and_sharding`` (input target placements, output placements), corrected:
+    for inputs with a ``_StridedShard``, the split found for later split ids; for any input, a
+    decision whose output layout is not the input's viewed (PyTorch keeps a ``_StridedShard`` on an
+    output dim whose size does not fit it, or several mesh dims on a first split dim too short for
+    them) gathers those mesh dims first instead (a strict view raises, as PyTorch does for a view
+    it cannot make local). Inputs cut unevenly are PyTorch's alone (the check needs even cuts)."""
+    if _has_strided(placements):
+        propagator = _Propagator(placements, shape, rule, mesh_sizes, strict)
+        target, to_output = propagator.analyze()
+        out = propagator.rewrite_output_placements(target, to_output)
+    else:
+        target, out = propagate_shape_and_sharding(placements, shape, rule, mesh_sizes, strict)
     wrong = _wrong_mesh_dims(shape, target, _output_shape(shape, rule), out, mesh_sizes)
     if not wrong:
         return target, out
@@ -176,21 +187,33 @@ def propagate_view(placements, shape, rule, mesh_sizes, strict: bool):
     return list(target), out
 
 
+def _pytorchs(placements, shape, rule, mesh_sizes, strict):
+    try:
+        target, out = propagate_shape_and_sharding(placements, shape, rule, mesh_sizes, strict)
+    except Exception:
+        return None
+    return list(target), list(out)
+
+
 def _strategy(op, original):
     fn, strict = VIEW_OPS[op]
 
     def strategy(op_schema: OpSchema):
         inputs = op_schema.args_schema[0]
-        if not isinstance(inputs, OpStrategy) or not any(_has_strided(s.output_spec.placements) for s in inputs.strategies):
+        if not isinstance(inputs, OpStrategy):
             return original(op_schema)
-        # PyTorch's reshape_strategy with the corrected propagation
         rule = dim_maps[fn](*op_schema.args_schema, **op_schema.kwargs_schema)
         mesh = op_schema.get_mesh_from_args(validate=False)
+        shape = tuple(inputs.shape)
+        decided = [propagate_view(c.output_spec.placements, shape, rule, mesh.shape, strict) for c in inputs.strategies]
+        if all((list(t), list(o)) == _pytorchs(c.output_spec.placements, shape, rule, mesh.shape, strict)
+               for (t, o), c in zip(decided, inputs.strategies)):
+            return original(op_schema)  # PyTorch's decision stands: its own strategy, as it builds it
+        # PyTorch's reshape_strategy with the corrected decisions
         found = OpStrategy([])
-        for candidate in inputs.strategies:
-            src = candidate.output_spec
-            target, out = propagate_view(src.placements, tuple(inputs.shape), rule, mesh.shape, strict)
-            target_spec = DTensorSpec(mesh, tuple(target), tensor_meta=src.tensor_meta, use_strided_shard_as_shard_order=False)
+        for (target, out), candidate in zip(decided, inputs.strategies):
+            target_spec = DTensorSpec(mesh, tuple(target), tensor_meta=candidate.output_spec.tensor_meta,
+                                      use_strided_shard_as_shard_order=False)
             found.strategies.append(OpSpec(
                 output_specs=DTensorSpec(mesh, tuple(out), use_strided_shard_as_shard_order=False),
                 input_specs=(target_spec,),
