@@ -11,6 +11,10 @@ same holds for a fused projection cut into sections of a config size: GPT-2's at
 ``c_attn(x).split(embed_dim, dim=2)`` on q|k|v split by heads (``InterleavedShard``), whose local
 sections are ``embed_dim / n`` wide.
 
+Slices are the same: a section-aligned slice of an ``InterleavedShard`` dim (HF Phi-3's
+``qkv[..., :query_pos]``, ``narrow``) runs on the local shard with local bounds under DTensor
+(``vescale.dispatch.interleaved``), while the model passes the global ones (``SlicedCall``).
+
 The recorded facts fix it, as they fix the vocabulary-parallel lookup (``local_ops.py``):
 
 * **Recording** (``size_rewrite``): each ``view`` / ``reshape`` / ``split`` call of a module's own
