@@ -210,8 +210,18 @@ def clear_moves() -> None:
 
 def grad_placements(grad: tuple, src: tuple) -> tuple:
     """Where DTensor's redistribute hands a gradient back: the source placements, but a Partial
-    source takes a gradient that arrives Shard or Replicate as Replicate (no reduce is undone)."""
-    return tuple(Replicate() if (_is_shard_like(g) or g.is_replicate()) and s.is_partial() else s
+    source takes a gradient that arrives Shard or Replicate as Replicate (no reduce is undone), and
+    one that arrives Partial of another kind as it arrives.
+
+    The last case is a vocabulary-parallel lookup whose ``_MaskPartial`` output is all-reduced (no
+    sequence parallelism) and whose gradient comes back ``Partial(sum)`` from the column-parallel
+    layers that read it: DTensor would move ``P(sum) -> MaskP(sum)``, which it cannot (an
+    ``AssertionError`` in its redistribution). Either is the same global gradient; the lookup's
+    backward (``embedding_dense_backward``) takes a ``Partial(sum)`` gradient as it is and gives the
+    table a ``Partial(sum)`` gradient, which the gradient reduction reduce-scatters to the table's
+    rows like any other (issue 27, defect 3)."""
+    return tuple(Replicate() if (_is_shard_like(g) or g.is_replicate()) and s.is_partial()
+                 else g if g.is_partial() and s.is_partial() and g != s else s
                  for g, s in zip(grad, src))
 
 

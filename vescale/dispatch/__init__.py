@@ -11,6 +11,8 @@
   path, when the decision moves no input.
 * ``metas``: output metadata by arithmetic where certain, for cache hits and for misses of ``mm`` /
   ``embedding`` (no FakeTensor run).
+* ``viewrule``: PyTorch's view rule with the unflatten of a dim split by several mesh dims
+  corrected (attention's (batch x heads) scores under DP x TP with a global batch not divisible by TP).
 * ``interleaved``: ``split`` of an ``InterleavedShard`` tensor into its sections (and the reverse
   ``cat``) on the local shards.
 * ``partial``: Partial-sum strategies beside PyTorch's for ``scatter`` (linear in ``self`` and
@@ -31,6 +33,7 @@
 
 from .datadep import DATADEP_OPS, install_datadep_handlers, uninstall_datadep_handlers
 from .interleaved import install_interleaved_rules, uninstall_interleaved_rules
+from .viewrule import install_view_rule, uninstall_view_rule
 from .attention import install_attention_rules
 from .conv import install_conv_handlers
 from .cache import ShapeFreeCache, install_shape_free_cache, shape_free_cache, uninstall_shape_free_cache
@@ -53,6 +56,7 @@ def install() -> None:
     install_shape_free_cache()
     install_local_optimizer_step()
     install_interleaved_rules()
+    install_view_rule()
     install_sized_ops()
     install_unwrap()
 
@@ -64,6 +68,7 @@ def uninstall(keep_learned: bool = False) -> None:
     benchmarks that run PyTorch's stack and vescale's in one process, step by step)."""
     uninstall_unwrap()
     uninstall_sized_ops()
+    uninstall_view_rule()
     uninstall_interleaved_rules()
     uninstall_local_optimizer_step()
     uninstall_shape_free_cache(keep_learned)
@@ -76,5 +81,5 @@ __all__ = [
     "uninstall_shape_free_cache", "shape_free_cache", "install_semantic_handlers", "install_attention_rules",
     "install_datadep_handlers", "uninstall_datadep_handlers", "DATADEP_OPS",
     "install_interleaved_rules", "uninstall_interleaved_rules", "install_sized_ops", "uninstall_sized_ops", "install_fast_search", "uninstall_fast_search",
-    "install_partial_rules", "uninstall_partial_rules",
+    "install_partial_rules", "uninstall_partial_rules", "install_view_rule", "uninstall_view_rule",
 ]

@@ -263,9 +263,11 @@ def _zeros_made_partial(node, func, args, kwargs) -> bool:
 
 
 def _sized_ops() -> set:
-    """Ops whose size arguments DTensor rewrites from global to local sizes."""
+    """Ops whose size (or bound) arguments DTensor rewrites from global to local sizes: those it
+    rewrites shapes of, and those with a scalar adjuster (a slice of an interleaved dim's sections:
+    ``vescale.dispatch.interleaved``)."""
     prop = DTensor._op_dispatcher.sharding_propagator
-    return set(prop.op_to_shape_and_stride_idx) | {torch.ops.aten.reshape.default}
+    return set(prop.op_to_shape_and_stride_idx) | set(prop.op_to_scalar_shape_adjuster) | {torch.ops.aten.reshape.default}
 
 
 def _local_shape(out):

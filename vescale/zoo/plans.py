@@ -131,8 +131,8 @@ def _tensor_parallel(plan: VescalePlan, tp: str, sequence_parallel: bool, split_
     # sequence, or with ``whole_embeddings`` all-reduced and split along the sequence where the first
     # layer takes it (a local slice; backward: an all-gather), so that the model body sees the whole
     # sequence. (Its gradient arrives whole there, not Partial.) Without SP, split the hidden dim
-    # instead: DTensor cannot turn a Partial gradient back into the masked-partial layout of a
-    # vocabulary-parallel lookup whose output was all-reduced.
+    # instead: a local lookup, where a vocabulary-parallel one would all-reduce its output (it works
+    # too: vescale.comm.moves.grad_placements hands its Partial gradient back as it arrives).
     plan.shard(r"model\.embed_tokens\.weight", Shard(0) if sequence_parallel else Shard(1), mesh=tp)
     if whole_embeddings and sequence_parallel:
         plan.shard(r"model\.embed_tokens\.<out>", Replicate(), mesh=tp)
