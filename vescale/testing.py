@@ -3,18 +3,26 @@
 Tests and benchmarks use this to check behaviour that needs real collectives: the parent forks
 ``world_size`` children, each initialises a gloo process group on a private localhost port, calls
 ``fn(*args)`` and sends back its return value (or its traceback). A rank that hangs is killed after
-``timeout`` seconds and the call fails instead of blocking the suite.
+``timeout`` seconds and the call fails instead of blocking the suite. ``run_script`` runs an
+example script in such a rank as torchrun would.
+
+Split checks (equal losses cannot show that a plan split anything): ``assert_local_shapes``
+(each parameter's local shard against the test's own statement of the split) and
+``input_shapes`` (what a module's body receives: a DP rank's share of the batch).
 """
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import os
 import pickle
-import socket
 import re
+import runpy
+import socket
+import sys
 import traceback
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stdout
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
@@ -22,7 +30,7 @@ import torch.distributed as dist
 
 __all__ = [
     "run_on_ranks", "fake_world", "forget_dtensor_caches", "train_losses", "sgd_steps", "global_value", "error_of",
-    "local_shapes", "assert_local_shapes", "input_shapes",
+    "local_shapes", "assert_local_shapes", "input_shapes", "run_script",
 ]
 
 
@@ -140,6 +148,25 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
     if errors:
         raise RuntimeError("failure on {} rank(s):\n{}".format(len(errors), "\n".join(errors)))
     return results
+
+
+def run_script(path: str, *argv: str) -> str:
+    """Run the Python script at ``path`` as ``__main__`` in this process, with ``sys.argv`` set to
+    ``[path, *argv]``, and return what it printed to stdout. With ``run_on_ranks`` it runs an example
+    on gloo ranks as torchrun would (the environment variables torchrun sets are set, the process
+    group already made) without starting an interpreter per rank. A ``SystemExit`` with a non-zero
+    code is raised as a ``RuntimeError`` carrying the output."""
+    printed, saved_argv = io.StringIO(), sys.argv
+    sys.argv = [str(path), *map(str, argv)]
+    try:
+        with redirect_stdout(printed):
+            runpy.run_path(str(path), run_name="__main__")
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raise RuntimeError(f"{path} {' '.join(argv)} exited with {e.code!r}; it printed:\n{printed.getvalue()}") from None
+    finally:
+        sys.argv = saved_argv
+    return printed.getvalue()
 
 
 def train_losses(model, batches, opt) -> list[float]:
