@@ -96,6 +96,8 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, con
     torch.set_num_threads(1)
     forget_dtensor_caches()  # the parent may have simulated other ranks
     try:
+        if dist.is_initialized():  # the parent's group (a test's fake world), copied by fork: not this rank's
+            dist.destroy_process_group()
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(*args)
         # Plain pickle copies tensor data; multiprocessing's own pickler would pass storages by
