@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 DEFAULT_RANKS = 4
 
-_FENCE = re.compile(r"^```(\S*)\s*$")
+_FENCE = re.compile(r"^(`{3,})([^`\s]*)\s*$")  # an opening fence: its backticks and its language
 _DIRECTIVE = re.compile(r"^<!--\s*doctest:\s*(.*?)\s*-->\s*$")
 
 
@@ -75,11 +75,13 @@ def parse(page: Path) -> tuple[list[Block], str | None]:
     while i < len(lines):
         line = lines[i]
         fence = _FENCE.match(line)
-        if fence:
-            end = next((j for j in range(i + 1, len(lines)) if lines[j].startswith("```")), None)
+        if fence:  # closed by a line of at least as many backticks (CommonMark)
+            ticks = fence.group(1)
+            end = next((j for j in range(i + 1, len(lines))
+                        if lines[j].strip().startswith(ticks) and set(lines[j].strip()) == {"`"}), None)
             if end is None:
                 raise ValueError(f"{page}:{i + 1}: unclosed code fence")
-            if fence.group(1) == "python":
+            if fence.group(2) == "python":
                 blocks.append(Block(page, i + 2, "\n".join(lines[i + 1:end]) + "\n", **pending))
             pending, i = {"setup": []}, end + 1
             continue
@@ -227,6 +229,8 @@ def test_directives_attach_to_the_next_block(tmp_path):
     assert blocks[3].excerpt_of == "examples/a.py" and _code_lines(blocks[3].code) == ["run()"]
     assert [[b.line for b in p.blocks] for p in programs(blocks)] == [[8, 11, 16]]
     assert programs(blocks)[0].ranks == 2
+    page.write_text("````markdown\n```python\nnot = code\n```\n````\n```python\nx = 1\n```\n")
+    assert [b.line for b in parse(page)[0]] == [7]  # a block shown inside a longer fence is text
     page.write_text("<!-- doctest: rank=2 -->\n```python\n```\n")
     with pytest.raises(ValueError, match="unknown doctest directive 'rank=2'"):
         parse(page)
