@@ -178,10 +178,25 @@ def test_static_four_ranks_matches_eager_and_single_device():
     _check(run_on_ranks(_distributed, 4, CONFIGS_4)[0], CONFIGS_4)
 
 
+def _train_lengths(model) -> list[float]:
+    """SGD steps at sequence length 16, then 24."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for seq in (16, 16, 16, 24, 24):
+        (x, y), = synthetic_batches(1, 4, seq, 128, seed=seq)
+        loss = model(input_ids=x, labels=y).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(_value(loss).item())
+    return losses
+
+
 def _new_length_records_once():
     """Train at one sequence length, then at another, with record reuse off: the new length records in one eager step
     (it starts from the eager modules found before) and the next step runs static, computing what
-    eager mode computes (losses within 1e-6: same local ops, collectives in the same order)."""
+    eager mode computes (losses within 1e-6: same local ops, collectives in the same order) and what
+    one device computes (within TOL, as above)."""
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     mesh = vescale.init_mesh((2,), ("TP",))
     losses, models = {}, {}
@@ -191,15 +206,7 @@ def _new_length_records_once():
         if mode == "static":
             model._vescale_static.reuse_records = False  # records the new length (test_static_resize derives it)
         vescale.manual_seed(SEED)
-        opt = torch.optim.SGD(model.parameters(), lr=LR)
-        losses[mode] = []
-        for seq in (16, 16, 16, 24, 24):
-            (x, y), = synthetic_batches(1, 4, seq, 128, seed=seq)
-            loss = model(input_ids=x, labels=y).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses[mode].append(_value(loss).item())
+        losses[mode] = _train_lengths(model)
     rt = models["static"]._vescale_static
     return losses, (rt.recorded_steps, rt.static_steps)
 
@@ -207,42 +214,53 @@ def _new_length_records_once():
 @pytest.mark.multiproc
 def test_a_new_sequence_length_records_in_one_step():
     losses, steps = run_on_ranks(_new_length_records_once, 2)[0]
+    model = _build("ours")
+    vescale.manual_seed(SEED)
+    with consistent():
+        single = _train_lengths(model)
     assert steps == (2, 3), f"(recorded, static) steps: {steps}; want 1 + 1 recorded, 2 + 1 static"
-    for a, b in zip(losses["static"], losses["eager"]):
+    for a, b, c in zip(losses["static"], losses["eager"], single):
         assert abs(a - b) <= 1e-6, (losses["static"], losses["eager"])
+        assert abs(a - c) <= TOL, (losses["static"], single)
+
+
+def _train_hf_sdpa(mode: str | None) -> tuple[list[float], torch.nn.Module]:
+    torch.manual_seed(0)
+    model = tiny_hf_llama(use_cache=False)
+    if mode is not None:
+        mesh = vescale.init_mesh((2,), ("TP",))
+        vescale.parallelize(model, llama_plan(mesh, model.config, sequence_parallel=True), mesh, mode=mode)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for input_ids, labels in synthetic_batches(4, 4, 16, 128, seed=3):
+        loss = model(input_ids=input_ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(_value(loss).item())
+    return losses, model
 
 
 def _hf_sdpa_attention_stays_static():
     """HF LLaMA with its default attention (SDPA, no dropout: PyTorch's CPU flash kernel, run on
     DTensors by vescale's handler): heads-sharded q/k/v are already in the kernel's layout, so the
-    attention modules run static, and compute what eager mode computes (losses within 1e-6)."""
+    attention modules run static, and compute what eager mode computes (losses within 1e-6) and what
+    one device computes (within TOL, as above)."""
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    mesh = vescale.init_mesh((2,), ("TP",))
-    losses, unsafe = {}, None
+    losses = {}
     for mode in ("eager", "static"):
-        torch.manual_seed(0)
-        model = tiny_hf_llama(use_cache=False)
-        vescale.parallelize(model, llama_plan(mesh, model.config, sequence_parallel=True), mesh, mode=mode)
-        opt = torch.optim.SGD(model.parameters(), lr=LR)
-        losses[mode] = []
-        for input_ids, labels in synthetic_batches(4, 4, 16, 128, seed=3):
-            loss = model(input_ids=input_ids, labels=labels).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses[mode].append(_value(loss).item())
-        if mode == "static":
-            rt = model._vescale_static
-            unsafe = sorted(rt.latest().unsafe)
-            steps = (rt.recorded_steps, rt.static_steps)
-    return losses, unsafe, steps, model.config._attn_implementation
+        losses[mode], model = _train_hf_sdpa(mode)
+    rt = model._vescale_static
+    return losses, sorted(rt.latest().unsafe), (rt.recorded_steps, rt.static_steps), model.config._attn_implementation
 
 
 @pytest.mark.multiproc
 def test_hf_sdpa_attention_runs_static():
     losses, unsafe, steps, attn = run_on_ranks(_hf_sdpa_attention_stays_static, 2)[0]
+    single, _ = _train_hf_sdpa(None)
     assert attn == "sdpa", attn
     assert steps[1] >= 2, steps
     assert not any("self_attn" in m for m in unsafe), f"attention kept eager: {unsafe}"
-    for a, b in zip(losses["static"], losses["eager"]):
+    for a, b, c in zip(losses["static"], losses["eager"], single):
         assert abs(a - b) <= 1e-6, losses
+        assert abs(a - c) <= TOL, (losses["static"], single)

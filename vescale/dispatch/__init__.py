@@ -45,8 +45,13 @@ from .semantics import install_semantic_handlers
 from .unwrap import install_unwrap, uninstall_unwrap
 
 
+_installed = False  # install() done and not undone by uninstall()
+
+
 def install() -> None:
     """Install vescale's dispatch extensions into DTensor (idempotent)."""
+    global _installed
+    _installed = True
     install_semantic_handlers()
     install_attention_rules()
     install_conv_handlers()
@@ -66,6 +71,8 @@ def uninstall(keep_learned: bool = False) -> None:
     (the semantic, SDPA and convolution handlers stay: without them those ops fail outright).
     ``keep_learned``: the next ``install()`` resumes with the shape-free cache's decisions (for
     benchmarks that run PyTorch's stack and vescale's in one process, step by step)."""
+    global _installed
+    _installed = False
     uninstall_unwrap()
     uninstall_sized_ops()
     uninstall_view_rule()
@@ -76,8 +83,13 @@ def uninstall(keep_learned: bool = False) -> None:
     uninstall_fast_search()
 
 
+def is_installed() -> bool:
+    """Whether ``install()`` (directly or through ``parallelize``) is in effect."""
+    return _installed
+
+
 __all__ = [
-    "install", "uninstall", "ELEMENTWISE_OPTIMIZERS", "ShapeFreeCache", "install_shape_free_cache",
+    "install", "uninstall", "is_installed", "ELEMENTWISE_OPTIMIZERS", "ShapeFreeCache", "install_shape_free_cache",
     "uninstall_shape_free_cache", "shape_free_cache", "install_semantic_handlers", "install_attention_rules",
     "install_datadep_handlers", "uninstall_datadep_handlers", "DATADEP_OPS",
     "install_interleaved_rules", "uninstall_interleaved_rules", "install_sized_ops", "uninstall_sized_ops", "install_fast_search", "uninstall_fast_search",
