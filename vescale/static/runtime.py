@@ -104,6 +104,7 @@ class Record:
     checked: bool = False  # a static step has run (and checked its shapes) with it
     moves: dict = field(default_factory=dict)  # (module, "in" | "out") -> [Move | None] or None
     param_grad_specs: dict = field(default_factory=dict)  # (module, name) -> spec of its gradient
+    shared_grad_specs: dict = field(default_factory=dict)  # gradient spec -> the one object of that value
     # (module, "in" | "out") -> the plan key of each tensor crossing there, in crossing order
     # (argument name or position, output index or field; None inside a nested container)
     keys: dict = field(default_factory=dict)
@@ -306,6 +307,7 @@ class _OpWatcher(TorchDispatchMode):
         # it hands back to the caller's other gradients of that tensor while the node is current.
         self.boundary_nodes: dict = {}
         self.shares: GradientShares | None = None  # the recording's (shares.py)
+        self.dtensor_bodies: set = set()  # recording: the bodies that ran a DTensor op of their own
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -318,6 +320,8 @@ class _OpWatcher(TorchDispatchMode):
             return out
         if not self.checking and resize.data_dependent_op(func, args):
             self.record.data_dependent.setdefault(module, str(func))
+        if is_dtensor_op and not self.checking:
+            self.dtensor_bodies.add(module)
         judge = False
         if not self.checking and is_dtensor_op and func in DTensor._op_dispatcher._random_ops:
             # Drawn in static steps too, from the specs recorded here (see _RandomReplay).
@@ -342,7 +346,7 @@ class _OpWatcher(TorchDispatchMode):
         if judge:
             self._judge(module, func, args, kwargs)
         if func in self.sized:
-            self._check_shape(module, func, out)
+            self._check_shape(module, func, out, is_dtensor_op)
         return out
 
     def _judge(self, module: str, func, args, kwargs) -> None:
@@ -423,10 +427,24 @@ class _OpWatcher(TorchDispatchMode):
             i += 1
         return False
 
-    def _check_shape(self, module: str, func, out) -> None:
+    def forget_plain_bodies(self) -> None:
+        """End of the recording forward: a body that ran no DTensor op (an experts module under
+        expert parallelism, whose hooks hand it local tokens and parameters) gets the same plain
+        tensors in static steps, sized as the data has it (the tokens routed to this rank): no size
+        of it is DTensor's to rewrite, and none to check."""
+        rec = self.record
+        for notes in (rec.sizes, rec.shapes):
+            for path, found in notes.items():
+                if path not in self.dtensor_bodies:
+                    notes[path] = [None] * len(found)
+
+    def _check_shape(self, module: str, func, out, is_dtensor_op: bool) -> None:
         shapes = self.record.shapes.setdefault(module, [])
         if not self.checking:
-            shapes.append(_local_shape(out))
+            # Only DTensor rewrites sizes: an op the recording ran on plain tensors (an experts
+            # module's body under expert parallelism, whose hooks hand it local tokens) runs on the
+            # same tensors in static steps, with sizes that may follow the data (tokens routed here).
+            shapes.append(_local_shape(out) if is_dtensor_op else None)
             return
         k = self.seen[module] = self.seen.get(module, 0) + 1
         want = shapes[k - 1] if k <= len(shapes) else None
@@ -886,6 +904,8 @@ class StaticRuntime:
     def end_forward(self) -> None:
         """Root cleanup hook: the forward is over. A recording keeps watching through backward
         (closed when backward finishes, or at the next step); a check is done."""
+        if self.state is State.RECORD and self.watcher is not None and not self.watcher.checking:
+            self.watcher.forget_plain_bodies()
         if self.watcher is not None and (self.state is State.STATIC or not torch.is_grad_enabled()):
             self._close_watcher()
         replay = self.replay
@@ -1143,7 +1163,13 @@ class StaticRuntime:
             scope = self.scope_of.get(path)
             if scope is not None and scope in (rec.relabelled or ()):  # recorded on the sub-mesh
                 placements = relabel.grad_placements(placements, p, self.scopes[scope])
-            spec = rec.param_grad_specs[(path, name)] = grad_spec(p._spec, settled_on_unit_dims(placements, p._spec))
+            spec = grad_spec(p._spec, settled_on_unit_dims(placements, p._spec))
+            # One object per layout: modules that use one parameter (tied embeddings) with equal
+            # gradient layouts then share its shadow (``_shadow``), whose leaf sums their gradients
+            # before the one hand-over, as autograd sums them before the parameter's AccumulateGrad.
+            # (Two shadows handed over two gradients: the first one's reduction hooks ran before the
+            # second was added, a few ulps off eager mode.)
+            spec = rec.param_grad_specs[(path, name)] = rec.shared_grad_specs.setdefault(spec, spec)
         return spec
 
     def _body_starts(self, path: str) -> None:
