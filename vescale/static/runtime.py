@@ -307,7 +307,9 @@ class _OpWatcher(TorchDispatchMode):
         # it hands back to the caller's other gradients of that tensor while the node is current.
         self.boundary_nodes: dict = {}
         self.shares: GradientShares | None = None  # the recording's (shares.py)
-        self.dtensor_bodies: set = set()  # recording: the bodies that ran a DTensor op of their own
+        # recording: the bodies a DTensor reached (an input, a parameter, a child's output) or that
+        # ran a DTensor op of their own
+        self.dtensor_bodies: set = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -428,10 +430,10 @@ class _OpWatcher(TorchDispatchMode):
         return False
 
     def forget_plain_bodies(self) -> None:
-        """End of the recording forward: a body that ran no DTensor op (an experts module under
-        expert parallelism, whose hooks hand it local tokens and parameters) gets the same plain
-        tensors in static steps, sized as the data has it (the tokens routed to this rank): no size
-        of it is DTensor's to rewrite, and none to check."""
+        """End of the recording forward: a body no DTensor reached (an experts module under expert
+        parallelism, whose hooks hand it local tokens and parameters) gets the same plain tensors
+        in static steps, sized as the data has it (the tokens routed to this rank): no size of it is
+        DTensor's to rewrite, and none to check."""
         rec = self.record
         for notes in (rec.sizes, rec.shapes):
             for path, found in notes.items():
@@ -1091,6 +1093,8 @@ class StaticRuntime:
 
         def note(i, t):
             c = _note(rec, self.parent, (path, "body", i), t)
+            if c.spec is not None and self.watcher is not None:
+                self.watcher.dtensor_bodies.add(path)
             if averaged.averaged_dims(c.spec):  # its body would get a share of an averaged value
                 rec.unsafe.setdefault(path, f"its input is {averaged.describe(c.spec)} (averaged over ranks)")
             if isinstance(t, DTensor) and t.requires_grad and torch.is_grad_enabled():
@@ -1105,6 +1109,8 @@ class StaticRuntime:
         args, kwargs = _map_io(note, args, kwargs)
         # The gradient placements of each parameter as the module produces them: before
         # vescale.comm reduces them on the leaf.
+        if self.watcher is not None and any(isinstance(p, DTensor) for p in mod._parameters.values()):
+            self.watcher.dtensor_bodies.add(path)
         for name, p in mod._parameters.items():
             if isinstance(p, DTensor) and p.requires_grad and torch.is_grad_enabled():
                 key = (path, name)
@@ -1351,6 +1357,8 @@ class StaticRuntime:
 
             def note(i, t):
                 c = _note(rec, self.parent, (path, "result", i), t)
+                if c.spec is not None and caller is not None and self.watcher is not None:
+                    self.watcher.dtensor_bodies.add(caller)  # its body gets a DTensor (and may read its sizes)
                 if unwrapped and caller is not None and averaged.averaged_dims(c.spec):
                     rec.unsafe.setdefault(caller, f"gets {averaged.describe(c.spec)} (averaged over ranks) from {path!r}")
                 _on_grad(t, lambda g, c=c: setattr(c, "grad_placements", g))
