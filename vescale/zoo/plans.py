@@ -150,8 +150,9 @@ def _tensor_parallel(plan: VescalePlan, tp: str, sequence_parallel: bool, split_
         plan.shard(rf"{_LAYER}\.{block}\.<out>", between, mesh=tp)
     plan.shard(r"lm_head\.<in>", Replicate(), mesh=tp)
     plan.shard(r"lm_head\.weight", Shard(0), mesh=tp)  # vocabulary-parallel matmul
-    # The logits stay split along the vocabulary: Static Eager runs the cross entropy
-    # vocabulary-parallel on the local shards (vescale.static.local_loss: two numbers a row gathered
-    # instead of the logits), and HF's loss, which views them with the config's vocabulary size, gets
-    # the local size there (vescale.static.local_sizes).
-    plan.shard(r"lm_head\.<out>", Shard(-1), mesh=tp)
+    # The logits are gathered where the LM head returns them: the loss runs on whole rows, as on one
+    # device, and backward hands the LM head its classes of the gradient at this move, in eager and
+    # Static Eager mode alike (so the two compute the same bits; left split, eager DTensor would
+    # gather them inside log_softmax and hand the LM head a replicated gradient, a whole-vocabulary
+    # weight-gradient matmul on every rank: vescale.static.local_loss).
+    plan.shard(r"lm_head\.<out>", Replicate(), mesh=tp)
