@@ -1,9 +1,9 @@
 """Run fuzz cases on gloo ranks and on one device, and judge each (the differential fuzzer's engine).
 
 Every case of a batch runs in one set of ``world`` forked gloo ranks (``vescale.testing.run_on_ranks``:
-process start-up and gloo set-up are paid once), one after the other; the parent trains each case on
-one device (the reference, under ``vescale.random.consistent()``, so dropout draws the same numbers)
-and judges it:
+process start-up and gloo set-up are paid once), one after the other; after each, one of the ranks
+trains it on one device too (the reference: plain tensors, under ``vescale.random.consistent()``, so
+dropout draws the same numbers), and the parent judges it:
 
 * ``ok``: losses of every micro-step within ``LOSS_TOL``, gradients of the first and last step and
   parameters after the last optimiser step within ``TOL`` of one device, every planned parameter
@@ -17,7 +17,9 @@ and judges it:
 
 A case that raises on some ranks only, or differently on different ranks, ends its set of ranks
 (collectives may be out of step); the rest of the batch runs on a fresh set. A case that runs longer
-than ``CASE_TIMEOUT_S`` is a hang: every rank exits and the parent reports it.
+than ``CASE_TIMEOUT_S`` (a collective some rank never joins), or that spends more than
+``CASE_CPU_S`` of CPU time on one rank (a search that does not end), is a hang: every rank exits,
+leaving its stack for the report.
 
 Command line (from the repository root)::
 
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import logging
 import os
 import re
@@ -55,7 +58,8 @@ from vescale.testing import global_value, run_on_ranks  # noqa: E402
 
 LOSS_TOL = 1e-6  # losses: O(1) values in fp32 (ulp 1.2e-7 to 4.8e-7); only the order of sums differs
 TOL = 1e-5  # gradients and parameters after the steps
-CASE_TIMEOUT_S = 300.0  # a case this slow is hung (a cold 4-rank case takes ~10 s on an idle 2-core machine)
+CASE_TIMEOUT_S = 600.0  # wall clock: generous, a loaded machine slows every rank
+CASE_CPU_S = 60.0  # CPU time of one rank: a cold 4-rank case takes ~3-5 s
 
 
 @dataclasses.dataclass
@@ -134,8 +138,13 @@ class _nothing:
 
 
 def reference(case: Case) -> dict:
-    """The single-device run (``error`` set if the model itself fails: a generator bug)."""
-    vescale.manual_seed(case.seed)
+    """The single-device run (``error`` set if the model itself fails: a generator bug). It may run
+    in a rank's process: the generators are seeded as ``vescale.manual_seed`` does, without its
+    check across ranks (a collective)."""
+    profile = vescale.random.device_profile()
+    vescale.random.set_state(torch.tensor([case.seed, 0, profile.sm_count, profile.max_threads_per_sm], dtype=torch.int64))
+    torch.manual_seed(case.seed)
+    vescale.random.install()
     model = build_model(case.model, case.seed)
     out = {"seen": []}
     _watch(model, case, out["seen"])
@@ -253,7 +262,7 @@ def judge(case: Case, ref: dict, ranks: list[dict]) -> Verdict:
             return Verdict("FAIL", f"raw error {text}", first["traceback"])
         if case.must_run:
             return Verdict("FAIL", f"must run, but {text}", first["traceback"])
-        if case.mode == "static" and not first["stage"].startswith("step 0") and first["stage"] != "parallelize":
+        if case.mode == "static" and first["stage"] not in ("init", "parallelize", "step 0 micro-batch 0"):
             # Static steps run what the eager recording step ran; refusing it later is a defect.
             return Verdict("FAIL", f"a static step refuses what the recording step ran: {text}", first["traceback"])
         return Verdict("named", text)
@@ -265,6 +274,35 @@ def judge(case: Case, ref: dict, ranks: list[dict]) -> Verdict:
 # -------------------------------------------------------------------------------------- the ranks
 
 
+class _Watchdog(threading.Thread):
+    """Ends this rank if the running case takes longer than ``CASE_TIMEOUT_S`` or this rank spends
+    more than ``CASE_CPU_S`` of CPU time on it, writing every thread's stack to ``path`` first."""
+
+    def __init__(self, path: str):
+        super().__init__(daemon=True)
+        self.path, self.done = path, threading.Event()
+        self.wall, self.cpu = time.monotonic(), time.process_time()
+        self.start()
+
+    def run(self):
+        while not self.done.wait(1.0):
+            wall, cpu = time.monotonic() - self.wall, time.process_time() - self.cpu
+            if wall > CASE_TIMEOUT_S or cpu > CASE_CPU_S:
+                with open(self.path, "w") as f:
+                    f.write(f"after {wall:.0f} s, {cpu:.0f} CPU s\n")
+                    faulthandler.dump_traceback(f)
+                os._exit(3)
+
+    def stop(self):
+        self.done.set()
+
+
+def _save(obj, folder: str, name: str) -> None:
+    """Written whole, then renamed: the parent never reads half a file."""
+    torch.save(obj, os.path.join(folder, name + ".tmp"))
+    os.replace(os.path.join(folder, name + ".tmp"), os.path.join(folder, name))
+
+
 def _rank_loop(cases: list[Case], folder: str) -> None:
     """Run every case on this rank; rank 0 saves each case's results for the parent."""
     warnings.filterwarnings("ignore")  # DTensor's and HF's user warnings, once per case and rank
@@ -272,29 +310,30 @@ def _rank_loop(cases: list[Case], folder: str) -> None:
     torch.set_num_threads(1)
     for index, case in enumerate(cases):
         # A hang (a collective some rank never joins) ends every rank of the set after the timeout.
-        def hung(index=index):
-            with open(os.path.join(folder, f"{index}.hang{rank}"), "w"):
-                pass
-            os._exit(3)
-
-        watchdog = threading.Timer(CASE_TIMEOUT_S, hung)
-        watchdog.start()
+        watchdog = _Watchdog(os.path.join(folder, f"{index}.hang{rank}"))
         out = run_distributed(case)
         if "error" in out:  # saved before the all-gather, which a rank stuck in a collective never joins
             torch.save(out["error"], os.path.join(folder, f"{index}.err{rank}"))
         facts = {k: out.get(k) for k in ("error", "seen", "local_numel")}
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, facts)
-        watchdog.cancel()
+        watchdog.stop()
+        if rank == index % dist.get_world_size():  # the single-device run, one rank a case
+            _save(reference(case), folder, f"{index}.ref")
         if rank == 0:
-            torch.save({**out, "ranks": everyone}, os.path.join(folder, f"{index}.pt"))
+            _save({**out, "ranks": everyone}, folder, f"{index}.pt")
         errors = [(f["error"] or {}).get("message") for f in everyone]
         if any(errors) and len(set(errors)) > 1:
             return  # the ranks are out of step: the parent continues on a fresh set
 
 
+def _load(folder: str, name: str):
+    path = os.path.join(folder, name)
+    return torch.load(path, weights_only=False) if os.path.exists(path) else None
+
+
 def run_cases(cases: list[Case], world: int, report=print) -> list[tuple[Case, Verdict]]:
-    """Run ``cases`` (all on ``world`` ranks) and return each with its verdict, printing a line each."""
+    """Run ``cases`` (all on ``world`` ranks) and return each with its verdict, reporting a line each."""
     results, todo = [], list(cases)
     while todo:
         with tempfile.TemporaryDirectory(prefix="vescale-fuzz-") as folder:
@@ -304,25 +343,23 @@ def run_cases(cases: list[Case], world: int, report=print) -> list[tuple[Case, V
             except (RuntimeError, TimeoutError) as e:
                 crash = str(e)
             done = 0
-            while os.path.exists(os.path.join(folder, f"{done}.pt")):
-                got = torch.load(os.path.join(folder, f"{done}.pt"), weights_only=False)
+            while (got := _load(folder, f"{done}.pt")) is not None:
                 ranks = [{**facts, **(got if r == 0 else {})} for r, facts in enumerate(got["ranks"])]
-                case = todo[done]
-                verdict = judge(case, reference(case), ranks)
-                results.append((case, verdict))
-                report(_line(case, verdict))
+                ref = _load(folder, f"{done}.ref") or reference(todo[done])
+                results.append((todo[done], judge(todo[done], ref, ranks)))
+                report(_line(*results[-1]))
                 done += 1
-            if done < len(todo) and (crash or not os.path.exists(os.path.join(folder, f"{done}.pt"))):
-                if crash is not None:  # the case that hung or killed its ranks
-                    case = todo[done]
-                    files = sorted(f for f in os.listdir(folder) if f.startswith(f"{done}."))
-                    what = "hang" if any(".hang" in f for f in files) else "crash"
-                    errs = [torch.load(os.path.join(folder, f), weights_only=False) for f in files if ".err" in f]
-                    detail = "; ".join(f"{e['type']} at {e['stage']}: {e['message']}" for e in errs) or crash[-500:]
-                    verdict = Verdict("FAIL", f"{what}: {detail}")
-                    results.append((case, verdict))
-                    report(_line(case, verdict))
-                    done += 1
+            if done < len(todo) and crash is not None:  # the case that hung or killed its ranks
+                files = sorted(f for f in os.listdir(folder) if f.startswith(f"{done}."))
+                what = "hang" if any(".hang" in f for f in files) else "crash"
+                errs = [_load(folder, f) for f in files if ".err" in f]
+                hangs = [f"rank {f[f.index('hang') + 4:]} stopped " + open(os.path.join(folder, f)).readline().strip()
+                         for f in files if ".hang" in f]
+                detail = "; ".join([f"{e['type']} at {e['stage']}: {e['message']}" for e in errs] + hangs) or crash[-500:]
+                stacks = "".join(f"--- {f} ---\n" + open(os.path.join(folder, f)).read() for f in files if ".hang" in f)
+                results.append((todo[done], Verdict("FAIL", f"{what}: {detail}", stacks)))
+                report(_line(*results[-1]))
+                done += 1
             todo = todo[done:]
     return results
 
