@@ -103,6 +103,40 @@ REGRESSIONS: dict[str, Regression] = {
 }
 
 
+# Found by the fuzzer, fixed (vescale/dispatch/conv.py): PyTorch's convolution handlers gave a wrong
+# output for a Conv1d on a sequence-split input (their halo exchange is 4-D and uses global ranks),
+# labelled the weight's gradient Partial on mesh dim 0 whatever split the batch, and refused a batch
+# split on two mesh dims with a raw "hybrid sharding" ValueError.
+REGRESSIONS["conv1d_sequence_parallel"] = Regression(Case(
+    model=Spec(blocks=("conv",)), mesh=(("TP", 2),), batch=2, seq=4,
+    plan=(("shard", r"blocks\.\d+\.body\.<in>", "S(1)", "TP", None), ("shard", r"blocks\.\d+\.body\.<out>", "S(1)", "TP", None),
+          ("shard", r"embed\.<out>", "S(1)", "TP", None)),
+    expect=(("blocks.0.norm", 0, 1, "TP"),), must_run=True))
+REGRESSIONS["conv2d_batch_on_two_mesh_dims"] = Regression(Case(
+    model=Spec(blocks=("mlp",), vocab=0), mesh=(("DP", 2), ("EP", 2)), batch=4, seq=4, mode="static",
+    plan=(("shard", r"<in>[(x|labels)]", "S(0)", "DP", None), ("shard", r"<in>[(x|labels)]", "S(0)", "EP", None)),
+    expect=(("", 0, 0, "DP"), ("", 0, 0, "EP")), must_run=True))
+REGRESSIONS["conv2d_batch_on_dp_with_a_unit_dim"] = Regression(Case(
+    model=Spec(blocks=("mlp",), vocab=0), mesh=(("DP", 2), ("EP", 1)), batch=2, seq=4,
+    plan=(("shard", r"<in>[(x|labels)]", "S(0)", "DP", None), ("shard", r"<in>[(x|labels)]", "S(0)", "EP", None)),
+    expect=(("", 0, 0, "DP"),), must_run=True))
+# Found by the fuzzer, fixed (vescale/static/local_sizes.py): HF Conv1D's view(*x.size()[:-1], nf)
+# under DP x TP passes the batch read from the local tensor beside the global width nf; static steps
+# refused it ("the module must reshape the same way every step").
+REGRESSIONS["static_conv1d_view_local_batch_global_width"] = Regression(Case(
+    model=Spec(blocks=("mlp",), proj="conv1d"), mesh=(("DP", 2), ("TP", 2)), batch=4, seq=5, mode="static", steps=3,
+    plan=(("shard", r"blocks\.0\.body\.up\.weight", "S(1)", "TP", None), ("shard", r"blocks\.0\.body\.up\.bias", "S(0)", "TP", None),
+          ("shard", r"blocks\.0\.body\.down\.weight", "S(0)", "TP", None)) + _DP,
+    expect=(("", 0, 0, "DP"),), must_run=True))
+# Found by the fuzzer, open (vescale/dispatch/sized.py, the sized-op rules): the backward of
+# ``narrow(-1, ...)`` of a replicated fused gate|up output feeding a row-parallel matmul fails with
+# "The size of tensor a (0) must match the size of tensor b (8)"; the same slice written x[..., a:b] works.
+REGRESSIONS["narrow_backward_into_row_parallel"] = Regression(Case(
+    model=Spec(blocks=("mlp",), fused="narrow", gated=True, bias=False), mesh=(("TP", 2),), batch=2, seq=3, steps=1,
+    plan=(("shard", r"blocks\.0\.body\.down\.weight", "S(1)", "TP", None),)),
+    "fuzzer: narrow(-1) backward (slice_backward) on a Shard(-1) gradient replays a wrong sized-op decision")
+
+
 def _global_batch_below_tp() -> Case:
     """Issue 27 defect 2: one sequence per DP rank, a global batch below the TP size (LLaMA-like: TP +
     SP + ZeRO-3 on DP=2 x TP=4): the first forward fails in ``_unsafe_view``. 8 ranks."""
@@ -131,6 +165,7 @@ KNOWN = [
      r"split not in effect: blocks\.\d+\.body\.core"),
     ("issue 27 defect 3", lambda c: True, r"Redistribution from one partial type .* to another \(MaskP"),
     ("issue 27 defect 2", lambda c: True, r"would remove or reshape sharded dimension"),
+    ("fuzzer: narrow backward", lambda c: c.model.fused == "narrow", r"The size of tensor a \(0\) must match the size of tensor b"),
 ]
 
 

@@ -92,7 +92,9 @@ def _watch(model: nn.Module, case: Case, seen: list) -> None:
             if isinstance(t, tuple):
                 t = t[0]
             if isinstance(t, torch.Tensor):
-                local = t.to_local() if isinstance(t, DTensor) else t
+                # No op on the tensor (``to_local()`` is one): Static Eager's recording would take it
+                # for one of the module's own ops, and the static steps, which do not run it, for a change.
+                local = t._local_tensor if isinstance(t, DTensor) else t
                 seen.append((i, local.shape[dim], type(t).__name__))
         if path not in modules:
             continue  # the generator's expectation names a module the model lacks: judged as not seen
@@ -456,8 +458,9 @@ def shrink(case: Case, verdict: Verdict, report=print) -> tuple[Case, Verdict]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seed", type=int, help="run the example of this seed, and print it in full")
-    parser.add_argument("--case", help="run the regression case of this name (tests/fuzz/fuzz_regressions.py)")
-    parser.add_argument("--literal", help="run this Case(...) as printed by a failure (or a file holding one)")
+    parser.add_argument("--case", help="run the regression case of this name (tests/fuzz/fuzz_regressions.py), "
+                                       "'all', or those of one world size ('world2')")
+    parser.add_argument("--literal", help="run this Case(...) as printed by a failure, or a list of them (or a file)")
     parser.add_argument("--examples", type=int, default=0, help="run this many examples from --start")
     parser.add_argument("--start", type=int, default=0)
     parser.add_argument("--world", type=int, default=4, choices=[2, 4, 8], help="ranks (the mesh's size)")
@@ -469,11 +472,18 @@ def main(argv=None) -> int:
     if args.case:
         from fuzz_regressions import REGRESSIONS
 
-        cases = [REGRESSIONS[args.case].case]
-        args.world = cases[0].world
+        names = [n for n, r in REGRESSIONS.items() if args.case in ("all", n) or args.case == f"world{r.case.world}"]
+        if not names:
+            raise SystemExit(f"no regression case {args.case!r}; there are: all, world2/4/8, {', '.join(REGRESSIONS)}")
+        for world in sorted({REGRESSIONS[n].case.world for n in names}):
+            group = [n for n in names if REGRESSIONS[n].case.world == world]
+            for name, (case, verdict) in zip(group, run_cases([REGRESSIONS[n].case for n in group], world, report=lambda s: None)):
+                print(f"{name} ({REGRESSIONS[name].defect or 'must pass'}): {verdict}", flush=True)
+        return 0
     elif args.literal:
         text = open(args.literal).read() if os.path.exists(args.literal) else args.literal
-        cases = [eval(text, {"Case": Case, "Spec": Spec})]
+        cases = eval(text, {"Case": Case, "Spec": Spec})
+        cases = cases if isinstance(cases, list) else [cases]
         args.world = cases[0].world
     elif args.seed is not None:
         cases = [draw_case(args.seed, args.world)]
