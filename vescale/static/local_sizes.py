@@ -258,6 +258,19 @@ class SizeRewrite:
         return tuple(out)
 
 
+    def without_local(self, sizes: tuple) -> "SizeRewrite":
+        """This rewrite less the positions where a static step's call passes the local size already:
+        a size the model reads from the tensor (a batch that DP splits) beside one from its config
+        (HF ``Conv1D``'s ``view(*x.size()[:-1], nf)`` with a column-parallel weight) in one call. Only
+        the config's sizes are rewritten then, in this step and every later one."""
+        if len(sizes) != self.ndim:
+            return self
+        keep = [j for j, (i, n) in enumerate(zip(self.positions, self.local_sizes)) if sizes[i] != n]
+        if len(keep) == len(self.positions):
+            return self
+        pick = lambda values: tuple(values[j] for j in keep)  # noqa: E731
+        return SizeRewrite(self.ndim, pick(self.positions), pick(self.global_sizes), pick(self.local_sizes))
+
     def _scaled(self, sizes: tuple) -> tuple | None:
         """In a record derived for new input sizes: the local sizes where each rewritten size is the
         recorded global one or follows the inputs (a global sequence length), split evenly over the
