@@ -185,3 +185,22 @@ def test_dataloader_with_prefetching_workers_resumes_through_a_checkpoint(tmp_pa
     rest = [b.flatten().tolist() for b in resumed]
     assert seen + rest == expected
     assert resumed.state_dict()["batch"] == len(resumed) == 6
+
+
+def test_a_pass_draws_nothing_from_the_generators_the_model_reads():
+    """torch's loader draws a base seed for its workers at every pass; from the default generator,
+    that draw would move the generator a single-device run's dropout reads under
+    ``vescale.random.consistent()`` (the demo's single-device losses parted from the distributed ones)."""
+    data = torch.utils.data.TensorDataset(torch.arange(16))
+    loader = vescale.data.DataLoader(data, 4)
+    vescale.manual_seed(0)
+    before_torch = torch.get_rng_state()
+    with vescale.random.consistent():
+        expected = torch.rand(8)
+    vescale.manual_seed(0)
+    with vescale.random.consistent():
+        batches = [b for (b,) in loader]
+        drawn = torch.rand(8)
+    assert torch.equal(drawn, expected), "a pass of the loader moved vescale's generator"
+    assert torch.equal(torch.get_rng_state(), before_torch), "a pass of the loader moved torch's default generator"
+    assert torch.equal(torch.cat(batches), torch.arange(16))
