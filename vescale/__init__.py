@@ -17,7 +17,7 @@ from . import dispatch, static  # packages users reach as vescale.dispatch / ves
 from . import checkpoint  # vescale.checkpoint.save / load
 from .comm.grad import no_grad_sync
 from .mesh import init_mesh
-from .parallel import explain, parallelize
+from .parallel import OutOfStepError, explain, parallelize
 from .placement import InterleavedShard
 from .plan import INIT, RUN, PlanError, VescalePlan
 
@@ -32,5 +32,5 @@ def manual_seed(seed: int) -> None:
 __all__ = [
     "init_mesh", "VescalePlan", "parallelize", "explain", "manual_seed", "no_grad_sync",
     "Shard", "Replicate", "Partial", "INIT", "RUN", "PlanError", "InterleavedShard",
-    "checkpoint",
+    "checkpoint", "OutOfStepError",
 ]

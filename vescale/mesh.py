@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["init_mesh", "DEFAULT_TIMEOUT"]
+__all__ = ["init_mesh", "DEFAULT_TIMEOUT", "run_timeout", "apply_run_timeout"]
 
 # How long a collective may wait for its peers before it fails. PyTorch's gloo default is 30 minutes,
 # which turns one crashed or diverged rank into a half-hour hang; 10 minutes (NCCL's default) still
@@ -79,7 +79,43 @@ def init_mesh(
             f"init_mesh: mesh shape {shape} holds {math.prod(shape)} ranks but the run has {world}; "
             f"make the product of the shape equal the number of processes"
         )
-    return init_device_mesh(device_type, shape, mesh_dim_names=names)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    for group in mesh.get_all_groups():
+        apply_run_timeout(group)
+    return mesh
+
+
+def run_timeout() -> timedelta | None:
+    """The default process group's collective timeout (what ``init_mesh(timeout=)`` set), or None
+    when there is no process group or its backend does not say."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return _timeout_of(dist.distributed_c10d._get_default_group())
+
+
+def apply_run_timeout(group: dist.ProcessGroup, scale: float = 1.0) -> None:
+    """Give ``group`` the run's collective timeout (times ``scale``).
+
+    ``torch.distributed.new_group``, and so every DeviceMesh dimension that is not the whole world,
+    flattened sub-meshes and vescale's own groups, starts with the backend's default timeout (30
+    minutes on gloo) instead of the one the run was started with: a rank waiting there for a peer
+    that stopped would hang for half an hour although ``init_mesh(timeout=30)`` was asked for.
+    Every group vescale makes or takes from a mesh goes through here."""
+    wanted = run_timeout()
+    if wanted is None or group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
+        return
+    wanted = wanted * scale
+    if _timeout_of(group) != wanted:
+        dist.distributed_c10d._set_pg_timeout(wanted, group)
+
+
+def _timeout_of(group: dist.ProcessGroup) -> timedelta | None:
+    for device in (torch.device("cpu"), torch.device("cuda")):
+        try:
+            return group._get_backend(device).options._timeout
+        except (RuntimeError, AttributeError):
+            continue
+    return None
 
 
 def _as_timedelta(timeout: float | timedelta | None) -> timedelta | None:

@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
+from ..mesh import apply_run_timeout
 from ..parallel.state import checkpointable
 from . import layout
 
@@ -170,7 +171,9 @@ def _start_async(state: dict, temp: Path):
     if not _async_group:
         # The writer thread runs DCP's collectives while the main thread trains: on the default
         # group the two streams of collectives would interleave and pair wrongly.
-        _async_group.append(dist.new_group(backend="gloo"))
+        group = dist.new_group(backend="gloo")
+        apply_run_timeout(group)  # a new group starts with gloo's 30 minutes, not the run's timeout
+        _async_group.append(group)
     return dcp.async_save(state, checkpoint_id=temp, process_group=_async_group[0])
 
 

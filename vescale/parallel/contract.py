@@ -27,11 +27,12 @@ from torch.distributed.tensor import DTensor, Shard
 from ..plan.ir import Entry
 from ..plan.lower import KeyPattern
 
-__all__ = ["InputContract", "DataContractError", "checksum", "FIRST_STEPS", "MODES"]
+__all__ = ["InputContract", "DataContractError", "checksum", "fingerprint_parts", "fingerprint_of", "FIRST_STEPS", "MODES"]
 
 FIRST_STEPS = 2
 MODES = ("auto", "always", "off")
 _SLOTS = 16  # inputs compared one by one; more are folded into the last slot
+_SAMPLED_WORDS = 4096  # the step check's fingerprint reads at most this many 32-bit words of a tensor
 
 
 class DataContractError(RuntimeError):
@@ -48,6 +49,35 @@ def checksum(tensors: list[torch.Tensor]) -> torch.Tensor:
         # int64 sums of 32-bit words cannot overflow below 2**31 words per tensor.
         sums += [words.sum(dtype=torch.int64), (words * weights).sum()]
     return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int64)
+
+
+def fingerprint_parts(tensors: list[torch.Tensor]) -> tuple[int, list[torch.Tensor]]:
+    """The step check's fingerprint of the tensors' shapes, dtypes and bits, in two parts: an int
+    for the shapes and dtypes, and per tensor a pair of int64 sums (on the tensor's device) over at
+    most ``_SAMPLED_WORDS`` evenly spaced 32-bit words of it, so that the cost does not grow with the
+    batch. ``fingerprint`` folds them into one int. Equal tensors give equal fingerprints; another
+    batch almost surely another (not a proof of equality: ``checksum`` reads every bit)."""
+    sums = []
+    for t in tensors:
+        raw = t.detach().reshape(-1)
+        if raw.numel() == 0:
+            continue
+        if not raw.is_contiguous():
+            raw = raw.contiguous()
+        words = raw.view(torch.int32) if raw.numel() * raw.element_size() % 4 == 0 else raw.view(torch.uint8)
+        if words.numel() > _SAMPLED_WORDS:
+            words = words[:: words.numel() // _SAMPLED_WORDS][:_SAMPLED_WORDS]
+        weights = torch.arange(1, words.numel() + 1, dtype=torch.int64, device=words.device)
+        sums.append(torch.stack([(words * weights).sum(), words.sum(dtype=torch.int64)]))
+    return _crc(repr([(tuple(t.shape), str(t.dtype)) for t in tensors])), sums
+
+
+def fingerprint_of(head: int, sums: list[int]) -> int:
+    """Fold ``fingerprint_parts`` (the sums read back as ints) into one int below 2**62."""
+    total = head
+    for s in sums:
+        total = (total * 1000003 + s) & ((1 << 62) - 1)
+    return total
 
 
 def _plain_inputs(args, kwargs, names: list[str]) -> list[tuple[str, torch.Tensor]]:
@@ -71,12 +101,16 @@ class InputContract:
         # Inputs a plan.annotate takes as this rank's local shard: they differ across ranks by design.
         self.local_shards = [e for e in entries if e.action == "annotate" and any(p is not None and not p.is_replicate() for p in e.targets)]
         self.calls, self.signature = 0, None
+        self.fingerprints = False  # set by parallelize when the step check reads them
+        self._fingerprint = None  # this call's: (head, sums on the host, event to wait for) or an int
 
     def __call__(self, args, kwargs) -> None:
         inputs = _plain_inputs(args, kwargs, self.names)
         if self.local_shards:
             local = {n for _, n in self._named(self.local_shards, dict(inputs))}
             inputs = [(n, t) for n, t in inputs if n not in local]
+        if self.fingerprints:
+            self._fingerprint = self._start_fingerprint([t for _, t in inputs]) if self.mode != "off" else 0
         self._check_splittable(dict(inputs))
         if self.mode == "off" or not dist.is_initialized() or dist.get_world_size() == 1:
             return
@@ -86,6 +120,33 @@ class InputContract:
         if due:
             self._check_same_everywhere(inputs, signature)
             self.signature = signature
+
+    @staticmethod
+    def _start_fingerprint(tensors: list[torch.Tensor]):
+        head, sums = fingerprint_parts(tensors)
+        if not sums:
+            return head
+        both = torch.cat(sums)
+        if both.device.type == "cpu":
+            return fingerprint_of(head, both.tolist())
+        # On a GPU: copy the sums out without waiting for them; the forward's kernels queue up behind
+        # the copy, and reading it at the end of forward waits for the copy only.
+        host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+        host.copy_(both, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return head, host, done
+
+    def fingerprint(self) -> int:
+        """The step check's fingerprint of the current forward call's global plain inputs
+        (``fingerprint_parts``; 0 with ``check_inputs="off"``, where the ranks' inputs may differ
+        by design), taken once."""
+        taken, self._fingerprint = self._fingerprint, None
+        if taken is None or isinstance(taken, int):
+            return taken or 0
+        head, host, done = taken
+        done.synchronize()
+        return fingerprint_of(head, host.tolist())
 
     def _split_inputs(self, inputs: dict[str, torch.Tensor]):
         """(entry, input name) for every root input a shard statement names in this call."""
