@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["init_mesh", "DEFAULT_TIMEOUT", "run_timeout", "apply_run_timeout"]
+__all__ = ["init_mesh", "DEFAULT_TIMEOUT", "run_timeout", "apply_run_timeout", "communicates"]
 
 # How long a collective may wait for its peers before it fails. PyTorch's gloo default is 30 minutes,
 # which turns one crashed or diverged rank into a half-hour hang; 10 minutes (NCCL's default) still
@@ -83,6 +83,15 @@ def init_mesh(
     for group in mesh.get_all_groups():
         apply_run_timeout(group)
     return mesh
+
+
+def communicates() -> bool:
+    """Whether the default process group talks to other processes (gloo, nccl, mpi, ...): False
+    without one and for PyTorch's ``fake`` backend, whose one process plays a rank of a world whose
+    other ranks do not exist (collectives return at once, the store holds only this process's keys)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return False
+    return "fake" not in str(dist.get_backend())
 
 
 def run_timeout() -> timedelta | None:

@@ -3,7 +3,10 @@
 Tests and benchmarks use this to check behaviour that needs real collectives: the parent forks
 ``world_size`` children, each initialises a gloo process group on a private localhost port, calls
 ``fn(*args)`` and sends back its return value (or its traceback). A rank that hangs is killed after
-``timeout`` seconds and the call fails instead of blocking the suite.
+``timeout`` seconds and the call fails instead of blocking the suite. As under torchrun (whose agent
+hosts the store), the process group's store lives in a process of its own that outlives every rank:
+a rank that finishes first does not take the store down with it while the others still report
+through it (``vescale.parallel.faults``).
 """
 
 from __future__ import annotations
@@ -11,7 +14,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
-import socket
 import traceback
 from contextlib import contextmanager
 from typing import Any, Callable
@@ -20,12 +22,6 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["run_on_ranks", "fake_world", "forget_dtensor_caches", "train_losses", "sgd_steps", "global_value", "error_of"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager
@@ -71,6 +67,16 @@ def forget_dtensor_caches() -> None:
     clear_moves()
 
 
+def _store_host(world_size: int, conn) -> None:
+    """Host the run's TCPStore (sends its port back) until the parent closes the pipe."""
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    conn.send(store.port)
+    try:
+        conn.recv()  # returns (EOFError) when the parent closes its end
+    except EOFError:
+        pass
+
+
 def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, conn) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -84,7 +90,8 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, con
     torch.set_num_threads(1)
     forget_dtensor_caches()  # the parent may have simulated other ranks
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         result = fn(*args)
         # Plain pickle copies tensor data; multiprocessing's own pickler would pass storages by
         # file descriptor, which dies with this process.
@@ -105,7 +112,23 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
     traceback, or ``TimeoutError`` if any rank does not finish within ``timeout`` seconds.
     """
     ctx = mp.get_context("fork")  # fork: children inherit imports, so start-up costs milliseconds
-    port = _free_port()
+    store_end, host_end = ctx.Pipe()
+    host = ctx.Process(target=_store_host, args=(world_size, host_end), daemon=True)
+    host.start()
+    host_end.close()
+    try:
+        if not store_end.poll(60):
+            raise TimeoutError("run_on_ranks: the store process did not start within 60 s")
+        port = store_end.recv()
+        return _run_children(ctx, port, fn, world_size, args, timeout)
+    finally:
+        store_end.close()  # the store process returns
+        host.join(timeout=5)
+        if host.is_alive():
+            host.kill()
+
+
+def _run_children(ctx, port: int, fn: Callable, world_size: int, args: tuple, timeout: float) -> list:
     pipes, procs = [], []
     for rank in range(world_size):
         parent_end, child_end = ctx.Pipe(duplex=False)

@@ -22,7 +22,7 @@ from ..mesh import apply_run_timeout
 from ..plan import PlanError, PlanIR, VescalePlan, lower
 from ..plan.lower import forward_arg_names
 from .contract import InputContract, checksum
-from .faults import StepCheck, stamp_group
+from .faults import StepCheck, note_peer_failures, stamp_group
 from .hooks import enable_implicit_replication, gather_only, install_module_hooks, root_hooks
 from .batch_local import install_batch_local
 from .experts import install_expert_parallel
@@ -165,7 +165,11 @@ def parallelize(
         )
     root_inputs = [e for e in ir.hooks().get(("", "forward_pre"), []) if e.tensor == "<in>"]
     contract = InputContract(root_inputs, forward_arg_names(model)[0], mesh, check_inputs)
-    _check_same_weights(model, mesh)
+    try:
+        _check_same_weights(model, mesh)
+    except Exception as e:  # a collective no other rank joined: name what they reported
+        note_peer_failures(e, "parallelize's check that every rank holds the same initial weights")
+        raise
     if has_meta(model):  # built on the meta device: allocate shards, replay the model's init code
         dispatch.install()  # DTensor ops of the init code (interleaved splits, ...) as in training
         materialize(model, mesh, _init_placements(ir))

@@ -215,15 +215,14 @@ def stamp_group():
     """The gloo group the step check's stamps travel on, made (collectively: every rank calls it, in
     ``parallelize``) once per process group; None where the check cannot run (no process group, one
     rank, or a backend that does not communicate, such as the fake one of unit tests)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    from ..mesh import communicates, run_timeout
+
+    if not communicates():
         return None
     default = dist.distributed_c10d._get_default_group()
     if _STAMP_GROUP and _STAMP_GROUP[0][0] is default:
         return _STAMP_GROUP[0][1]
-    if not set(str(dist.get_backend()).replace(",", ":").split(":")) & {"gloo", "nccl"}:
-        return None
     group = dist.new_group(backend="gloo")
-    from ..mesh import run_timeout
 
     timeout = run_timeout()
     if timeout is not None:
