@@ -218,5 +218,6 @@ def parallelize(
     model._vescale_mesh = mesh
     model._vescale_handles = handles
     model._vescale_reducer = reducer
+    model._vescale_step_check = step_check
     model._vescale_gathers = scheduler
     return model

@@ -253,6 +253,7 @@ class StepCheck:
         self.world, self.rank = dist.get_world_size(group), dist.get_rank()
         self.pending = None  # (work, stamp, call) sent by a forward that raised, not yet read
         self.group_failed = False  # a stamp failed: the other ranks are gone, send no more
+        self.enabled = True  # benchmarks flip it (on every rank alike, between steps) for an A/B
         self.backend = group._get_backend(torch.device("cpu"))
         from torch._C._distributed_c10d import AllreduceOptions
 
@@ -303,7 +304,7 @@ class StepCheck:
         """At the end of forward call ``call`` (``failed``: the exception leaving it, if any). Every
         call sends its stamp, also one that raised (the others wait for it), so that stamp ``k`` is
         forward call ``k`` on every rank."""
-        if self.group_failed or self.pending is not None:
+        if self.group_failed or self.pending is not None or not self.enabled:
             return
         inputs = self.fingerprint() if self.fingerprint is not None and failed is None else 0
         try:
