@@ -4,13 +4,19 @@ Initialises the default process group when needed (gloo on CPU, nccl on CUDA) an
 ``DeviceMesh`` with named dimensions, so plans can say ``mesh="TP"`` and code can say ``mesh["DP"]``.
 A plain ``python script.py`` (no torchrun) gets a one-rank group, so a mesh of shape (1, ...) works
 for single-process runs and debugging.
+
+Every group vescale makes gets the run's collective timeout (``apply_run_timeout``) and is destroyed
+when the interpreter exits normally (``GroupTeardown``): a gloo group left to interpreter
+finalisation can abort the process (see ``GroupTeardown``).
 """
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import socket
+import sys
 from datetime import timedelta
 from typing import Sequence
 
@@ -18,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["init_mesh", "DEFAULT_TIMEOUT", "run_timeout", "apply_run_timeout", "communicates"]
+__all__ = ["init_mesh", "DEFAULT_TIMEOUT", "run_timeout", "apply_run_timeout", "communicates", "TEARDOWN"]
 
 # How long a collective may wait for its peers before it fails. PyTorch's gloo default is 30 minutes,
 # which turns one crashed or diverged rank into a half-hour hang; 10 minutes (NCCL's default) still
@@ -71,6 +77,7 @@ def init_mesh(
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         _init_default_group(backend, _as_timedelta(timeout) or DEFAULT_TIMEOUT)
+        TEARDOWN.owns_default_group()
     elif timeout is not None:
         dist.distributed_c10d._set_pg_timeout(_as_timedelta(timeout))
     world = dist.get_world_size()
@@ -82,7 +89,76 @@ def init_mesh(
     mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
     for group in mesh.get_all_groups():
         apply_run_timeout(group)
+        TEARDOWN.track(group)
     return mesh
+
+
+class GroupTeardown:
+    """Destroys the process groups vescale made when the interpreter exits normally.
+
+    A gloo process group that is never destroyed lives until interpreter finalisation, and its
+    worker threads (``pt_gloo_runloop``) may still hold the last reference to a tensor that a
+    collective used. When such a thread drops it while the interpreter is being torn down, freeing
+    the tensor's Python object makes the thread take the GIL; CPython ends a thread that does so
+    during finalisation with ``pthread_exit``, whose stack unwinding cannot cross the ``noexcept``
+    entry of the ``std::thread``: ``std::terminate``, "terminate called without an active
+    exception", SIGABRT after a run that succeeded (torchrun then reports it failed, and restarts it
+    under ``--max-restarts``). Reproduced with plain ``torch.distributed`` (four gloo ranks, a few
+    all-gathers, no ``destroy_process_group``: 2 to 4 aborts in 20 launches); PyTorch leaves the
+    destruction to the program.
+
+    So vescale destroys them in an ``atexit`` handler, which runs after Python has joined the
+    program's threads (a background checkpoint write has finished) and while the interpreter is
+    still whole: every group when ``init_mesh`` made the default one (``destroy_process_group()``),
+    else the groups vescale made itself (mesh dimensions, flattened sub-meshes, the step check's
+    and the async checkpoint's). Only on a normal exit: after an uncaught exception, or once a
+    collective failed (``vescale.parallel.faults``), a group may still have an operation waiting
+    for a peer, and destroying it would wait for that operation's timeout; the process is failing
+    anyway. ``dist.destroy_process_group()`` called by the program first makes this a no-op."""
+
+    def __init__(self):
+        self.default_is_ours = False
+        self.groups: list = []
+        self._registered = False
+
+    def owns_default_group(self) -> None:
+        self.default_is_ours = True
+        self._register()
+
+    def track(self, group) -> None:
+        """A group vescale made (destroyed at exit unless the whole default group is)."""
+        if group is not None and group is not dist.GroupMember.WORLD and group not in self.groups:
+            self.groups.append(group)
+            self._register()
+
+    def _register(self) -> None:
+        if not self._registered:
+            atexit.register(self.at_exit)
+            self._registered = True
+
+    def at_exit(self) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        if getattr(sys, "last_value", None) is not None:  # an uncaught exception ends the process
+            return
+        from .parallel.faults import PROGRESS
+
+        if PROGRESS.stopped is not None:
+            return
+        try:
+            if self.default_is_ours:
+                dist.destroy_process_group()
+            else:
+                live = dist.distributed_c10d._world.pg_map
+                for group in self.groups:
+                    if group in live:
+                        dist.destroy_process_group(group)
+        except Exception:  # nothing to do about it at exit; the groups die with the process
+            pass
+        self.groups.clear()
+
+
+TEARDOWN = GroupTeardown()
 
 
 def communicates() -> bool:

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
-from ..mesh import apply_run_timeout
+from ..mesh import TEARDOWN, apply_run_timeout
 from ..parallel.faults import _first_line
 from ..parallel.state import checkpointable
 from . import integrity, layout
@@ -208,6 +208,7 @@ def _start_async(state: dict, writer: integrity.ChecksumWriter, temp: Path, side
             # group the two streams of collectives would interleave and pair wrongly.
             made = dist.new_group(backend="gloo")
             apply_run_timeout(made)  # a new group starts with gloo's 30 minutes, not the run's timeout
+            TEARDOWN.track(made)
             _async_group.append(made)
         group = _async_group[0]
         future = dcp.async_save(state, storage_writer=writer, process_group=group)

@@ -19,7 +19,7 @@ import itertools
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..mesh import apply_run_timeout
+from ..mesh import TEARDOWN, apply_run_timeout
 
 __all__ = ["prepare_groups", "group_of", "group_size"]
 
@@ -49,6 +49,7 @@ def prepare_groups(mesh: DeviceMesh) -> None:
                 sub = mesh[names] if len(dims) < mesh.ndim else mesh
                 group = sub._flatten(_flat_name(mesh, dims)).get_group()
                 apply_run_timeout(group)  # new groups start with the backend's default timeout
+                TEARDOWN.track(group)
                 _CACHE[key] = (mesh, group)
 
 

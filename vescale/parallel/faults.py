@@ -215,7 +215,7 @@ def stamp_group():
     """The gloo group the step check's stamps travel on, made (collectively: every rank calls it, in
     ``parallelize``) once per process group; None where the check cannot run (no process group, one
     rank, or a backend that does not communicate, such as the fake one of unit tests)."""
-    from ..mesh import communicates, run_timeout
+    from ..mesh import TEARDOWN, communicates, run_timeout
 
     if not communicates():
         return None
@@ -229,6 +229,7 @@ def stamp_group():
         # A rank whose forward raised waits here for the others, which may first have to time out
         # in a training collective and read the reports: allow both.
         dist.distributed_c10d._set_pg_timeout(2 * timeout + timedelta(seconds=10), group)
+    TEARDOWN.track(group)
     _STAMP_GROUP[:] = [(default, group)]
     return group
 
