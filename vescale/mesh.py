@@ -5,9 +5,9 @@ Initialises the default process group when needed (gloo on CPU, nccl on CUDA) an
 A plain ``python script.py`` (no torchrun) gets a one-rank group, so a mesh of shape (1, ...) works
 for single-process runs and debugging.
 
-Every group vescale makes gets the run's collective timeout (``apply_run_timeout``) and is destroyed
-when the interpreter exits normally (``GroupTeardown``): a gloo group left to interpreter
-finalisation can abort the process (see ``GroupTeardown``).
+Every group vescale makes gets the run's collective timeout (``apply_run_timeout``), and the run's
+gloo groups are quieted when the interpreter exits normally (``GroupTeardown``): a gloo worker thread
+still releasing a collective's tensors during interpreter finalisation aborts the process.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import math
 import os
 import socket
 import sys
+import time
 from datetime import timedelta
 from typing import Sequence
 
@@ -94,50 +95,54 @@ def init_mesh(
 
 
 class GroupTeardown:
-    """Destroys the process groups vescale made when the interpreter exits normally.
+    """Quiets vescale's gloo process groups when the interpreter exits normally.
 
-    A gloo process group that is never destroyed lives until interpreter finalisation, and its
-    worker threads (``pt_gloo_runloop``) may still hold the last reference to a tensor that a
-    collective used. When such a thread drops it while the interpreter is being torn down, freeing
-    the tensor's Python object makes the thread take the GIL; CPython ends a thread that does so
-    during finalisation with ``pthread_exit``, whose stack unwinding cannot cross the ``noexcept``
-    entry of the ``std::thread``: ``std::terminate``, "terminate called without an active
-    exception", SIGABRT after a run that succeeded (torchrun then reports it failed, and restarts it
-    under ``--max-restarts``). Reproduced with plain ``torch.distributed`` (four gloo ranks, a few
-    all-gathers, no ``destroy_process_group``: 2 to 4 aborts in 20 launches); PyTorch leaves the
-    destruction to the program.
+    A gloo worker thread (``pt_gloo_runloop``) releases each collective's work object, and with it
+    the collective's tensors, after the collective completes. When that release comes after the
+    program has returned and the interpreter is being torn down, freeing a tensor's Python object
+    makes the thread take the GIL; CPython ends a thread that does so during finalisation with
+    ``pthread_exit``, whose stack unwinding cannot cross the ``noexcept`` entry of the
+    ``std::thread``: ``std::terminate``, "terminate called without an active exception", SIGABRT
+    after a run that succeeded (torchrun then reports it failed, and restarts it under
+    ``--max-restarts``). A core dump shows it: the worker in ``~AsyncAllgatherWork`` ->
+    ``TensorImpl::decref_pyobject`` -> ``PyEval_AcquireThread`` -> ``pthread_exit`` ->
+    ``std::terminate``, the main thread in ``Py_FinalizeEx``. Plain ``torch.distributed`` shows it
+    too (four gloo ranks, ten all-gathers not waited for: 3 aborts in 20 launches); a collective
+    that was waited for can still be released late by a worker the OS has not scheduled yet (the
+    2-in-25 aborts of the issue, on a loaded machine). ``destroy_process_group()`` does not help:
+    the process groups live on while anything refers to them (a DeviceMesh's cached sub-meshes,
+    vescale's compiled moves and gather programs, the model), so their threads are only joined
+    during finalisation, which is the race.
 
-    So vescale destroys them in an ``atexit`` handler, which runs after Python has joined the
-    program's threads (a background checkpoint write has finished) and while the interpreter is
-    still whole: every group when ``init_mesh`` made the default one (``destroy_process_group()``),
-    else the groups vescale made itself (mesh dimensions, flattened sub-meshes, the step check's
-    and the async checkpoint's). Only on a normal exit: after an uncaught exception, or once a
-    collective failed (``vescale.parallel.faults``), a group may still have an operation waiting
-    for a peer, and destroying it would wait for that operation's timeout; the process is failing
-    anyway. ``dist.destroy_process_group()`` called by the program first makes this a no-op."""
+    So an ``atexit`` handler (it runs after Python has joined the program's threads, so a background
+    checkpoint write has finished, and while the interpreter is still whole) waits, through the
+    store, until every rank has reached its own exit (no collective: a rank still training would
+    pair it with its next one), then takes every gloo group of the run through a barrier (gloo's
+    barrier waits for every collective queued before it) and gives the workers a moment to release
+    what they ran. Only after a normal exit with vescale's groups in use, and only when every rank
+    arrives within ``MEET_S``: after an uncaught exception, or once a collective failed
+    (``vescale.parallel.faults``), a group may still wait for a peer that will not come, and the
+    process is failing anyway."""
+
+    GRACE_S = 0.05  # for a worker to release the work it just finished, once the barrier has passed
+    MEET_S = 30.0  # how long a rank at exit waits for the others to reach theirs
 
     def __init__(self):
-        self.default_is_ours = False
-        self.groups: list = []
+        self.active = False
         self._registered = False
 
     def owns_default_group(self) -> None:
-        self.default_is_ours = True
-        self._register()
+        self.track(None)
 
     def track(self, group) -> None:
-        """A group vescale made (destroyed at exit unless the whole default group is)."""
-        if group is not None and group is not dist.GroupMember.WORLD and group not in self.groups:
-            self.groups.append(group)
-            self._register()
-
-    def _register(self) -> None:
+        """vescale made or uses ``group``: quiet the run's groups at exit."""
+        self.active = True
         if not self._registered:
             atexit.register(self.at_exit)
             self._registered = True
 
     def at_exit(self) -> None:
-        if not (dist.is_available() and dist.is_initialized()):
+        if not self.active or not (dist.is_available() and dist.is_initialized()):
             return
         if getattr(sys, "last_value", None) is not None:  # an uncaught exception ends the process
             return
@@ -145,17 +150,32 @@ class GroupTeardown:
 
         if PROGRESS.stopped is not None:
             return
+        if not self._every_rank_is_exiting():
+            return
+        from torch._C._distributed_c10d import BarrierOptions
+
+        options = BarrierOptions()
+        options.timeout = min(run_timeout() or DEFAULT_TIMEOUT, timedelta(seconds=60))
         try:
-            if self.default_is_ours:
-                dist.destroy_process_group()
-            else:
-                live = dist.distributed_c10d._world.pg_map
-                for group in self.groups:
-                    if group in live:
-                        dist.destroy_process_group(group)
-        except Exception:  # nothing to do about it at exit; the groups die with the process
-            pass
-        self.groups.clear()
+            # Every rank's groups, in the order they were made (the same on every rank).
+            for group in list(dist.distributed_c10d._world.pg_map):
+                if "gloo" in str(dist.get_backend(group)):
+                    group._get_backend(torch.device("cpu")).barrier(options).wait()
+        except Exception:  # a peer already gone: nothing more to do; the process is ending
+            return
+        time.sleep(self.GRACE_S)
+
+    def _every_rank_is_exiting(self) -> bool:
+        if not communicates():
+            return dist.get_world_size() == 1
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            if store.add("vescale/exit/arrived", 1) == dist.get_world_size():
+                store.set("vescale/exit/all", "1")
+            store.wait(["vescale/exit/all"], min(run_timeout() or DEFAULT_TIMEOUT, timedelta(seconds=self.MEET_S)))
+            return True
+        except Exception:  # a rank did not come (it failed, or is still running): leave the groups alone
+            return False
 
 
 TEARDOWN = GroupTeardown()

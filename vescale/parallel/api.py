@@ -140,11 +140,12 @@ def parallelize(
     (``init_weights()``, else every module's ``reset_parameters()``) fills them with the values one
     device would draw from vescale's RNG (``vescale.manual_seed`` first); see ``vescale.init``.
 
-    Step check (``vescale.parallel.faults``): at the end of every forward call the ranks compare,
-    in one small all-reduce on a gloo group of their own, whether their forward raised, how many
-    optimiser steps they have taken and a fingerprint of the inputs; a rank that raised where the
-    others did not, fell behind by an optimiser step or was given another batch makes every rank
-    raise ``OutOfStepError`` naming it, before backward. ``check_steps=False`` turns it off.
+    Step check (``vescale.parallel.faults``): at the start of every forward call, before its first
+    collective, the ranks compare in one small all-reduce on a gloo group of their own whether their
+    previous forward raised, how many optimiser steps they have taken and a fingerprint of the
+    inputs; a rank that fell behind by an optimiser step, was given another batch or raised where the
+    others did not makes every rank raise ``OutOfStepError`` naming it. ``check_steps=False`` turns
+    it off.
 
     ``strict=True``: refuse a plan that does nothing on some mesh dim of size > 1 (no parameter
     sharded and no activation split there; see ``vescale.explain``'s report), e.g. a DP dim whose
@@ -190,7 +191,6 @@ def parallelize(
     if check_steps:
         group = stamp_group()  # collective the first time: every rank makes it, here
         if group is not None:
-            contract.fingerprints = True
             step_check = StepCheck(group, contract.fingerprint)
     handles = root_hooks(model, scheduler, contract, reducer, step_check)
     modules = dict(model.named_modules(remove_duplicate=False))

@@ -101,16 +101,19 @@ class InputContract:
         # Inputs a plan.annotate takes as this rank's local shard: they differ across ranks by design.
         self.local_shards = [e for e in entries if e.action == "annotate" and any(p is not None and not p.is_replicate() for p in e.targets)]
         self.calls, self.signature = 0, None
-        self.fingerprints = False  # set by parallelize when the step check reads them
-        self._fingerprint = None  # this call's: (head, sums on the host, event to wait for) or an int
+        self._deferred = None  # a GPU call's fingerprint in flight: (head, pinned sums, event)
 
-    def __call__(self, args, kwargs) -> None:
+    def _global_inputs(self, args, kwargs) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor) of the plain root inputs that stand for global tensors (not those a
+        ``plan.annotate`` takes as this rank's local shard)."""
         inputs = _plain_inputs(args, kwargs, self.names)
         if self.local_shards:
             local = {n for _, n in self._named(self.local_shards, dict(inputs))}
             inputs = [(n, t) for n, t in inputs if n not in local]
-        if self.fingerprints:
-            self._fingerprint = self._start_fingerprint([t for _, t in inputs]) if self.mode != "off" else 0
+        return inputs
+
+    def __call__(self, args, kwargs) -> None:
+        inputs = self._global_inputs(args, kwargs)
         self._check_splittable(dict(inputs))
         if self.mode == "off" or not dist.is_initialized() or dist.get_world_size() == 1:
             return
@@ -121,30 +124,30 @@ class InputContract:
             self._check_same_everywhere(inputs, signature)
             self.signature = signature
 
-    @staticmethod
-    def _start_fingerprint(tensors: list[torch.Tensor]):
-        head, sums = fingerprint_parts(tensors)
+    def fingerprint(self, args, kwargs) -> int:
+        """The step check's fingerprint (``fingerprint_parts``) of this forward call's global plain
+        inputs; 0 with ``check_inputs="off"``, where the ranks' inputs may differ by design.
+
+        Inputs on a GPU: reading their values now would wait for everything queued on the stream
+        before them (the previous step), so this call's sums are copied out without waiting and the
+        fingerprint returned is the previous call's (a skipped batch is then found one call later)."""
+        if self.mode == "off":
+            return 0
+        head, sums = fingerprint_parts([t for _, t in self._global_inputs(args, kwargs)])
         if not sums:
             return head
         both = torch.cat(sums)
         if both.device.type == "cpu":
             return fingerprint_of(head, both.tolist())
-        # On a GPU: copy the sums out without waiting for them; the forward's kernels queue up behind
-        # the copy, and reading it at the end of forward waits for the copy only.
+        previous, self._deferred = self._deferred, None
         host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
         host.copy_(both, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        return head, host, done
-
-    def fingerprint(self) -> int:
-        """The step check's fingerprint of the current forward call's global plain inputs
-        (``fingerprint_parts``; 0 with ``check_inputs="off"``, where the ranks' inputs may differ
-        by design), taken once."""
-        taken, self._fingerprint = self._fingerprint, None
-        if taken is None or isinstance(taken, int):
-            return taken or 0
-        head, host, done = taken
+        self._deferred = (head, host, done)
+        if previous is None:
+            return 0
+        head, host, done = previous
         done.synchronize()
         return fingerprint_of(head, host.tolist())
 

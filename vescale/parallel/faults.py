@@ -16,28 +16,29 @@ that ends the process anywhere is recorded at interpreter exit (``atexit``). Col
 waits on note the reports where they fail: the model's forward, the gradient reduction at the end
 of backward, ZeRO-3 re-gathers in backward, the per-tensor reduction, the step check below.
 
-**The step check** (``StepCheck``, ``parallelize(check_steps=True)``). At the end of every forward
-call of the root module, each rank contributes a few integers to one all-reduce (MAX of values and
-their negations: every rank learns each field's largest and smallest value, and a rank holding each):
-whether its forward raised (and whether with a communication error), how many optimiser steps it has
-taken, and a fingerprint of the call's plain inputs (``InputContract.fingerprint``). The stamps go
-over a gloo process group of their own, so they pair up by forward call whatever happened to the
-training collectives. On a forward that succeeded the rank waits for the result (one small
-all-reduce, usually complete by the time forward ends on every rank) and raises ``OutOfStepError``
-before backward when:
+**The step check** (``StepCheck``, ``parallelize(check_steps=True)``). At the start of every forward
+call of the root module, before the call's first collective, each rank contributes a few integers
+to one all-reduce (MAX of values and their negations: every rank learns each field's largest and
+smallest value, and a rank holding each): whether its previous forward call raised, whether it can
+go on at all, how many optimiser steps it has taken, and a fingerprint of the call's plain inputs
+(``InputContract.fingerprint``). The stamps go over a gloo process group of their own, so they pair
+up by forward call whatever happened to the training collectives, and every rank raises
+``OutOfStepError`` where they differ:
 
-* another rank's forward call raised: this rank raises too, so every rank leaves that forward call
-  alike (a user loop that catches the error on every rank goes on in step, having skipped the batch
-  everywhere);
+* the ranks were given different inputs: one rank skipped or repeated a batch outside the model
+  (found before the call's first collective: nothing is trained on mismatched batches);
 * the ranks have taken different numbers of optimiser steps: the error names the rank that is
   behind and by how many steps (its weights no longer match the others');
-* the ranks were given different inputs: one rank skipped or repeated a batch outside the model.
+* a rank's previous forward call raised where the others' completed (found at the next call: in
+  training the others are by then waiting for it in backward, and end within the timeout, naming
+  it; a forward-only loop that catches the errors on every rank goes on in step);
+* a rank cannot go on: a collective failed on it (its process groups no longer pair operations
+  up), or its own backward stopped half way. It still sends its stamp, so the others stop at once.
 
-A rank whose forward raised sends its stamp without waiting (its exception goes on at once; if it
-ends the process, the others' collectives fail at once, as before) and takes the result at its next
-forward, before any collective. A rank that cannot go on, because a collective failed (the process
-groups no longer pair operations up) or its own backward stopped half way, raises at every later
-forward: the run must be restarted from a checkpoint.
+Since a rank waits for the others' stamps before its forward issues anything, a rank that skipped
+part of a step (an exception caught in forward, in the loss, in backward) blocks there instead of
+pairing its next forward's collectives with the others' current ones, which gloo may answer by
+aborting the process (a size mismatch) or, worse, by computing on.
 
 Nothing is read or written in the store while steps succeed.
 """
@@ -45,6 +46,7 @@ Nothing is read or written in the store while steps succeed.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import sys
 import time
 import traceback
@@ -57,6 +59,7 @@ import torch.nn as nn
 __all__ = ["FaultReporter", "StepCheck", "OutOfStepError", "note_peer_failures", "publish", "stamp_group"]
 
 _KEY = "vescale/fault/{}"
+_WAITING_KEY = "vescale/waiting/{}"  # a rank whose step check waits long says where it is
 # Where a failed collective's frame names it: torch.distributed's functions, and vescale.comm's
 # direct process-group calls (all_gather / reduce_scatter / all_reduce / wait).
 _COLLECTIVE_FILES = (
@@ -84,15 +87,25 @@ def _first_line(e: BaseException) -> str:
     return text[0][:300] if text else ""
 
 
+@contextlib.contextmanager
 def _store():
+    """The process group's store (None without one), its calls bounded by a few seconds: used on
+    failure paths, where a store whose host has died must cost seconds, not the run's timeout. The
+    store's own timeout is restored afterwards (other users, e.g. a new group's rendezvous, need it)."""
     try:
         store = dist.distributed_c10d._get_default_store()
-        # Only ever called on a failure path: bound each store call, so that a store whose host has
-        # died costs seconds, not the process group's timeout.
+        before = store.timeout
         store.set_timeout(timedelta(seconds=5))
-        return store
     except Exception:
-        return None
+        yield None
+        return
+    try:
+        yield store
+    finally:
+        try:
+            store.set_timeout(before)
+        except Exception:
+            pass
 
 
 def publish(text: str) -> bool:
@@ -101,34 +114,35 @@ def publish(text: str) -> bool:
     False when there is no store to write to."""
     if not dist.is_initialized():
         return False
-    store = _store()
-    if store is None:
-        return False
-    try:
-        store.compare_set(_KEY.format(dist.get_rank()), "", text)  # writes only if absent
-        return True
-    except Exception:  # the store's host may be the rank that died
-        return False
+    with _store() as store:
+        if store is None:
+            return False
+        try:
+            store.compare_set(_KEY.format(dist.get_rank()), "", text)  # writes only if absent
+            return True
+        except Exception:  # the store's host may be the rank that died
+            return False
 
 
 def read_reports(ranks, wait_s: float = 0.0) -> dict[int, str]:
-    """What ``ranks`` published, waiting up to ``wait_s`` for the first of them to appear."""
-    store = _store()
+    """What ``ranks`` published (their failure, else where their step check is waiting), waiting up
+    to ``wait_s`` for the first of them to appear."""
     found: dict[int, str] = {}
-    if store is None:
-        return found
-    deadline = time.time() + wait_s
-    while True:
-        try:
-            for r in ranks:
-                key = _KEY.format(r)
-                if r not in found and store.check([key]):
-                    found[r] = store.get(key).decode()
-        except Exception:
-            break
-        if found or time.time() >= deadline:
-            break
-        time.sleep(0.1)
+    with _store() as store:
+        if store is None:
+            return found
+        deadline = time.time() + wait_s
+        while True:
+            try:
+                for r in ranks:
+                    for key in (_KEY.format(r), _WAITING_KEY.format(r)):
+                        if r not in found and store.check([key]):
+                            found[r] = store.get(key).decode()
+            except Exception:
+                break
+            if found or time.time() >= deadline:
+                break
+            time.sleep(0.1)
     return found
 
 
@@ -239,20 +253,24 @@ def _fold(value: int) -> int:
 
 
 class StepCheck:
-    """The end-of-forward stamp of one parallelised model (see the module docstring).
+    """The stamp every rank sends at the start of each forward call of one parallelised model,
+    before the call's first collective (see the module docstring).
 
     A stamp is eight int64 fields, all-reduced with MAX; ``x`` stands for ``(value << 24) | rank``,
-    so that the maximum also names a rank holding it:
+    so that the maximum also names a rank holding it, and a field and its negation give the largest
+    and the smallest value:
 
-        0 highest rank whose forward raised (-1: none)   1 -(lowest such rank)
-        2 highest rank whose forward completed (-1)      3 1 if a forward raised a communication error
-        4 x of optimiser steps   5 -x of them            6 x of the input fingerprint   7 -x of it
+        0 highest rank whose previous forward call raised (-1: none)   1 -(lowest such rank)
+        2 highest rank whose previous forward call completed (-1)      3 highest rank that cannot go on (-1)
+        4 x of optimiser steps taken   5 -x of them                    6 x of the input fingerprint   7 -x of it
     """
+
+    SLOW_S = 2.0  # a stamp wait longer than this is recorded in the store (see ``_wait``)
 
     def __init__(self, group, fingerprint=None):
         self.group, self.fingerprint = group, fingerprint
+        self.last_failed = False
         self.world, self.rank = dist.get_world_size(group), dist.get_rank()
-        self.pending = None  # (work, stamp, call) sent by a forward that raised, not yet read
         self.group_failed = False  # a stamp failed: the other ranks are gone, send no more
         self.enabled = True  # benchmarks flip it (on every rank alike, between steps) for an A/B
         self.backend = group._get_backend(torch.device("cpu"))
@@ -261,102 +279,109 @@ class StepCheck:
         self.options = AllreduceOptions()
         self.options.reduceOp = dist.ReduceOp.MAX
 
-    def _send(self, failed: BaseException | None, inputs: int):
+    def _send(self, last_failed: bool, stopped: bool, inputs: int):
         r, world = self.rank, self.world
         steps = (PROGRESS.optimizer_steps << _RANK_BITS) | r
         fp = (_fold(inputs) << _RANK_BITS) | r
         stamp = torch.tensor(
-            [r if failed else -1, -(r if failed else world), -1 if failed else r,
-             int(failed is not None and _is_comm_error(failed)), steps, -steps, fp, -fp],
+            [r if last_failed else -1, -(r if last_failed else world), -1 if last_failed else r,
+             r if stopped else -1, steps, -steps, fp, -fp],
             dtype=torch.int64,
         )
         # On the backend itself: not a c10d dispatcher op, so the step check's stamp is not one of
         # the collectives vescale.debug.CollectiveCounter (or a profiler's op list) counts for a step.
         return self.backend.allreduce([stamp], self.options), stamp
 
-    def before_forward(self, call: int) -> None:
-        """At the start of forward call ``call``, before any collective: take the result of the stamp
-        a failed forward sent, and refuse to run when this process cannot go on."""
-        if self.pending is not None:
-            work, stamp, failed_call = self.pending
-            self.pending = None
+    def before_forward(self, call: int, last_failed: bool, args, kwargs) -> None:
+        """At the start of forward call ``call`` (``last_failed``: this rank's previous call raised):
+        send this rank's stamp, wait for every rank's, raise ``OutOfStepError`` where they differ.
+        A rank that cannot go on still sends its stamp (so that the others learn why, at once),
+        without waiting, and raises."""
+        stopped = PROGRESS.stopped
+        self.last_failed = last_failed
+        if self.enabled and not self.group_failed:
+            inputs = self.fingerprint(args, kwargs) if self.fingerprint is not None and stopped is None else 0
             try:
-                work.wait()
-            except Exception as e:  # the other ranks are gone: so are the stamps
+                work, stamp = self._send(last_failed, stopped is not None, inputs)
+                if stopped is None:
+                    self._wait(work, call)
+            except Exception as e:
                 self.group_failed = True
-                note_peer_failures(e, f"the step check of forward call {failed_call} (its forward raised on this rank)")
-                raise
-            if stamp[3].item():
-                PROGRESS.stop(f"a collective failed in forward call {failed_call}{self._others_said()}")
+                if stopped is None:
+                    note_peer_failures(e, f"the step check at the start of forward call {call}")
+                    raise
+            else:
+                if stopped is None:
+                    self._judge(stamp.tolist(), call)
         if PROGRESS.stopped is not None:
-            raise OutOfStepError(
+            raise self._error(
                 f"vescale: this rank ({self.rank}) cannot run forward call {call}: {PROGRESS.stopped}. The ranks' "
                 "collectives no longer pair up, so the run cannot go on: restart it from the last checkpoint "
-                "(vescale.checkpoint.load)"
+                "(vescale.checkpoint.load)", publish_it=False,
             )
 
-    def _others_said(self, most: int = 4) -> str:
-        """What other ranks reported (failure path only), as a parenthesis for a message."""
-        found = read_reports([r for r in range(self.world) if r != self.rank], wait_s=5.0)
-        shown = [found[r] for r in sorted(found)][:most]
-        return f" (other ranks reported: {'; '.join(shown)})" if shown else ""
-
-    def after_forward(self, call: int, failed: BaseException | None) -> None:
-        """At the end of forward call ``call`` (``failed``: the exception leaving it, if any). Every
-        call sends its stamp, also one that raised (the others wait for it), so that stamp ``k`` is
-        forward call ``k`` on every rank."""
-        if self.group_failed or self.pending is not None or not self.enabled:
-            return
-        inputs = self.fingerprint() if self.fingerprint is not None and failed is None else 0
+    def _wait(self, work, call: int) -> None:
+        """Wait for every rank's stamp. A wait of more than ``SLOW_S`` (the others are still in a
+        previous step, or stuck there waiting for this rank) is recorded in the store, so that a
+        rank whose collective then fails can say where this one is."""
         try:
-            work, stamp = self._send(failed, inputs)
+            work.wait(timedelta(seconds=self.SLOW_S))
+            return
         except Exception as e:
-            self.group_failed = True
-            if failed is None:
-                note_peer_failures(e, f"the step check at the end of forward call {call}")
+            if "timed out" not in str(e).lower():
                 raise
-            return  # a failing forward's own exception is the one to see
-        if failed is not None:
-            self.pending = (work, stamp, call)  # read at the next forward, before any collective
-            return
-        try:
-            work.wait()
-        except Exception as e:
-            self.group_failed = True
-            note_peer_failures(e, f"the step check at the end of forward call {call}")
-            raise
-        self._judge(stamp.tolist(), call)
+        key = _WAITING_KEY.format(self.rank)
+        where = (f"rank {self.rank}: waiting at the start of forward call {call} for the other ranks (its forward "
+                 f"call {call - 1} {'raised' if self.last_failed else 'completed'})")
+        with _store() as store:
+            try:
+                store.set(key, where)
+                said = True
+            except Exception:
+                said = False
+        work.wait()
+        if said:
+            with _store() as store:
+                try:
+                    store.delete_key(key)
+                except Exception:
+                    pass
 
     def _judge(self, s: list[int], call: int) -> None:
         mask = (1 << _RANK_BITS) - 1
-        failed_hi, failed_lo, done_hi, comm = s[0], -s[1], s[2], s[3]
+        failed_hi, failed_lo, done_hi, stopped_hi = s[0], -s[1], s[2], s[3]
         steps_hi, steps_lo = s[4], -s[5]
         fp_hi, fp_lo = s[6], -s[7]
-        if failed_hi >= 0:  # another rank's forward raised (this one's completed)
-            if comm:
-                PROGRESS.stop(f"a collective failed in forward call {call}")
+        if stopped_hi >= 0:  # another rank cannot go on: nor can the run
+            PROGRESS.stop(f"rank {stopped_hi} cannot go on{self._reported([stopped_hi])}")
+            return
+        if failed_hi >= 0 and done_hi >= 0:
             raise self._error(self._failed_message(call, failed_lo, failed_hi, done_hi))
         if steps_hi >> _RANK_BITS != steps_lo >> _RANK_BITS:
             raise self._error(self._steps_message(call, steps_lo >> _RANK_BITS, steps_lo & mask, steps_hi >> _RANK_BITS, steps_hi & mask))
         if fp_hi >> _RANK_BITS != fp_lo >> _RANK_BITS:
             raise self._error(self._inputs_message(call, fp_lo & mask, fp_hi & mask))
 
-    def _error(self, message: str) -> OutOfStepError:
+    def _error(self, message: str, publish_it: bool = True) -> OutOfStepError:
         e = OutOfStepError(message)
         e._vescale_fault_noted = True
-        publish(f"rank {self.rank}: OutOfStepError: {message.splitlines()[0][:300]}")
+        if publish_it:
+            publish(f"rank {self.rank}: OutOfStepError: {message.splitlines()[0][:300]}")
         return e
+
+    def _reported(self, ranks) -> str:
+        """What ``ranks`` reported (failure path only), as a parenthesis for a message."""
+        found = read_reports([r for r in ranks if r != self.rank][:8], wait_s=5.0)
+        shown = [found[r] for r in sorted(found)]
+        return f" ({'; '.join(shown)})" if shown else ""
 
     def _failed_message(self, call: int, lo: int, hi: int, done: int) -> str:
         ranks = f"rank {lo}" if lo == hi else f"ranks {lo}..{hi}"
-        reports = read_reports(sorted({lo, hi, *range(lo, min(hi, lo + 7) + 1)}), wait_s=5.0)
-        told = "; ".join(reports[r] for r in sorted(reports)) or "it recorded no report"
         return (
-            f"vescale: forward call {call} raised on {ranks} but completed on this rank ({self.rank}) "
-            f"and others (e.g. rank {done}): {told}. This rank stops forward call {call} too, so that "
-            "every rank leaves it alike (a loop that catches this error on every rank skips the batch on "
-            "every rank). Every rank must run the same steps: a rank that raises or skips a step stops "
-            "the others."
+            f"vescale: forward call {call - 1} raised on {ranks}{self._reported(sorted({lo, hi}))} but completed on "
+            f"rank {done}; the ranks no longer run the same steps. Every rank must run the same steps: a rank "
+            "that raises or skips a step stops the others (a loop that catches this error on every rank "
+            "goes on in step)."
         )
 
     def _steps_message(self, call: int, fewest: int, behind: int, most: int, ahead: int) -> str:
@@ -380,21 +405,25 @@ class StepCheck:
 
 
 class FaultReporter:
-    """Always-called hooks of the root module: reports of failed forwards (see the module
-    docstring), notes on communication errors, and the step check when ``check`` is given."""
+    """Root-module hooks: reports of failed forwards (see the module docstring), notes on
+    communication errors, and the step check at the start of every forward call when ``check`` is
+    given. The pre-hook must run before every other root pre-hook (the data contract's collective)."""
 
     def __init__(self, root: nn.Module, wait_s: float = 5.0, check: StepCheck | None = None, reducer=None):
         self.paths = {id(m): p or "<root>" for p, m in root.named_modules(remove_duplicate=False)}
         self.calls, self.wait_s, self.check, self.reducer = 0, wait_s, check, reducer
+        self.last_failed = False  # the previous forward call raised
         PROGRESS.install()
 
-    def pre_hook(self, mod, args) -> None:
+    def pre_hook(self, mod, args, kwargs) -> None:
         self.calls += 1
         PROGRESS.last_call = f"forward call {self.calls}"
         if self.reducer is not None and self.reducer.unfinished():
             self._backward_did_not_finish()
         if self.check is not None:
-            self.check.before_forward(self.calls)
+            self.check.before_forward(self.calls, self.last_failed, args, kwargs)
+        elif PROGRESS.stopped is not None:
+            raise OutOfStepError(f"vescale: this rank cannot run forward call {self.calls}: {PROGRESS.stopped}")
 
     def _backward_did_not_finish(self) -> None:
         """This rank's last backward handed gradients to the reducer but never reached its end: an
@@ -408,25 +437,19 @@ class FaultReporter:
 
     def hook(self, mod, args, output) -> None:
         e = sys.exc_info()[1]
-        if e is None:
-            if self.check is not None:
-                self.check.after_forward(self.calls, None)
+        self.last_failed = e is not None
+        if e is None or getattr(e, "_vescale_fault_noted", False) or not dist.is_initialized():
             return
-        if not getattr(e, "_vescale_fault_noted", False) and dist.is_initialized():
-            e._vescale_fault_noted = True
-            rank = dist.get_rank()
-            module, op = self._where(e.__traceback__)
-            mine = f"rank {rank}: {type(e).__name__}: {_first_line(e)} (forward call {self.calls}, in {module}" + (
-                f", collective {op})" if op else ")")
-            comm = _is_comm_error(e)
-            if comm:  # this rank's process groups no longer pair operations up with the others'
-                PROGRESS.stop(f"a collective failed on rank {rank} in forward call {self.calls}")
-            # Published before the stamp goes out, so a rank that learns of this failure from the
-            # stamp finds the report at once.
-            if publish(mine) and comm:
-                _add_peer_note(e, rank, f"{op or 'a collective'} in {module} (forward call {self.calls})", self.wait_s)
-        if self.check is not None:
-            self.check.after_forward(self.calls, e)
+        e._vescale_fault_noted = True
+        rank = dist.get_rank()
+        module, op = self._where(e.__traceback__)
+        mine = f"rank {rank}: {type(e).__name__}: {_first_line(e)} (forward call {self.calls}, in {module}" + (
+            f", collective {op})" if op else ")")
+        comm = _is_comm_error(e)
+        if comm:  # this rank's process groups no longer pair operations up with the others'
+            PROGRESS.stop(f"a collective failed on rank {rank} in forward call {self.calls}")
+        if publish(mine) and comm:
+            _add_peer_note(e, rank, f"{op or 'a collective'} in {module} (forward call {self.calls})", self.wait_s)
 
     def _where(self, tb) -> tuple[str, str | None]:
         module, op = "<root>", None

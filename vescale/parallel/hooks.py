@@ -364,7 +364,7 @@ def root_hooks(root: nn.Module, scheduler=None, contract=None, reducer=None, ste
     mark the start and end of each forward (the unit order it prefetches by). ``contract`` (an
     ``InputContract``) checks the root's inputs before the plan splits them. A failed forward is
     reported to the other ranks, and ``step_check`` (a ``StepCheck``) compares the ranks' progress at
-    the end of every forward call (``FaultReporter``; its pre-hook runs first, before any collective)."""
+    the start of every forward call (``FaultReporter``; its pre-hook runs first, before any collective)."""
 
     def pre_hook(mod, args, kwargs):
         enable_implicit_replication()
@@ -380,7 +380,7 @@ def root_hooks(root: nn.Module, scheduler=None, contract=None, reducer=None, ste
 
     faults = FaultReporter(root, check=step_check, reducer=reducer)
     return [
-        root.register_forward_pre_hook(faults.pre_hook),
+        root.register_forward_pre_hook(faults.pre_hook, with_kwargs=True),
         root.register_forward_pre_hook(pre_hook, with_kwargs=True),
         root.register_forward_hook(post_hook),
         root.register_forward_hook(faults.hook, always_call=True),
