@@ -103,7 +103,8 @@ def run_loop(runs: int, nproc: int = 2, extra: tuple = (), timeout: float = 600.
             lines = [line for line in output.splitlines() if "terminate called" in line or "exitcode" in line or "Error" in line]
             failures.append(f"run {i}: exit status {status}, {aborts} abort(s): " + " | ".join(lines[:4]))
         if verbose:
-            print(f"run {i + 1}/{runs}: {'ok' if status == 0 and not aborts else 'FAILED'} ({time.time() - start:.0f} s)", flush=True)
+            verdict = "ok" if status == 0 and not aborts else "FAILED: " + failures[-1].split(": ", 1)[1]
+            print(f"run {i + 1}/{runs}: {verdict} ({time.time() - start:.0f} s)", flush=True)
     return failures
 
 
