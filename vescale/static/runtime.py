@@ -122,6 +122,9 @@ class Record:
     # module path -> per view / reshape / split call of its body, the SizeRewrite its static steps
     # apply (None: the call as it is; local_sizes.py); bodies with no rewrite are dropped once known
     sizes: dict = field(default_factory=dict)
+    # module path -> the call site of each of those calls (local_calls.call_site), in the same order:
+    # a static step matches a call to its note by site, not by position in the body
+    size_sites: dict = field(default_factory=dict)
     # The torch functions its drawing bodies' random ops come from (random_gate.py): None until the
     # first static step has learnt them; empty where they cannot be told (the replay then watches
     # whole drawing bodies).
@@ -452,6 +455,13 @@ class _OpWatcher(TorchDispatchMode):
             return
         k = self.seen[module] = self.seen.get(module, 0) + 1
         want = shapes[k - 1] if k <= len(shapes) else None
+        if is_dtensor_op:
+            # An eager module's op (or a DTensor a static body made on purpose): DTensor computed its
+            # local sizes itself, nothing was rewritten to check. (In a derived record a dim no rank
+            # splits, such as a slice one shorter than the sequence, follows no factor, rightly.)
+            if isinstance(want, resize.ShapeCandidates):
+                shapes[k - 1] = _local_shape(out)
+            return
         if isinstance(want, resize.ShapeCandidates):  # a derived record: sizes open, settled here
             want.check(module, func, _local_shape(out))
             shapes[k - 1] = _local_shape(out)
@@ -791,7 +801,7 @@ class StaticRuntime:
             if local:  # on only while those modules' own bodies run (see _follow_body)
                 self.local_calls = LocalCalls({p: k for p, k in rec.losses.items() if p in local},
                                               {p: r for p, r in rec.sizes.items() if p in local},
-                                              self.own_ops_off, derived=rec.resized_from is not None,
+                                              self.own_ops_off, sites=rec.size_sites, derived=rec.resized_from is not None,
                                               scale=resize.checked_before(rec))
             if not rec.checked:
                 rec.checked = True
@@ -891,7 +901,8 @@ class StaticRuntime:
         self._open_watcher(checking=False)
         rec = self.record
         self.watcher.shares = rec.shares
-        self.call_watch = CallWatch(lambda: self.stack[-1] if self.stack else None, rec.losses, rec.sizes, self.own_ops_off)
+        self.call_watch = CallWatch(lambda: self.stack[-1] if self.stack else None, rec.losses, rec.sizes, self.own_ops_off,
+                                    sites=rec.size_sites)
         self.call_watch.__enter__()
         return rec
 
