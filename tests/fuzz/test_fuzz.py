@@ -56,7 +56,7 @@ def test_random_examples(world):
 
 @functools.cache
 def _regression_verdicts(world: int) -> dict:
-    names = [n for n, r in REGRESSIONS.items() if r.case.world == world]
+    names = [n for n, r in REGRESSIONS.items() if r.case.world == world and r.defect is None]
     verdicts = run_cases([REGRESSIONS[n].case for n in names], world, report=lambda s: None)
     return dict(zip(names, (v for _, v in verdicts)))
 
@@ -71,5 +71,11 @@ def _param(name: str):
 @pytest.mark.parametrize("name", [_param(n) for n in REGRESSIONS])
 def test_regression(name):
     case = REGRESSIONS[name].case
-    verdict = _regression_verdicts(case.world)[name]
+    if REGRESSIONS[name].defect is None:
+        verdict = _regression_verdicts(case.world)[name]
+    else:
+        # An open defect runs on a fresh set of ranks, as the fuzzer found it: the open static
+        # defects show there and not after other cases in the same processes (state one case
+        # leaves behind changes the next: part of the defect).
+        verdict = run_cases([case], case.world, report=lambda s: None)[0][1]
     assert verdict.kind != "FAIL", f"{name}: {verdict}\n    reproduce: .venv/bin/python tests/fuzz/fuzz_run.py --case {name}"
