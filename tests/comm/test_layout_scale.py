@@ -16,6 +16,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _is_shard_like, _StridedShard
@@ -223,6 +224,63 @@ def test_plans_equal_the_exhaustive_computation(seed, monkeypatch):
                 assert got.members == members[_key(want)], where
                 kinds.add((got.kind, got.even))
     assert {("reduce_scatter", True), ("all_gather", True), ("all_gather", False)} <= kinds
+
+
+def _local(glob, mesh_shape, coord, placements):
+    """The shard of ``glob`` at ``coord`` (index by index: any layout, blocks or not)."""
+    for d in range(glob.dim()):
+        glob = glob.index_select(d, shard_indices(glob.shape[d], d, mesh_shape, coord, placements))
+    return glob
+
+
+def _group(coord, dims, mesh_shape):
+    members = layout._member_coords(coord, mesh_shape, dims)
+    return members, members.index(tuple(coord))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_plans_move_every_rank_its_block(seed):
+    """Every rank's collective simulated with the plans' own packing (uneven rows by one masked copy
+    or member by member): each rank ends with its block of the reduced / gathered global tensor.
+    Integer-valued data, so sums in any order are exact."""
+    gen = torch.Generator().manual_seed(seed)
+    paths = set()
+    for kind, shape, mesh_shape, src, dst, forced in _plan_cases(80, 200 + seed):
+        coords = _all_coords(mesh_shape)
+        if kind == "reduce":
+            plans = {c: layout._reduce_plan(shape, mesh_shape, c, src, dst) for c in coords}
+        else:
+            plans = {c: layout._gather_plan(shape, mesh_shape, c, src, dst, forced) for c in coords}
+        if any(t is None or t is layout.NOTHING for t in plans.values()):
+            continue
+        if kind == "gather":
+            glob = torch.randint(-50, 50, shape, generator=gen).float()
+            for c, t in plans.items():
+                members, _ = _group(c, t.dims, mesh_shape)
+                rows = torch.cat([layout.pack_gather(_local(glob, mesh_shape, m, src), plans[m]) for m in members])
+                assert torch.equal(layout.unpack_gather(rows, t), _local(glob, mesh_shape, c, dst)), (shape, mesh_shape, c, src, dst)
+                paths.add(("gather", t.even, t.row_lengths is not None))
+            continue
+        partial = [i for i, p in enumerate(src) if p.is_partial()]
+        parts = {k: torch.randint(-50, 50, shape, generator=gen).float()
+                 for k in itertools.product(*(range(mesh_shape[d]) for d in partial))}
+        total = sum(parts.values())
+        as_local = [R if p.is_partial() else p for p in src]
+        locals_ = {c: _local(parts[tuple(c[d] for d in partial)], mesh_shape, c, as_local) for c in coords}
+        rows = {c: layout.pack_rows(locals_[c], t) for c, t in plans.items() if t.kind == "reduce_scatter"}
+        scattered = {}
+        for c, t in plans.items():
+            members, me = _group(c, t.dims, mesh_shape)
+            if t.kind == "all_reduce":
+                scattered[c] = sum(locals_[m] for m in members)
+            else:
+                scattered[c] = layout.unpack_row(sum(rows[m][me] for m in members), t)
+                paths.add(("reduce", t.even, t.row_lengths is not None))
+        for c, t in plans.items():
+            got = sum(scattered[m] for m in _group(c, t.then_all_reduce, mesh_shape)[0])
+            assert torch.equal(got, _local(total, mesh_shape, c, dst)), (shape, mesh_shape, c, src, dst)
+    # even rows, uneven rows by one masked copy, uneven rows member by member: all taken, both ways
+    assert paths == {(k, even, masked) for k in ("gather", "reduce") for even, masked in ((True, True), (False, True), (False, False))}
 
 
 def test_representatives_do_not_grow_with_the_mesh():

@@ -78,6 +78,26 @@ class Transfer:
         shape, mesh_shape, coord, placements = self.where
         return tuple(_block(shape, mesh_shape, c, placements) for c in _member_coords(coord, mesh_shape, self.dims))
 
+    @functools.cached_property
+    def row_lengths(self) -> torch.Tensor | None:
+        """Uneven rows that are still consecutive dim-0 slices of the base block, in member order
+        (a plain ``Shard`` over the group of a dim that does not divide): each member's numel, so
+        that rows are packed and unpacked with one masked copy (``_row_mask``) instead of one copy
+        per member. None for other layouts (slices along other dims)."""
+        (bs, bo) = self.base
+        if not bs:
+            return None
+        at, lengths = bo[0], []
+        for s, o in self.members:
+            if s[0] == 0:
+                lengths.append(0)
+                continue
+            if tuple(s[1:]) != tuple(bs[1:]) or tuple(o[1:]) != tuple(bo[1:]) or o[0] != at:
+                return None
+            at += s[0]
+            lengths.append(math.prod(s))
+        return torch.tensor(lengths) if at == bo[0] + bs[0] else None
+
 
 NOTHING = Transfer("none", ())  # layouts already equal
 
@@ -312,6 +332,8 @@ def pack_rows(local: torch.Tensor, t: Transfer) -> torch.Tensor:
     if t.even:
         return base.reshape(t.member_count, t.row)
     rows = torch.zeros(t.member_count, t.row, dtype=local.dtype, device=local.device)
+    if t.row_lengths is not None:
+        return rows.masked_scatter_(_row_mask(t, rows.device), base.reshape(-1))
     for i, m in enumerate(t.members):
         blk = base[_slices(m, t.base)].reshape(-1)
         rows[i, : blk.numel()] = blk
@@ -340,6 +362,9 @@ def unpack_gather(rows: torch.Tensor, t: Transfer) -> torch.Tensor:
     if t.even:
         base = rows.view(t.base[0])
         return base if t.out == t.base else base[_slices(t.out, t.base)].contiguous()
+    if t.row_lengths is not None:
+        base = rows[_row_mask(t, rows.device)].view(t.base[0])
+        return base if t.out == t.base else base[_slices(t.out, t.base)].contiguous()
     # Only the output block is assembled, from the part of each member's block inside it.
     out = torch.empty(t.out[0], dtype=rows.dtype, device=rows.device)
     for i, m in enumerate(t.members):
@@ -347,6 +372,12 @@ def unpack_gather(rows: torch.Tensor, t: Transfer) -> torch.Tensor:
         if common is not None:
             out[_slices(common, t.out)] = rows[i, : math.prod(m[0])].view(m[0])[_slices(common, m)]
     return out
+
+
+def _row_mask(t: Transfer, device) -> torch.Tensor:
+    """(members, row) booleans: the first ``row_lengths[i]`` entries of row ``i`` (the data; the rest
+    is padding). In row-major order they are the base block's elements, in order."""
+    return torch.arange(t.row, device=device) < t.row_lengths.to(device)[:, None]
 
 
 def _intersection(a: Block, b: Block) -> Block | None:

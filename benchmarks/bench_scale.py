@@ -1,0 +1,245 @@
+"""Per-rank cost against world size: one rank of a fake 8- to 1,024-rank world, the same work per rank.
+
+One process plays one rank of a world over PyTorch's ``fake`` process group (collectives return at
+once, moving nothing), so what is timed is the CPU work that rank does: vescale's and PyTorch's
+planning, dispatch and bookkeeping. The model, the tensor-parallel degree and the batch each rank
+loads are the same at every world size (each rank passes its own rows: ``local_inputs``), only
+the data-parallel dims grow; so anything that grows with the world is a loop over ranks somewhere.
+Each (config, world) runs in a fresh subprocess (every cache starts cold, as on a real cluster).
+
+Configs (``--configs``):
+
+* ``llama-2d``: the zoo LLaMA (4 layers, hidden 128, 8 heads, vocab 512), mesh (DP, TP=4), TP + SP +
+  ZeRO-3 on DP (``llama_plan``); world 8 = 2 x 4, 1,024 = 256 x 4;
+* ``llama-3d``: HSDP, mesh (DPR, DPS=2, TP=2): ZeRO-3 on DPS, the batch split over DPR and DPS,
+  gradients reduce-scattered over DPS and all-reduced over DPR; world 8 = 2 x 2 x 2;
+* ``moe-2d``: HF's Mixtral (2 layers, hidden 128, 16 experts of intermediate 64, 2 per token),
+  ``moe_plan`` with tensor-parallel experts, SP, batch-local MoE blocks and ZeRO-3 on DP; (DP, TP=4);
+* ``moe-3d``: the same model, mesh (DP, EP=2, TP=2): expert parallelism on EP, attention TP, ZeRO-3
+  on DP.
+
+Each in ``--modes`` eager and static (Static Eager). Printed per run: DeviceMesh creation
+(PyTorch's), ``parallelize``, the first training step (forward, backward, AdamW step), the steady
+step (median of ``--steps`` steps), peak memory (RSS high-water mark over ``parallelize`` and the
+steps, less the RSS before ``parallelize``: tensors and Python objects alike), process groups
+(``new_group`` calls made by mesh creation and by ``parallelize``, and how many of them this rank is
+a member of). Times are this process's CPU time (``--clock cpu``, the default: other processes on a
+shared machine disturb it far less than wall time; the fake group never waits, so on an idle
+machine the two agree) or wall time (``--clock wall``). Ratios are against the smallest world of
+the same config, measured in the same run. Run:
+
+    .venv/bin/python benchmarks/bench_scale.py [--worlds 8,64,512,1024] [--configs llama-2d,llama-3d,moe-2d,moe-3d]
+        [--modes eager,static] [--steps 5] [--clock cpu|wall] [--timeout 1200] [--profile DIR]
+
+``--profile DIR`` writes a cProfile of ``parallelize`` + the first step per run (``DIR/<run>.prof``).
+Targets (issue 28, world 1,024 against world 8): first step <= 1.5x, steady step <= 1.2x,
+``parallelize`` <= 1.5x, peak memory <= 1.1x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+CONFIGS = {
+    # name: (model, mesh names, mesh shape for a world (DP-like dims first))
+    "llama-2d": ("llama", ("DP", "TP"), lambda w: (w // 4, 4)),
+    "llama-3d": ("llama", ("DPR", "DPS", "TP"), lambda w: (w // 4, 2, 2)),
+    "moe-2d": ("moe", ("DP", "TP"), lambda w: (w // 4, 4)),
+    "moe-3d": ("moe", ("DP", "EP", "TP"), lambda w: (w // 4, 2, 2)),
+}
+LOCAL_BATCH, SEQ = 2, 64  # sequences each batch-splitting rank group loads, tokens each
+TARGETS = {"parallelize": 1.5, "first": 1.5, "steady": 1.2, "peak_mb": 1.1}
+
+
+# ---- one run (a child process) --------------------------------------------------------------------
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _peak_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def _model_and_plan(model_kind: str, names: tuple, mesh):
+    import inspect
+
+    from torch.distributed.tensor import Shard
+
+    from vescale.zoo import LlamaConfig, LlamaForCausalLM, llama_plan, moe_plan, tiny_hf_mixtral
+
+    if model_kind == "llama":
+        config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                             num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512)
+        model, make, vocab = LlamaForCausalLM(config), llama_plan, 512
+        dp = "DPS" if "DPS" in names else "DP"
+        kwargs = dict(dp=dp, sequence_parallel=True, zero3=True)
+    else:
+        model = tiny_hf_mixtral(vocab_size=512, hidden_size=128, intermediate_size=64, num_hidden_layers=2,
+                                num_attention_heads=8, num_key_value_heads=8, head_dim=16, num_local_experts=16,
+                                num_experts_per_tok=2, max_position_embeddings=512)
+        config, make, vocab = model.config, moe_plan, 512
+        kwargs = dict(dp="DP", ep="EP" if "EP" in names else None, sequence_parallel=True, zero3=True)
+    # Each rank passes only its own rows of the batch (the same per-rank work at every world size).
+    batch_dims = [n for n in names if n in ("DP", "DPR", "DPS", "EP")]
+    local_api = "local_inputs" in inspect.signature(make).parameters
+    if local_api:
+        kwargs["local_inputs"] = True
+    plan = make(mesh, config, **kwargs)
+    for extra in batch_dims:
+        if not local_api or extra not in (kwargs["dp"], kwargs.get("ep")):
+            for key in (r"<in>\[input_ids\]", r"<in>\[labels\]"):
+                plan.annotate(key, Shard(0), mesh=extra)
+    return model, plan, vocab, batch_dims
+
+
+def child(run: dict) -> dict:
+    import cProfile
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    clock = time.process_time if run["clock"] == "cpu" else time.perf_counter
+    import vescale
+    from vescale.testing import fake_world
+
+    model_kind, names, shape_of = CONFIGS[run["config"]]
+    shape = shape_of(run["world"])
+    c10d = dist.distributed_c10d
+    out: dict = {"mesh_shape": shape}
+    with fake_world(run["world"], rank=run["rank"]):
+        groups0, member0 = c10d._world.group_count, len(c10d._world.pg_map)
+        t0 = clock()
+        mesh = vescale.init_mesh(shape, names, "cpu")
+        out["mesh_s"] = clock() - t0
+        groups1, member1 = c10d._world.group_count, len(c10d._world.pg_map)
+        vescale.manual_seed(0)
+        model, plan, vocab, batch_dims = _model_and_plan(model_kind, names, mesh)
+        gen = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, vocab, (LOCAL_BATCH, SEQ), generator=gen)
+        profile = cProfile.Profile() if run.get("profile") else None
+        rss0 = _rss_mb()
+        if profile:
+            profile.enable()
+        t0 = clock()
+        model = vescale.parallelize(model, plan, mesh, mode=run["mode"])
+        out["parallelize_s"] = clock() - t0
+        groups2, member2 = c10d._world.group_count, len(c10d._world.pg_map)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def step():
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        t0 = clock()
+        step()
+        out["first_s"] = clock() - t0
+        if profile:
+            profile.disable()
+            profile.dump_stats(run["profile"])
+        steps = []
+        for _ in range(run["steps"]):
+            t0 = clock()
+            step()
+            steps.append(clock() - t0)
+        out["steady_s"] = statistics.median(steps)
+        out["steady_spread"] = (min(steps), max(steps))
+        out["peak_mb"] = _peak_rss_mb() - rss0
+        out["groups_mesh"] = groups1 - groups0
+        out["groups_parallelize"] = groups2 - groups1
+        out["member_of"] = member2 - member0
+        out["groups_steps"] = c10d._world.group_count - groups2
+    return out
+
+
+# ---- the parent: one subprocess per run, the table --------------------------------------------------
+
+
+def _run_child(run: dict, timeout: float) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(run)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"did not finish in {timeout:.0f} s"}
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    tail = [l for l in done.stderr.splitlines() if l.strip() and "Warning" not in l][-3:]
+    return {"error": " | ".join(tail)[-400:]}
+
+
+def _fmt_ratio(x, base, key):
+    if base in (None, 0) or x is None:
+        return "-"
+    r = x / base
+    mark = "" if key not in TARGETS or r <= TARGETS[key] else " !"
+    return f"{r:.2f}{mark}"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--worlds", default="8,64,512,1024")
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--modes", default="eager,static")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--rank", type=int, default=None, help="the rank played (default: the middle one)")
+    ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
+    ap.add_argument("--timeout", type=float, default=1200.0, help="seconds per run")
+    ap.add_argument("--profile", default=None, help="folder for cProfile dumps of parallelize + first step")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child is not None:
+        result = child(json.loads(args.child))
+        print("RESULT " + json.dumps(result), flush=True)
+        return
+    worlds = [int(w) for w in args.worlds.split(",")]
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+    print(f"bench_scale: one rank of a fake world, the same work per rank; clock: {args.clock} time; "
+          f"peak = RSS high-water mark over parallelize + steps, less RSS before parallelize", flush=True)
+    header = ("config", "mode", "world", "mesh", "mesh s", "parallelize s", "first s", "steady ms", "peak MB",
+              "groups (mesh+par)", "member of", "x par", "x first", "x steady", "x peak")
+    print(" | ".join(header), flush=True)
+    for config in args.configs.split(","):
+        for mode in args.modes.split(","):
+            base = None
+            for world in worlds:
+                rank = args.rank if args.rank is not None else world // 2 + 1
+                run = {"config": config, "mode": mode, "world": world, "rank": rank, "steps": args.steps,
+                       "clock": args.clock}
+                if args.profile:
+                    run["profile"] = os.path.join(args.profile, f"{config}-{mode}-{world}.prof")
+                r = _run_child(run, args.timeout)
+                if "error" in r:
+                    print(f"{config} | {mode} | {world} | - | error: {r['error']}", flush=True)
+                    continue
+                base = base or r
+                row = (
+                    config, mode, str(world), "x".join(map(str, r["mesh_shape"])), f"{r['mesh_s']:.2f}",
+                    f"{r['parallelize_s']:.2f}", f"{r['first_s']:.2f}", f"{r['steady_s'] * 1e3:.1f}",
+                    f"{r['peak_mb']:.0f}", f"{r['groups_mesh']}+{r['groups_parallelize']}", str(r["member_of"]),
+                    _fmt_ratio(r["parallelize_s"], base["parallelize_s"], "parallelize"),
+                    _fmt_ratio(r["first_s"], base["first_s"], "first"),
+                    _fmt_ratio(r["steady_s"], base["steady_s"], "steady"),
+                    _fmt_ratio(r["peak_mb"], base["peak_mb"], "peak_mb"),
+                )
+                print(" | ".join(row), flush=True)
+    print("(x: ratio to the smallest world of the same config and mode, this run; ! above the issue's target)")
+
+
+if __name__ == "__main__":
+    main()
