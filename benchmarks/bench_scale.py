@@ -2,21 +2,27 @@
 
 One process plays one rank of a world over PyTorch's ``fake`` process group (collectives return at
 once, moving nothing), so what is timed is the CPU work that rank does: vescale's and PyTorch's
-planning, dispatch and bookkeeping. The model, the tensor-parallel degree and the batch each rank
-loads are the same at every world size (each rank passes its own rows: ``local_inputs``), only
-the data-parallel dims grow; so anything that grows with the world is a loop over ranks somewhere.
-Each (config, world) runs in a fresh subprocess (every cache starts cold, as on a real cluster).
+planning, dispatch and bookkeeping. The model, the tensor-parallel degrees and the batch each rank
+loads are the same at every world size (``--inputs local``, the default: each rank passes its own
+rows), only the first (data-parallel) mesh dim grows; so anything that grows with the world is a
+loop over ranks somewhere, or data that grows with a group. Each (config, world) runs in a fresh
+subprocess (every cache starts cold, as on a real cluster).
 
 Configs (``--configs``):
 
-* ``llama-2d``: the zoo LLaMA (4 layers, hidden 128, 8 heads, vocab 512), mesh (DP, TP=4), TP + SP +
-  ZeRO-3 on DP (``llama_plan``); world 8 = 2 x 4, 1,024 = 256 x 4;
-* ``llama-3d``: HSDP, mesh (DPR, DPS=2, TP=2): ZeRO-3 on DPS, the batch split over DPR and DPS,
-  gradients reduce-scattered over DPS and all-reduced over DPR; world 8 = 2 x 2 x 2;
+* ``llama-2d``: the zoo LLaMA at hidden 1,024 (2 layers, 8 heads, vocab 1,024, every ZeRO-sharded dim
+  divisible by DP x TP up to 1,024 ranks), mesh (DP, TP=4), TP + SP + ZeRO-3 on DP (``llama_plan``);
+  world 8 = 2 x 4, 1,024 = 256 x 4;
+* ``llama-3d``: HSDP with the issue's zoo LLaMA (4 layers, hidden 128, 8 heads, vocab 512), mesh
+  (DPR, DPS=2, TP=2): ZeRO-3 on DPS, the batch split over DPR and DPS, gradients reduce-scattered
+  over DPS and all-reduced over DPR; world 8 = 2 x 2 x 2;
 * ``moe-2d``: HF's Mixtral (2 layers, hidden 128, 16 experts of intermediate 64, 2 per token),
-  ``moe_plan`` with tensor-parallel experts, SP, batch-local MoE blocks and ZeRO-3 on DP; (DP, TP=4);
-* ``moe-3d``: the same model, mesh (DP, EP=2, TP=2): expert parallelism on EP, attention TP, ZeRO-3
-  on DP.
+  ``moe_plan`` with tensor-parallel experts, SP and batch-local MoE blocks on (DP, TP=4);
+* ``moe-3d``: the same model on (DP, EP=2, TP=2): expert parallelism (all-to-all routing), attention
+  TP + SP (in static mode the experts modules stay eager: ``plan.eager``, see ``_model_and_plan``);
+* ``llama-2d-small`` (not in the default set): the issue's model on (DP, TP=4) with ZeRO-3 over all
+  of DP. Past DP x TP = 128 its weights' ZeRO shards are uneven and keep the (Shard, Shard) layout,
+  whose gathers move the whole weight over DP x TP: the per-rank work is not the same.
 
 Each in ``--modes`` eager and static (Static Eager). Printed per run: DeviceMesh creation
 (PyTorch's), ``parallelize``, the first training step (forward, backward, AdamW step), the steady
@@ -29,9 +35,10 @@ machine the two agree) or wall time (``--clock wall``). Ratios are against the s
 the same config, measured in the same run. Run:
 
     .venv/bin/python benchmarks/bench_scale.py [--worlds 8,64,512,1024] [--configs llama-2d,llama-3d,moe-2d,moe-3d]
-        [--modes eager,static] [--steps 5] [--clock cpu|wall] [--timeout 1200] [--profile DIR]
+        [--modes eager,static] [--inputs local|global] [--steps 5] [--clock cpu|wall] [--timeout 1200] [--profile DIR]
 
-``--profile DIR`` writes a cProfile of ``parallelize`` + the first step per run (``DIR/<run>.prof``).
+``--profile DIR`` writes a cProfile of ``parallelize`` + the first step per run (``DIR/<run>.prof``) and
+one of the steady steps (``DIR/<run>-steady.prof``; the times printed then include the profiler's).
 Targets (issue 28, world 1,024 against world 8): first step <= 1.5x, steady step <= 1.2x,
 ``parallelize`` <= 1.5x, peak memory <= 1.1x.
 """
@@ -39,21 +46,59 @@ Targets (issue 28, world 1,024 against world 8): first step <= 1.5x, steady step
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
 import statistics
 import subprocess
 import sys
 import time
 
+# Model sizes. LLAMA_WIDE: every dim ZeRO-3 shards divides by DP x TP up to 1,024 ranks (TP=4,
+# DP=256), so every world stores nested, even ZeRO shards and gathers 1/TP of each weight over DP:
+# the same per-rank work. LLAMA_SMALL is the issue's model: past DP x TP = 128 its ZeRO shards are
+# uneven (a 128-row weight over 1,024 ranks), so weights keep the (Shard, Shard) layout whose
+# gathers move the whole weight over DP x TP: per-rank bytes grow with DP (see docs/scale.md).
+LLAMA_WIDE = dict(vocab_size=1024, hidden_size=1024, intermediate_size=1024, num_hidden_layers=2,
+                  num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512)
+LLAMA_SMALL = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                   num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512)
+# HF Mixtral with many small experts (bench_dispatch's): per-op overhead dominates a step.
+MOE = dict(vocab_size=512, hidden_size=128, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
+           num_key_value_heads=8, head_dim=16, num_local_experts=16, num_experts_per_tok=2, max_position_embeddings=512)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: str  # "llama" | "moe"
+    sizes: dict
+    names: tuple[str, ...]  # mesh dim names; the first one grows with the world
+    inner: tuple[int, ...]  # sizes of the other mesh dims (fixed)
+    zero3: str | None  # the mesh dim ZeRO-3 shards over (None: no ZeRO-3)
+    ep: str | None = None
+
+    def mesh_shape(self, world: int) -> tuple[int, ...]:
+        return (world // math.prod(self.inner),) + self.inner
+
+    def batch_dims(self) -> list[str]:
+        return [n for n in self.names if n in ("DP", "DPR", "DPS", "EP")]
+
+
 CONFIGS = {
-    # name: (model, mesh names, mesh shape for a world (DP-like dims first))
-    "llama-2d": ("llama", ("DP", "TP"), lambda w: (w // 4, 4)),
-    "llama-3d": ("llama", ("DPR", "DPS", "TP"), lambda w: (w // 4, 2, 2)),
-    "moe-2d": ("moe", ("DP", "TP"), lambda w: (w // 4, 4)),
-    "moe-3d": ("moe", ("DP", "EP", "TP"), lambda w: (w // 4, 2, 2)),
+    # (DP, TP=4): TP + SP, ZeRO-3 over all of DP
+    "llama-2d": Config("llama", LLAMA_WIDE, ("DP", "TP"), (4,), "DP"),
+    # HSDP (DPR, DPS=2, TP=2): ZeRO-3 over DPS, gradients all-reduced over DPR too
+    "llama-3d": Config("llama", LLAMA_SMALL, ("DPR", "DPS", "TP"), (2, 2), "DPS"),
+    # (DP, TP=4): tensor-parallel experts, SP, batch-local MoE blocks; gradients all-reduced over DP
+    "moe-2d": Config("moe", MOE, ("DP", "TP"), (4,), None),
+    # (DP, EP=2, TP=2): expert parallelism (all-to-all routing), attention TP + SP
+    "moe-3d": Config("moe", MOE, ("DP", "EP", "TP"), (2, 2), None, ep="EP"),
+    # the issue's model on (DP, TP=4) with ZeRO-3 over DP: uneven shards past 128 ranks (not the same work)
+    "llama-2d-small": Config("llama", LLAMA_SMALL, ("DP", "TP"), (4,), "DP"),
 }
-LOCAL_BATCH, SEQ = 2, 64  # sequences each batch-splitting rank group loads, tokens each
+DEFAULT_CONFIGS = "llama-2d,llama-3d,moe-2d,moe-3d"
+LOCAL_BATCH, SEQ = 2, 64  # sequences each rank loads (its batch share), tokens each
 TARGETS = {"parallelize": 1.5, "first": 1.5, "steady": 1.2, "peak_mb": 1.1}
 
 
@@ -71,36 +116,33 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def _model_and_plan(model_kind: str, names: tuple, mesh):
-    import inspect
-
+def _model_and_plan(cfg: Config, mesh, local_inputs: bool, static: bool):
+    """The model, its zoo plan and its vocabulary size. The batch is split over every DP-like dim
+    (and EP): with ``local_inputs`` each rank passes its own rows (``plan.annotate``), else the
+    global batch (``plan.shard``, sliced by each rank)."""
     from torch.distributed.tensor import Shard
 
     from vescale.zoo import LlamaConfig, LlamaForCausalLM, llama_plan, moe_plan, tiny_hf_mixtral
 
-    if model_kind == "llama":
-        config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                             num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512)
-        model, make, vocab = LlamaForCausalLM(config), llama_plan, 512
-        dp = "DPS" if "DPS" in names else "DP"
-        kwargs = dict(dp=dp, sequence_parallel=True, zero3=True)
+    dp = cfg.zero3 or cfg.names[0]
+    kwargs = dict(dp=dp, sequence_parallel=True, zero3=cfg.zero3 is not None)
+    if cfg.model == "llama":
+        config = LlamaConfig(**cfg.sizes)
+        model, plan = LlamaForCausalLM(config), llama_plan(mesh, config, **kwargs)
     else:
-        model = tiny_hf_mixtral(vocab_size=512, hidden_size=128, intermediate_size=64, num_hidden_layers=2,
-                                num_attention_heads=8, num_key_value_heads=8, head_dim=16, num_local_experts=16,
-                                num_experts_per_tok=2, max_position_embeddings=512)
-        config, make, vocab = model.config, moe_plan, 512
-        kwargs = dict(dp="DP", ep="EP" if "EP" in names else None, sequence_parallel=True, zero3=True)
-    # Each rank passes only its own rows of the batch (the same per-rank work at every world size).
-    batch_dims = [n for n in names if n in ("DP", "DPR", "DPS", "EP")]
-    local_api = "local_inputs" in inspect.signature(make).parameters
-    if local_api:
-        kwargs["local_inputs"] = True
-    plan = make(mesh, config, **kwargs)
-    for extra in batch_dims:
-        if not local_api or extra not in (kwargs["dp"], kwargs.get("ep")):
-            for key in (r"<in>\[input_ids\]", r"<in>\[labels\]"):
-                plan.annotate(key, Shard(0), mesh=extra)
-    return model, plan, vocab, batch_dims
+        model = tiny_hf_mixtral(**cfg.sizes)
+        plan = moe_plan(mesh, model.config, ep=cfg.ep, **kwargs)
+        if cfg.ep and static:
+            # Static Eager does not run expert-parallel experts modules yet (a view of a size EP
+            # changes, refused in the first static step): the documented fix keeps them on DTensors.
+            plan.eager(r"model\.layers\.\d+\.mlp\.experts")
+    for name in cfg.batch_dims():
+        for key in (r"<in>\[input_ids\]", r"<in>\[labels\]"):
+            if local_inputs:
+                plan.annotate(key, Shard(0), mesh=name)  # this rank's rows (ahead of the plan's own split)
+            elif name not in (dp, cfg.ep):
+                plan.shard(key, Shard(0), mesh=name)
+    return model, plan, cfg.sizes["vocab_size"]
 
 
 def child(run: dict) -> dict:
@@ -114,20 +156,22 @@ def child(run: dict) -> dict:
     import vescale
     from vescale.testing import fake_world
 
-    model_kind, names, shape_of = CONFIGS[run["config"]]
-    shape = shape_of(run["world"])
+    cfg = CONFIGS[run["config"]]
+    shape = cfg.mesh_shape(run["world"])
     c10d = dist.distributed_c10d
     out: dict = {"mesh_shape": shape}
     with fake_world(run["world"], rank=run["rank"]):
         groups0, member0 = c10d._world.group_count, len(c10d._world.pg_map)
         t0 = clock()
-        mesh = vescale.init_mesh(shape, names, "cpu")
+        mesh = vescale.init_mesh(shape, cfg.names, "cpu")
         out["mesh_s"] = clock() - t0
         groups1, member1 = c10d._world.group_count, len(c10d._world.pg_map)
         vescale.manual_seed(0)
-        model, plan, vocab, batch_dims = _model_and_plan(model_kind, names, mesh)
-        gen = torch.Generator().manual_seed(1)
-        ids = torch.randint(0, vocab, (LOCAL_BATCH, SEQ), generator=gen)
+        model, plan, vocab = _model_and_plan(cfg, mesh, run["inputs"] == "local", run["mode"] == "static")
+        rows = LOCAL_BATCH
+        if run["inputs"] == "global":
+            rows *= math.prod(mesh[n].size() for n in cfg.batch_dims())
+        ids = torch.randint(0, vocab, (rows, SEQ), generator=torch.Generator().manual_seed(1))
         profile = cProfile.Profile() if run.get("profile") else None
         rss0 = _rss_mb()
         if profile:
@@ -151,11 +195,18 @@ def child(run: dict) -> dict:
         if profile:
             profile.disable()
             profile.dump_stats(run["profile"])
+        steady_profile = cProfile.Profile() if run.get("profile") else None
         steps = []
         for _ in range(run["steps"]):
+            if steady_profile:
+                steady_profile.enable()
             t0 = clock()
             step()
             steps.append(clock() - t0)
+            if steady_profile:
+                steady_profile.disable()
+        if steady_profile:
+            steady_profile.dump_stats(run["profile"].replace(".prof", "-steady.prof"))
         out["steady_s"] = statistics.median(steps)
         out["steady_spread"] = (min(steps), max(steps))
         out["peak_mb"] = _peak_rss_mb() - rss0
@@ -193,7 +244,9 @@ def _fmt_ratio(x, base, key):
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--worlds", default="8,64,512,1024")
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"of {', '.join(CONFIGS)}")
+    ap.add_argument("--inputs", choices=("local", "global"), default="local",
+                    help="each rank passes its own rows (default) or the global batch")
     ap.add_argument("--modes", default="eager,static")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rank", type=int, default=None, help="the rank played (default: the middle one)")
@@ -220,7 +273,7 @@ def main(argv=None) -> None:
             for world in worlds:
                 rank = args.rank if args.rank is not None else world // 2 + 1
                 run = {"config": config, "mode": mode, "world": world, "rank": rank, "steps": args.steps,
-                       "clock": args.clock}
+                       "clock": args.clock, "inputs": args.inputs}
                 if args.profile:
                     run["profile"] = os.path.join(args.profile, f"{config}-{mode}-{world}.prof")
                 r = _run_child(run, args.timeout)
