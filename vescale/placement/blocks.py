@@ -34,7 +34,7 @@ from typing import Iterator, Sequence
 
 from torch.distributed.tensor.placement_types import _is_shard_like, _StridedShard
 
-__all__ = ["local_block", "dim_ranges", "representative_coords", "is_blockwise"]
+__all__ = ["local_block", "local_shape_and_offset", "dim_ranges", "representative_coords", "is_blockwise"]
 
 Ranges = tuple[tuple[int, int], ...]  # (global start, length) pieces, in local order
 
@@ -115,6 +115,17 @@ def local_block(shape, mesh_shape, coord, placements) -> tuple[tuple[int, ...], 
         sizes[d] = _total(ranges)
         offsets[d] = ranges[0][0] if ranges else shape[d]
     return tuple(sizes), tuple(offsets)
+
+
+def local_shape_and_offset(shape, mesh, placements, skip_offset: bool = False):
+    """DTensor's ``compute_local_shape_and_global_offset(shape, mesh, placements, skip_offset)``, same
+    arguments and results (``((0,), ())`` off the mesh), by arithmetic: no index tensors, no chunk
+    per rank of a ``_StridedShard`` mesh dim."""
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return (0,), ()
+    sizes, offsets = local_block(tuple(shape), tuple(mesh.shape), coord, tuple(placements))
+    return sizes, (() if skip_offset else offsets)
 
 
 def _critical(ranges: Ranges, p, k: int) -> set[int]:
