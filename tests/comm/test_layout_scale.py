@@ -127,6 +127,17 @@ def test_local_block_is_dtensors_at_every_coordinate(seed):
             assert blocks.local_block(shape, mesh_shape, c, pl) == _dtensor_block(shape, mesh_shape, c, pl), (shape, mesh_shape, c, pl)
 
 
+@pytest.mark.parametrize("seed", range(2))
+def test_dim_ranges_are_dtensors_indices_in_local_order(seed):
+    """The whole index sequence, not only the first offset: what vescale.random draws at."""
+    for shape, mesh_shape, pl in _layout_cases(150, 50 + seed):
+        for c in _all_coords(mesh_shape):
+            for d in range(len(shape)):
+                ranges = blocks.dim_ranges(shape[d], d, mesh_shape, c, pl)
+                got = [i for s, n in ranges for i in range(s, s + n)]
+                assert got == shard_indices(shape[d], d, mesh_shape, c, pl).tolist(), (shape, mesh_shape, c, pl, d)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_blockwise_at_representatives_equals_rank_by_rank(seed):
     rng = random.Random(100 + seed)

@@ -28,7 +28,7 @@ from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from torch.distributed.tensor.placement_types import _is_shard_like
 
 from ..dispatch.metas import spec_of
-from ..placement.blocks import dim_ranges
+from ..placement.blocks import dim_ranges, is_blockwise, representative_coords
 from . import direct
 
 __all__ = ["compile_move", "grad_placements", "redistribute", "clear_moves"]
@@ -126,10 +126,30 @@ def _local_selection(src: DTensorSpec, dst: DTensorSpec) -> Optional[LocalFn]:
     if not (_default_order(src) and _default_order(dst)):
         return None
     coord = src.mesh.get_coordinate()
-    if coord is None:
-        return None
-    picks = local_picks(tuple(src.shape), tuple(src.mesh.shape), coord, src.placements, dst.placements)
-    return None if picks is None else functools.partial(select, picks=picks)
+    shape, mesh_shape = tuple(src.shape), tuple(src.mesh.shape)
+    if coord is None or not picks_everywhere(shape, mesh_shape, tuple(src.placements), tuple(dst.placements)):
+        return None  # the same answer on every rank: none may run DTensor's collectives alone
+    return functools.partial(select, picks=local_picks(shape, mesh_shape, coord, src.placements, dst.placements))
+
+
+@functools.lru_cache(maxsize=4096)
+def picks_everywhere(shape, mesh_shape, src, dst) -> bool:
+    """Whether every coordinate's ``dst`` piece is inside its ``src`` piece (``local_picks`` finds
+    it at each), decided without looking at every rank: a tensor dim ``src`` does not split is
+    whole on every rank; one it splits must be one block in both layouts, and block containment is
+    decided at representative coordinates (``vescale.placement.blocks``)."""
+    split = {p.dim for p in src if _is_shard_like(p)} & {p.dim for p in dst if _is_shard_like(p)}
+    if not split:
+        return True
+    if not (is_blockwise(shape, mesh_shape, src) and is_blockwise(shape, mesh_shape, dst)):
+        return False
+    for c in representative_coords(shape, mesh_shape, (src, dst)):
+        for d in split:
+            (s, n), = dim_ranges(shape[d], d, mesh_shape, c, src) or ((shape[d], 0),)
+            want = dim_ranges(shape[d], d, mesh_shape, c, dst)
+            if want and not (s <= want[0][0] and want[0][0] + want[0][1] <= s + n):
+                return False
+    return True
 
 
 def local_picks(shape, mesh_shape, coord, src, dst) -> tuple | None:
