@@ -27,7 +27,8 @@ Configs (``--configs``):
 Each in ``--modes`` eager and static (Static Eager). Printed per run: DeviceMesh creation
 (PyTorch's), ``parallelize``, the first training step (forward, backward, AdamW step), the steady
 step (median of ``--steps`` steps), peak memory (RSS high-water mark over ``parallelize`` and the
-steps, less the RSS before ``parallelize``: tensors and Python objects alike), process groups
+steps, less the RSS before ``parallelize``: tensors and Python objects alike; the child runs with
+glibc's malloc returning freed blocks above 64 KiB at once, so the mark follows live memory), process groups
 (``new_group`` calls made by mesh creation and by ``parallelize``, and how many of them this rank is
 a member of). Times are this process's CPU time (``--clock cpu``, the default: other processes on a
 shared machine disturb it far less than wall time; the fake group never waits, so on an idle
@@ -222,8 +223,11 @@ def child(run: dict) -> dict:
 
 def _run_child(run: dict, timeout: float) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(run)]
+    # glibc returns freed blocks above 64 KiB to the system at once and keeps one arena, so the RSS
+    # high-water mark follows what is alive rather than what the allocator kept cached.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "131072", "MALLOC_ARENA_MAX": "1"}
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return {"error": f"did not finish in {timeout:.0f} s"}
     for line in reversed(done.stdout.splitlines()):
