@@ -36,7 +36,11 @@ machine the two agree) or wall time (``--clock wall``). Ratios are against the s
 the same config, measured in the same run. Run:
 
     .venv/bin/python benchmarks/bench_scale.py [--worlds 8,64,512,1024] [--configs llama-2d,llama-3d,moe-2d,moe-3d]
-        [--modes eager,static] [--inputs local|global] [--steps 5] [--clock cpu|wall] [--timeout 1200] [--profile DIR]
+        [--modes eager,static] [--inputs local|global] [--steps 5] [--repeat 1] [--clock cpu|wall] [--timeout 1200]
+        [--profile DIR]
+
+``--repeat N`` runs every world N times, the worlds interleaved in alternating order, and prints
+medians (steady step: median and range over the runs).
 
 ``--profile DIR`` writes a cProfile of ``parallelize`` + the first step per run (``DIR/<run>.prof``) and
 one of the steady steps (``DIR/<run>-steady.prof``; the times printed then include the profiler's).
@@ -221,11 +225,13 @@ def child(run: dict) -> dict:
 # ---- the parent: one subprocess per run, the table --------------------------------------------------
 
 
-def _run_child(run: dict, timeout: float) -> dict:
+def _run_child(run: dict, timeout: float, tree: str | None = None) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(run)]
     # glibc returns freed blocks above 64 KiB to the system at once and keeps one arena, so the RSS
     # high-water mark follows what is alive rather than what the allocator kept cached.
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "131072", "MALLOC_ARENA_MAX": "1"}
+    if tree is not None:  # vescale imported from another source tree (a before/after comparison)
+        env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(tree), env.get("PYTHONPATH", "")])
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
@@ -235,6 +241,12 @@ def _run_child(run: dict, timeout: float) -> dict:
             return json.loads(line[len("RESULT "):])
     tail = [l for l in done.stderr.splitlines() if l.strip() and "Warning" not in l][-3:]
     return {"error": " | ".join(tail)[-400:]}
+
+
+def _spread(values) -> str:
+    """Median, and the range over repeats when there are several."""
+    med = statistics.median(values)
+    return f"{med:.1f}" if len(values) == 1 else f"{med:.1f} ({min(values):.1f}-{max(values):.1f})"
 
 
 def _fmt_ratio(x, base, key):
@@ -253,10 +265,13 @@ def main(argv=None) -> None:
                     help="each rank passes its own rows (default) or the global batch")
     ap.add_argument("--modes", default="eager,static")
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=1, help="runs per (config, mode, world), worlds interleaved; medians")
     ap.add_argument("--rank", type=int, default=None, help="the rank played (default: the middle one)")
     ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
     ap.add_argument("--timeout", type=float, default=1200.0, help="seconds per run")
     ap.add_argument("--profile", default=None, help="folder for cProfile dumps of parallelize + first step")
+    ap.add_argument("--trees", default=None,
+                    help="comma-separated source trees to import vescale from (default: this one), interleaved run by run")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child is not None:
@@ -268,34 +283,49 @@ def main(argv=None) -> None:
         os.makedirs(args.profile, exist_ok=True)
     print(f"bench_scale: one rank of a fake world, the same work per rank; clock: {args.clock} time; "
           f"peak = RSS high-water mark over parallelize + steps, less RSS before parallelize", flush=True)
-    header = ("config", "mode", "world", "mesh", "mesh s", "parallelize s", "first s", "steady ms", "peak MB",
+    trees = args.trees.split(",") if args.trees else [None]
+    header = ("tree", "config", "mode", "world", "mesh", "mesh s", "parallelize s", "first s", "steady ms", "peak MB",
               "groups (mesh+par)", "member of", "x par", "x first", "x steady", "x peak")
     print(" | ".join(header), flush=True)
     for config in args.configs.split(","):
         for mode in args.modes.split(","):
-            base = None
-            for world in worlds:
-                rank = args.rank if args.rank is not None else world // 2 + 1
-                run = {"config": config, "mode": mode, "world": world, "rank": rank, "steps": args.steps,
-                       "clock": args.clock, "inputs": args.inputs}
-                if args.profile:
-                    run["profile"] = os.path.join(args.profile, f"{config}-{mode}-{world}.prof")
-                r = _run_child(run, args.timeout)
-                if "error" in r:
-                    print(f"{config} | {mode} | {world} | - | error: {r['error']}", flush=True)
-                    continue
-                base = base or r
-                row = (
-                    config, mode, str(world), "x".join(map(str, r["mesh_shape"])), f"{r['mesh_s']:.2f}",
-                    f"{r['parallelize_s']:.2f}", f"{r['first_s']:.2f}", f"{r['steady_s'] * 1e3:.1f}",
-                    f"{r['peak_mb']:.0f}", f"{r['groups_mesh']}+{r['groups_parallelize']}", str(r["member_of"]),
-                    _fmt_ratio(r["parallelize_s"], base["parallelize_s"], "parallelize"),
-                    _fmt_ratio(r["first_s"], base["first_s"], "first"),
-                    _fmt_ratio(r["steady_s"], base["steady_s"], "steady"),
-                    _fmt_ratio(r["peak_mb"], base["peak_mb"], "peak_mb"),
-                )
-                print(" | ".join(row), flush=True)
-    print("(x: ratio to the smallest world of the same config and mode, this run; ! above the issue's target)")
+            runs: dict[tuple, list] = {(t, w): [] for t in trees for w in worlds}
+            for r in range(args.repeat):
+                # Worlds (and trees) interleaved, in alternating order, so that a machine's drifting
+                # load touches every one alike.
+                for world in (worlds if r % 2 == 0 else worlds[::-1]):
+                    for t, tree in enumerate(trees if r % 2 == 0 else trees[::-1]):
+                        rank = args.rank if args.rank is not None else world // 2 + 1
+                        run = {"config": config, "mode": mode, "world": world, "rank": rank, "steps": args.steps,
+                               "clock": args.clock, "inputs": args.inputs}
+                        if args.profile:
+                            run["profile"] = os.path.join(args.profile, f"{config}-{mode}-{world}-{r}-{t}.prof")
+                        runs[(tree, world)].append(_run_child(run, args.timeout, tree))
+            for tree in trees:
+                _print_rows(tree or ".", config, mode, worlds, {w: runs[(tree, w)] for w in worlds})
+    print("(x: ratio to the smallest world of the same config, mode and tree, this run; ! above the issue's target)")
+
+
+def _print_rows(tree: str, config: str, mode: str, worlds: list, runs: dict) -> None:
+    base = None
+    for world in worlds:
+        ok = [x for x in runs[world] if "error" not in x]
+        if not ok:
+            print(f"{tree} | {config} | {mode} | {world} | - | error: {runs[world][0]['error']}", flush=True)
+            continue
+        r = {k: statistics.median(x[k] for x in ok) if isinstance(ok[0][k], (int, float)) else ok[0][k]
+             for k in ok[0]}
+        base = base or r
+        row = (
+            tree, config, mode, str(world), "x".join(map(str, r["mesh_shape"])), f"{r['mesh_s']:.2f}",
+            f"{r['parallelize_s']:.2f}", f"{r['first_s']:.2f}", _spread([x["steady_s"] * 1e3 for x in ok]),
+            f"{r['peak_mb']:.0f}", f"{r['groups_mesh']}+{r['groups_parallelize']}", str(r["member_of"]),
+            _fmt_ratio(r["parallelize_s"], base["parallelize_s"], "parallelize"),
+            _fmt_ratio(r["first_s"], base["first_s"], "first"),
+            _fmt_ratio(r["steady_s"], base["steady_s"], "steady"),
+            _fmt_ratio(r["peak_mb"], base["peak_mb"], "peak_mb"),
+        )
+        print(" | ".join(row), flush=True)
 
 
 if __name__ == "__main__":

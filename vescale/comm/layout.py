@@ -25,6 +25,13 @@ its local extent (``_fold_kept``): every member holds the same part of it, so it
 a block (a fused gate|up expert weight's ``InterleavedShard`` on TP beside its ZeRO shard on DP).
 Anything else (other placement types, layouts whose shards are not blocks, Partial targets) is
 ``None``: the caller falls back to DTensor's per-tensor ``redistribute``.
+
+Nothing here looks at every rank of the mesh: blocks are worked out for this rank's coordinate by
+arithmetic on the placements (``vescale.placement.blocks``, DTensor's exact layout), and what must
+hold for every rank (the group serves every coordinate, so all ranks pick the same collective; the
+members' rows are equal slices) is decided at a few representative coordinates. The member list a
+collective needs is made only for uneven rows, once per plan. Plans are cached per (shape, mesh
+shape, coordinate, placements): parameters of one shape share them.
 """
 
 from __future__ import annotations
@@ -377,7 +384,11 @@ def unpack_gather(rows: torch.Tensor, t: Transfer) -> torch.Tensor:
 def _row_mask(t: Transfer, device) -> torch.Tensor:
     """(members, row) booleans: the first ``row_lengths[i]`` entries of row ``i`` (the data; the rest
     is padding). In row-major order they are the base block's elements, in order."""
-    return torch.arange(t.row, device=device) < t.row_lengths.to(device)[:, None]
+    lengths = t.__dict__.setdefault("_lengths_on", {})  # row_lengths per device, copied once
+    on = lengths.get(device)
+    if on is None:
+        on = lengths[device] = t.row_lengths.to(device)[:, None]
+    return torch.arange(t.row, device=device) < on
 
 
 def _intersection(a: Block, b: Block) -> Block | None:
