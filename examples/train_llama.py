@@ -6,6 +6,12 @@ The model is the same unchanged single-device model in both cases; only the plan
     torchrun --standalone --nproc-per-node 4 examples/train_llama.py --dp 2 --tp 2 --out dist.json
     python examples/compare_losses.py single.json dist.json
 
+``--local-batches``: each data-parallel rank loads only its rows of every global batch
+(``vescale.data.DataLoader`` keyed by the DP coordinate, ``llama_plan(..., local_inputs=True)``)
+instead of every rank loading the whole batch; the losses are the global-batch run's, bit for bit:
+
+    torchrun --standalone --nproc-per-node 4 examples/train_llama.py --dp 2 --tp 2 --local-batches --out local.json
+
 Every rank builds the full model from the same seed, exactly as the single-device run does, and
 ``vescale.parallelize`` then keeps each rank's part: both runs start from identical weights and
 see identical global batches, so with single-device semantics their losses agree step by step.
@@ -56,6 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dropout", type=float, default=0.0,
                         help="attention and residual dropout probability (HF's model has attention dropout only)")
     parser.add_argument("--seed", type=int, default=0, help="seeds weight initialisation and data")
+    parser.add_argument("--local-batches", action="store_true",
+                        help="each DP rank loads only its share of every global batch (vescale.data) instead of the whole batch")
     parser.add_argument("--record", metavar="DIR",
                         help="record the first 2 steps' module outputs, parameters and gradients (global tensors) "
                              "into DIR with vescale.debug.record; compare two runs with python -m vescale.debug.compare")
@@ -91,6 +99,15 @@ def as_float(loss: torch.Tensor) -> float:
     return loss.item()
 
 
+def data_loader(args, vocab_size: int, mesh) -> vescale.data.DataLoader:
+    """The synthetic global batches as one dataset, read in order: global batch i is rows
+    i*B .. (i+1)*B. With ``--local-batches`` each rank gets its DP share of each (mesh given),
+    otherwise the whole batch (mesh None)."""
+    batches = synthetic_batches(args.steps, args.batch_size, args.seq_len, vocab_size, seed=args.seed)
+    dataset = torch.utils.data.TensorDataset(*(torch.cat(column) for column in zip(*batches)))
+    return vescale.data.DataLoader(dataset, args.batch_size, mesh if args.local_batches else None, dims="DP")
+
+
 def train(model, optimizer, progress) -> list[float]:
     losses = []
     for input_ids, labels in progress:
@@ -114,20 +131,20 @@ def main(argv=None) -> None:
     vescale.manual_seed(args.seed)
     model = build_model(args)
     if distributed:
-        plan = vescale.zoo.llama_plan(mesh, sequence_parallel=args.sequence_parallel, zero3=args.zero3)
+        plan = vescale.zoo.llama_plan(mesh, sequence_parallel=args.sequence_parallel, zero3=args.zero3,
+                                      local_inputs=args.local_batches)
         model = vescale.parallelize(model, plan, mesh)
     rank = dist.get_rank() if distributed else 0
     mode = (
         f"DP={args.dp} x TP={args.tp} (sequence parallel {'on' if args.sequence_parallel else 'off'}, "
-        f"ZeRO-3 {'on' if args.zero3 else 'off'})"
+        f"ZeRO-3 {'on' if args.zero3 else 'off'}{', per-rank batches' if args.local_batches else ''})"
         if distributed
         else "single device"
     )
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     vocab_size = model.config.vocab_size
-    batches = synthetic_batches(args.steps, args.batch_size, args.seq_len, vocab_size, seed=args.seed)
-    progress = tqdm(batches, desc=f"{args.model}, {mode}", unit="step", disable=rank != 0)
+    progress = tqdm(data_loader(args, vocab_size, mesh), desc=f"{args.model}, {mode}", unit="step", disable=rank != 0)
     single_device_rng = vescale.random.consistent() if not distributed else contextlib.nullcontext()
     recording = (
         vescale.debug.record(model, args.record, steps=min(2, args.steps), overwrite=True)

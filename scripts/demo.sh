@@ -4,11 +4,12 @@
 # (table and out/demo/losses.png) and every recorded tensor of the first two steps
 # (vescale.debug.record / compare: the first tensor where the runs part, if any).
 # Extra arguments go to both training runs, e.g. `bash scripts/demo.sh --steps 20 --model hf-llama`.
+# Output goes to out/demo, or to $VESCALE_DEMO_OUT (the test suite's short run: tests/examples).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh test
 
-out=out/demo
+out="${VESCALE_DEMO_OUT:-out/demo}"
 mkdir -p "$out"
 # One intra-op thread per process: the 4 ranks share the machine's cores, and the single-device run
 # uses the same setting so both runs do their arithmetic the same way.

@@ -1,12 +1,26 @@
 #!/usr/bin/env bash
 # Creates ./.venv (once) and installs vescale with the extras named in $1 ("test" or "hf").
-# torch is pinned so pip never resolves a CUDA build.
+# torch is pinned so pip never resolves a CUDA build. A stamp (a hash of pyproject.toml and this
+# script, per extras) skips pip when nothing it installs from changed since the last complete
+# install: vescale itself is installed editable, so code changes need no reinstall.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-test}"
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
-.venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0" 2>&1 | grep -v '^WARNING: Location' || true
-.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[${extras}]" 2>&1 | grep -v '^WARNING: Location' || true
-.venv/bin/python -c "import torch, vescale; assert torch.__version__.startswith('2.13'), torch.__version__"
+stamp=".venv/.vescale-setup-${extras}"
+want="$(cat pyproject.toml scripts/setup_env.sh | sha256sum | cut -d' ' -f1)"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  rm -f "$stamp"
+  pip_install() {
+    local status
+    .venv/bin/python -m pip install -q --disable-pip-version-check "$@" 2>&1 | { grep -v '^WARNING: Location' || true; }
+    status=${PIPESTATUS[0]}
+    return "$status"
+  }
+  pip_install "torch==2.13.0"
+  pip_install -e ".[${extras}]"
+  .venv/bin/python -c "import torch, vescale; assert torch.__version__.startswith('2.13'), torch.__version__"
+  echo "$want" > "$stamp"
+fi

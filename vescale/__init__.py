@@ -8,13 +8,15 @@ The public surface is small on purpose; everything else lives in one package per
 ``plan`` (VescalePlan and its IR), ``parallel`` (parallelize), ``random`` (single-device-semantic
 distributed RNG), ``dispatch`` (fast eager DTensor dispatch), ``static`` (Static Eager mode),
 ``comm`` (gradient reduction), ``placement`` (InterleavedShard), ``init`` (deferred initialisation of
-meta-device models), ``checkpoint`` (save / load / resume), ``zoo`` (ready models and plans).
+meta-device models), ``checkpoint`` (save / load / resume), ``data`` (each data-parallel rank
+loading only its share of the batch), ``zoo`` (ready models and plans).
 """
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from . import dispatch, static  # packages users reach as vescale.dispatch / vescale.static
 from . import checkpoint  # vescale.checkpoint.save / load
+from . import data  # vescale.data.GlobalBatchSampler: per-rank batches
 from .comm.grad import no_grad_sync
 from .mesh import init_mesh
 from .parallel import explain, parallelize
@@ -32,5 +34,5 @@ def manual_seed(seed: int) -> None:
 __all__ = [
     "init_mesh", "VescalePlan", "parallelize", "explain", "manual_seed", "no_grad_sync",
     "Shard", "Replicate", "Partial", "INIT", "RUN", "PlanError", "InterleavedShard",
-    "checkpoint",
+    "checkpoint", "data",
 ]

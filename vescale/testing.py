@@ -3,23 +3,35 @@
 Tests and benchmarks use this to check behaviour that needs real collectives: the parent forks
 ``world_size`` children, each initialises a gloo process group on a private localhost port, calls
 ``fn(*args)`` and sends back its return value (or its traceback). A rank that hangs is killed after
-``timeout`` seconds and the call fails instead of blocking the suite.
+``timeout`` seconds and the call fails instead of blocking the suite. ``run_script`` runs an
+example script in such a rank as torchrun would.
+
+Split checks (equal losses cannot show that a plan split anything): ``assert_local_shapes``
+(each parameter's local shard against the test's own statement of the split) and
+``input_shapes`` (what a module's body receives: a DP rank's share of the batch).
 """
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import os
 import pickle
+import re
+import runpy
 import socket
+import sys
 import traceback
-from contextlib import contextmanager
-from typing import Any, Callable
+from contextlib import contextmanager, redirect_stdout
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["run_on_ranks", "fake_world", "forget_dtensor_caches", "train_losses", "sgd_steps", "global_value", "error_of"]
+__all__ = [
+    "run_on_ranks", "fake_world", "forget_dtensor_caches", "train_losses", "sgd_steps", "global_value", "error_of",
+    "local_shapes", "assert_local_shapes", "input_shapes", "run_script",
+]
 
 
 def _free_port() -> int:
@@ -84,6 +96,8 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, con
     torch.set_num_threads(1)
     forget_dtensor_caches()  # the parent may have simulated other ranks
     try:
+        if dist.is_initialized():  # the parent's group (a test's fake world), copied by fork: not this rank's
+            dist.destroy_process_group()
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(*args)
         # Plain pickle copies tensor data; multiprocessing's own pickler would pass storages by
@@ -138,6 +152,25 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
     return results
 
 
+def run_script(path: str, *argv: str) -> str:
+    """Run the Python script at ``path`` as ``__main__`` in this process, with ``sys.argv`` set to
+    ``[path, *argv]``, and return what it printed to stdout. With ``run_on_ranks`` it runs an example
+    on gloo ranks as torchrun would (the environment variables torchrun sets are set, the process
+    group already made) without starting an interpreter per rank. A ``SystemExit`` with a non-zero
+    code is raised as a ``RuntimeError`` carrying the output."""
+    printed, saved_argv = io.StringIO(), sys.argv
+    sys.argv = [str(path), *map(str, argv)]
+    try:
+        with redirect_stdout(printed):
+            runpy.run_path(str(path), run_name="__main__")
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raise RuntimeError(f"{path} {' '.join(argv)} exited with {e.code!r}; it printed:\n{printed.getvalue()}") from None
+    finally:
+        sys.argv = saved_argv
+    return printed.getvalue()
+
+
 def train_losses(model, batches, opt) -> list[float]:
     """Train ``model`` on ``(input_ids, labels)`` batches (a causal LM returning ``.loss``) with the
     optimiser ``opt``, one step per batch; the losses, as global values (``loss.item()``)."""
@@ -183,3 +216,67 @@ def error_of(fn: Callable[..., Any], *args: Any, kind: type = Exception) -> str 
     except kind as e:
         return str(e)
     return None
+
+
+# ---- split checks: equal losses cannot show that a plan split anything ----------------------------
+
+
+def local_shapes(module: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """Each parameter's shape on this rank: a DTensor's local shard, a plain tensor whole."""
+    from torch.distributed.tensor import DTensor
+
+    return {
+        name: tuple((p.to_local() if isinstance(p, DTensor) else p).shape) for name, p in module.named_parameters()
+    }
+
+
+def assert_local_shapes(module: torch.nn.Module, divisors: Mapping[str, tuple[int, ...]], label: str = "") -> None:
+    """Assert that every parameter of ``module`` holds, on this rank, its global shape divided dim by
+    dim by the ``divisors`` of the first pattern (a full-match regular expression over parameter
+    names) it matches; a parameter no pattern matches must be whole. The expectation is the test's
+    own statement of the split (not read from the plan), so a plan that silently replicates, or
+    shards something else, fails here even when every loss matches one device. A pattern that
+    matches no parameter is an error too (a stale expectation would check nothing)."""
+    from torch.distributed.tensor import DTensor
+
+    patterns = [(re.compile(p), p, tuple(d)) for p, d in divisors.items()]
+    used, wrong = set(), []
+    for name, param in module.named_parameters():
+        full = tuple(param.shape)  # a DTensor's shape is the global one
+        local = tuple((param.to_local() if isinstance(param, DTensor) else param).shape)
+        split = next(((p, d) for rx, p, d in patterns if rx.fullmatch(name)), (None, (1,) * len(full)))
+        used.add(split[0])
+        div = split[1] + (1,) * (len(full) - len(split[1]))
+        if len(div) != len(full) or any(n % k for n, k in zip(full, div)):
+            raise ValueError(f"{label}: divisors {split[1]} do not split {name} of shape {full} evenly; state another expectation")
+        want = tuple(n // k for n, k in zip(full, div))
+        if local != want:
+            wrong.append(f"{name}: local {local}, expected {want} (global {full} / {div})")
+    stale = [p for _, p, _ in patterns if p not in used]
+    if stale:
+        raise ValueError(f"{label}: expected split pattern(s) {stale} match no parameter")
+    assert not wrong, f"{label}: {len(wrong)} parameter(s) not split as expected:\n  " + "\n  ".join(wrong)
+
+
+@contextmanager
+def input_shapes(module: torch.nn.Module, *paths: str) -> Iterator[dict[str, list[tuple[int, ...]]]]:
+    """Record, for each submodule path, the local shape of the first tensor its body receives
+    (after the plan's hooks: a DTensor's local shard, a plain tensor as it is), one entry per call.
+    For split checks: a data-parallel rank's layers must see its share of the batch, a sequence-
+    parallel rank its share of the sequence."""
+    from torch.distributed.tensor import DTensor
+
+    seen: dict[str, list[tuple[int, ...]]] = {path: [] for path in paths}
+    handles = []
+    for path in paths:
+        def record(mod, args, kwargs, path=path):
+            first = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), None)
+            if first is not None:
+                seen[path].append(tuple((first.to_local() if isinstance(first, DTensor) else first).shape))
+
+        handles.append(module.get_submodule(path).register_forward_pre_hook(record, with_kwargs=True))
+    try:
+        yield seen
+    finally:
+        for handle in handles:
+            handle.remove()

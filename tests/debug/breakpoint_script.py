@@ -1,6 +1,6 @@
 """A training-like script with a vescale.debug.breakpoint, driven by tests/debug/test_breakpoint.py.
 
-    torchrun --standalone --nproc-per-node N tests/debug/breakpoint_script.py --debug-ranks 0 [--pg-timeout 2]
+    torchrun --standalone --nproc-per-node N tests/debug/breakpoint_script.py --debug-ranks 0 [--pg-timeout 6]
 
 Builds a DTensor ``x`` (Shard(0) of ``arange``) on a 1-D mesh of all ranks, shortens the process
 group's timeout to --pg-timeout seconds, stops at the breakpoint, then runs an all_reduce (proof
@@ -43,7 +43,7 @@ def run(debug_ranks: list[int], pg_timeout: float) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--debug-ranks", type=int, nargs="+", default=[0])
-    parser.add_argument("--pg-timeout", type=float, default=2.0)
+    parser.add_argument("--pg-timeout", type=float, default=6.0)
     args = parser.parse_args()
     dist.init_process_group("gloo")
     print(run(args.debug_ranks, args.pg_timeout), flush=True)

@@ -119,13 +119,17 @@ def tp_plan(wrong_scan_placement: bool = False) -> VescalePlan:
     return plan
 
 
-def train(model, directory: str, steps: int = 2, **record_kwargs) -> list[float]:
-    """``steps`` SGD steps inside ``vescale.debug.record``; returns the losses."""
+def train(model, directory: str | None, steps: int = 2, **record_kwargs) -> list[float]:
+    """``steps`` SGD steps inside ``vescale.debug.record`` (not recorded when ``directory`` is None);
+    returns the losses."""
+    import contextlib
+
     import vescale.debug
 
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
-    with vescale.debug.record(model, directory, steps=steps, **record_kwargs):
+    recording = contextlib.nullcontext() if directory is None else vescale.debug.record(model, directory, steps=steps, **record_kwargs)
+    with recording:
         for x, y in batches(steps):
             loss = model(x, y)
             loss.backward()

@@ -42,6 +42,8 @@ def _distributed_runs(root: str) -> dict:
         vescale.manual_seed(how["seed"])
         model = vescale.parallelize(build(**how["model"]), tp_plan(how["wrong_scan_placement"]), mesh)
         losses[name] = train(model, os.path.join(root, name))
+    vescale.manual_seed(0)  # the clean run again, not recorded
+    losses["clean_unrecorded"] = train(vescale.parallelize(build(), tp_plan(), mesh), None)
     try:
         vescale.debug.breakpoint(rank=2)
         bad_rank = None
@@ -63,6 +65,10 @@ def records(tmp_path_factory) -> dict:
     vescale.manual_seed(0)
     with vescale.random.consistent():
         train(model, os.path.join(root, "single_1step"), steps=1)
+    model = build()
+    vescale.manual_seed(0)
+    with vescale.random.consistent():
+        single["single_unrecorded"] = train(model, None)
     results = run_on_ranks(_distributed_runs, 2, root)
     return {"root": root, "single": single, "ranks": results}
 
@@ -154,7 +160,12 @@ def test_breakpoint_rank_outside_the_world_is_refused(records):
 
 
 def test_recording_does_not_change_training(records):
-    # The recorder only reads: the clean distributed run's losses are the single-device ones.
-    single, clean = records["single"]["single"], records["ranks"][0]["losses"]["clean"]
+    # The recorder only reads: a recorded run computes exactly what the same run computes without
+    # the recorder (the same ops in the same order: equal bits), on one device and on 2 ranks; and
+    # the clean distributed run's losses are the single-device ones (fp32 reduction order: 1e-5).
+    losses = records["ranks"][0]["losses"]
+    single, clean = records["single"]["single"], losses["clean"]
+    assert single == records["single"]["single_unrecorded"], (single, records["single"]["single_unrecorded"])
+    assert clean == losses["clean_unrecorded"], (clean, losses["clean_unrecorded"])
     assert all(abs(a - b) <= 1e-5 for a, b in zip(single, clean)), (single, clean)
-    assert records["ranks"][0]["losses"]["wrong_seed"] != clean
+    assert losses["wrong_seed"] != clean

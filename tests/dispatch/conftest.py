@@ -15,12 +15,14 @@ from vescale.testing import fake_world
 
 @contextlib.contextmanager
 def _dispatch_mesh(shape: tuple, names: tuple):
+    was_installed = dispatch.is_installed()
     with fake_world(4):
         dispatch.install()
         try:
             yield vescale.init_mesh(shape, names)
         finally:
-            dispatch.install()
+            if not was_installed:  # leave DTensor as this module found it
+                dispatch.uninstall()
 
 
 @pytest.fixture(scope="module")

@@ -576,6 +576,29 @@ def test_size_arguments_stay_in_the_key_when_the_rule_is_not_pytorchs(mesh):
     assert _key(s(6, 6), other) != _key(s(10, 9), other)
 
 
+def test_a_whole_dim_slice_is_not_replayed_on_a_longer_dim(mesh):
+    """``slice(x, 1, 0, 8)`` of a sequence-sharded ``x`` keeps the shards at length 8 (the whole dim)
+    and must gather at 16: the key keeps whether the slice is the whole dim. (It served the length-8
+    decision at 16: ``Shard(1)`` on 8 local columns, a global tensor twice as long as the slice.)"""
+    forget_dtensor_caches()
+    for n, want, local in ((8, Shard(1), 4), (16, Replicate(), 8)):
+        y = aten.slice.Tensor(_dt(mesh, (4, n, 4), (Shard(0), Shard(1)), n), 1, 0, 8)
+        assert y.placements == (Shard(0), want) and y.to_local().shape == (2, local, 4) and y.shape == (4, 8, 4)
+
+
+def test_an_adjusted_op_that_rewrites_nothing_is_a_plain_decision(mesh):
+    """Ops with an argument adjuster (split's sizes, slice's bounds: ``vescale.dispatch.interleaved``)
+    that leave every argument as it was (a tensor not interleaved where it is cut) need no
+    redistribution: DTensor's C++ path runs them (PyTorch marks every such call as rewritten once
+    an input is sharded, which costs its Python slow path, 2-3x a slice's cost on the CPU)."""
+    forget_dtensor_caches()
+    prop = DTensor._op_dispatcher.sharding_propagator
+    x = _dt(mesh, (4, 6, 16), (Shard(0), Shard(1)))
+    for op, args in ((aten.slice.Tensor, (2, 0, 8)), (aten.split.Tensor, (8, 2))):
+        decision = prop.propagate_op_sharding_non_cached(OpSchema(op, (x._spec, *args), {}))  # what DTensor asks on a miss
+        assert not decision.needs_redistribute and decision.redistribute_schema is None, (op, decision)
+
+
 # --- misses that stay PyTorch's decisions take checked metadata, not a FakeTensor run -------------
 
 

@@ -1,10 +1,11 @@
 """``vescale.dispatch.viewkey``: a reshape's sharding decision kept per summary of the sizes equals
-PyTorch's view rule at every size, errors included.
+the view rule's (PyTorch's, as ``viewrule`` corrects it) at every size, errors included.
 
 Random reshapes (flattens, splits, regroupings, ``-1``), random placements (``Shard`` on any dim,
 several mesh dims on one dim, ``Partial``, ``Replicate``, some ``_StridedShard``) on 1-, 2- and 3-D
 meshes, strict (``view``) and not (``reshape``): each call's decision through the table is compared
-with PyTorch's ``propagate_shape_and_sharding`` over ``view_groups`` computed afresh. The table is
+with ``viewrule.propagate_view`` (PyTorch's ``propagate_shape_and_sharding``, corrected) over
+``view_groups`` computed afresh. The table is
 kept across the random cases, so two calls that share a summary but not a PyTorch decision fail.
 """
 
@@ -20,10 +21,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema
-from torch.distributed.tensor._ops._view_ops import propagate_shape_and_sharding, view_groups
+from torch.distributed.tensor._ops._view_ops import view_groups
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from vescale.dispatch import viewkey
+from vescale.dispatch.viewrule import propagate_view
 from vescale.testing import fake_world
 
 aten = torch.ops.aten
@@ -52,7 +54,7 @@ def _schema(mesh, shape, placements, sizes, op):
 
 def _pytorchs(shape, placements, sizes, mesh_shape, strict):
     try:
-        target, out = propagate_shape_and_sharding(placements, shape, view_groups(shape, sizes), mesh_shape, strict)
+        target, out = propagate_view(placements, shape, view_groups(shape, sizes), mesh_shape, strict)
     except Exception:
         return "raises"
     return tuple(target), tuple(out)

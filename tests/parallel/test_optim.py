@@ -3,7 +3,8 @@
 On a DP=2 x TP=2 mesh with ZeRO-3 (parameters of mixed placements: Shard on DP at rest, Shard or
 Replicate on TP), `clip_grad_norm_` must return the single-device total norm and SGD / AdamW must
 produce the single-device parameters. Tolerance 1e-5 (fp32 reduction order; the norm is a sum of
-squares over differently split shards).
+squares over differently split shards). Each rank also checks its split after training
+(``split_checks.check_llama_split``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import torch
 import vescale
 from vescale.testing import run_on_ranks
 from vescale.zoo import llama_plan, synthetic_batches, tiny_llama
+
+from split_checks import check_llama_split, probe_batch
 
 TOL = 1e-5
 OPTIMIZERS = {"SGD": torch.optim.SGD, "AdamW": torch.optim.AdamW}
@@ -42,7 +45,9 @@ def _distributed(opt_name):
     torch.manual_seed(0)
     model = tiny_llama()
     vescale.parallelize(model, llama_plan(mesh, model.config, zero3=True), mesh)
-    return _train(model, opt_name)
+    result = _train(model, opt_name)
+    check_llama_split(model, probe_batch(), tp=2, dp=2, sequence_parallel=True, zero3=True, label="DP=2xTP=2+SP+ZeRO-3")
+    return result
 
 
 @pytest.mark.multiproc

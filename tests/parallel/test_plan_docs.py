@@ -71,6 +71,23 @@ def test_explain_output_is_printed(ranks):
     assert pasted in ranks[0]["printed"]
 
 
+def test_tied_weight_example_prints_a_gather_before_each_module(ranks):
+    doc = DOC.read_text()
+    pasted = doc[doc.index("```text\n", doc.index("<!-- tied-output -->")) + 8 :].split("```")[0]
+    assert pasted.strip() and all(line in ranks[0]["printed"].splitlines() for line in pasted.strip().splitlines())
+
+
+def test_gathers_example_prints_its_report(ranks):
+    """The vescale.debug.gathers example prints the lines the page shows (the source line's file and
+    code aside: the examples run from the page, not from attention.py)."""
+    doc = DOC.read_text()
+    shown = doc[doc.index("```text\n", doc.index("<!-- gathers-output -->")) + 8 :].split("```")[0].splitlines()
+    printed = ranks[0]["printed"].splitlines()
+    for line in shown:
+        head, _, tail = line.partition(" at attention.py:17: ")
+        assert any(p.startswith(head) and p.endswith(tail[-10:]) for p in printed), line
+
+
 def test_factory_example_prints_its_comment(ranks):
     comment = re.search(r"print\(out\.placements\)\s+# (\(.*?\)):", DOC.read_text()).group(1)
     assert comment in ranks[0]["printed"].splitlines()
@@ -83,3 +100,9 @@ def test_error_table_shows_real_messages(ranks):
             assert got.endswith(shown[4:]), (code, got)
         else:
             assert got == shown, (code, got)
+
+
+def test_per_rank_shares_example_prints_its_comment(ranks):
+    comment = re.search(r"\n# (per-rank shares train like the global batch: \w+)\n", DOC.read_text()).group(1)
+    assert comment == "per-rank shares train like the global batch: True"
+    assert comment in ranks[0]["printed"].splitlines()

@@ -55,6 +55,12 @@ def test_report_lists_replicated_parameters_and_idle_dims(mesh):
     assert vescale.explain(Net(), busy, mesh).idle_mesh_dims() == []
     idle = VescalePlan().shard(r"fc\.weight", Shard(0), mesh="TP").shard(r"<in>[input_ids]", Replicate(), mesh="DP")
     assert vescale.explain(Net(), idle, mesh).idle_mesh_dims() == ["DP"]
+    # So does a batch each DP rank passes its share of (plan.annotate, the per-rank mode); a
+    # gradient annotation does not split work.
+    shares = VescalePlan().shard(r"fc\.weight", Shard(0), mesh="TP").annotate(r"<in>[input_ids]", Shard(0), mesh="DP")
+    assert vescale.explain(Net(), shares, mesh).idle_mesh_dims() == []
+    grad_note = VescalePlan().shard(r"fc\.weight", Shard(0), mesh="TP").annotate(r"fc\.bias\.grad", Shard(0), mesh="DP")
+    assert vescale.explain(Net(), grad_note, mesh).idle_mesh_dims() == ["DP"]
 
 
 def test_strict_refuses_a_plan_idle_on_a_mesh_dim(mesh):

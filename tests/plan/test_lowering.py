@@ -366,9 +366,20 @@ def test_tied_parameters_must_be_planned_alike(mesh):
     # Planned alike, they are one tensor with one entry, under its first name.
     alike = plan_of((r"(embed|head)\.weight", Shard(0), TP))
     assert lines(alike, Tied(), mesh) == ["embed.param:weight::distribute(R,DP; S(0),TP)"]
+
+
+def test_tied_parameter_under_zero3_is_gathered_before_each_module_that_holds_it(mesh):
+    """One distribute entry (one tensor, stored once), a gather before each of its modules."""
     zero3 = plan_of((r".*weight", Shard(0), {**DP, "phase": INIT}), (r".*weight", Replicate(), {**DP, "phase": RUN}))
-    with raises(f"{names}; different INIT and RUN placements (ZeRO-3) are not supported for shared parameters"):
-        lower(zero3, Tied(), mesh)
+    assert lines(zero3, Tied(), mesh) == [
+        "embed.param:weight::distribute(S(0),DP; R,TP)",
+        "embed.forward_pre:weight::gather(S(0),DP; R,TP->R,DP; R,TP)",
+        "head.forward_pre:weight::gather(S(0),DP; R,TP->R,DP; R,TP)",
+    ]
+    # Still: every name of the shared tensor gets the same statements.
+    half = plan_of((r"embed\.weight", Shard(0), {**DP, "phase": INIT}), (r"embed\.weight", Replicate(), {**DP, "phase": RUN}))
+    with raises("parameters ['embed.weight', 'head.weight'] are one shared (tied) tensor but the plan places them differently"):
+        lower(half, Tied(), mesh)
 
 
 def test_lower_checks_its_arguments(net, mesh, fake_world):
@@ -474,8 +485,8 @@ def test_zoo_plan_ir_on_ours_and_huggingface_differs_only_at_the_embeddings(llam
     ours, theirs = llamas
     ir_ours = lower(llama_plan(mesh, ours.config, zero3=zero3), ours, mesh)
     ir_theirs = lower(llama_plan(mesh, theirs.config, zero3=zero3), theirs, mesh)
-    # Both models' logits stay vocabulary-sharded (HF's loss views them with the config's vocabulary
-    # size, which Static Eager rewrites to the local one: vescale/static/local_sizes.py). HF's model
+    # Both models' logits are gathered as the LM head returns them (the loss runs on whole rows in
+    # eager and Static Eager mode alike: vescale/static/local_loss.py). HF's model
     # body reads the sequence length from the embeddings: its plan keeps them whole there (all-reduced)
     # and splits the sequence at the first layer; every other entry is the same, in the same order.
     zoo_only = ["model.embed_tokens.forward:<out>:0:redist(->S(1),TP)"]
@@ -484,7 +495,7 @@ def test_zoo_plan_ir_on_ours_and_huggingface_differs_only_at_the_embeddings(llam
     ours_entries, theirs_entries = entries(ir_ours), entries(ir_theirs)
     assert [e for e in ours_entries if e in zoo_only] == zoo_only and [e for e in theirs_entries if e in hf_only] == hf_only
     assert [e for e in ours_entries if e not in zoo_only] == [e for e in theirs_entries if e not in hf_only]
-    assert "lm_head.forward:<out>:0:redist(->S(-1),TP)" in str(ir_ours).splitlines(), str(ir_ours)
+    assert "lm_head.forward:<out>:0:redist(->R,TP)" in str(ir_ours).splitlines(), str(ir_ours)
     text = str(ir_ours).splitlines()
     # Spot checks that follow from the plan's statements and the model's signatures.
     assert "forward_pre:<in>:input_ids:redist(->S(0),DP)" in text

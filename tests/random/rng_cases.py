@@ -6,11 +6,16 @@ on ordinary tensors (the single-device reference, under ``consistent()``), :clas
 with given placements. :func:`compare` checks a distributed result against the reference, rank by
 rank: the local shard must equal (torch.equal) the slice DTensor's own ``distribute_tensor`` cuts
 from the reference for that rank, so over all ranks the gathered tensor equals the reference.
+
+A call that raises passes only where PyTorch itself refuses it on one device with an error the case
+documents (``Case.refusals``) and the distributed run raises that same error (type and message):
+an op broken on both paths is a failure, not a pass.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -101,6 +106,9 @@ class Case:
     partial_ok: bool = True  # False: DTensor's own (non-random) arithmetic in the op refuses Partial
     int_dtypes: tuple = ()  # integer / bool dtypes the op takes, besides the float ones
     needs_collectives: bool = False  # control flow depends on a global reduction (real ranks only)
+    # PyTorch's own refusals of the call on one device ("Type: message" full-match regexes): the only
+    # errors a case may end with, on both paths alike.
+    refusals: tuple = ()
 
 
 def _init(fn, *args, **kwargs):
@@ -108,6 +116,7 @@ def _init(fn, *args, **kwargs):
 
 
 _SIGNED = (torch.int64, torch.int32, torch.int8)
+_EMPTY_FAN = (r"ZeroDivisionError: float division by zero",)
 _INTS = _SIGNED + (torch.uint8,)
 
 CASES = [
@@ -124,8 +133,9 @@ CASES = [
     Case("init.uniform_", _init(torch.nn.init.uniform_, -0.5, 0.5)),
     Case("init.kaiming_uniform_", _init(torch.nn.init.kaiming_uniform_, a=math.sqrt(5)), min_ndim=2),
     Case("init.kaiming_normal_", _init(torch.nn.init.kaiming_normal_), min_ndim=2),
-    Case("init.xavier_uniform_", _init(torch.nn.init.xavier_uniform_), min_ndim=2),
-    Case("init.xavier_normal_", _init(torch.nn.init.xavier_normal_), min_ndim=2),
+    # xavier's std divides by fan_in + fan_out, which is 0 for a tensor with an empty dim 0 or 1.
+    Case("init.xavier_uniform_", _init(torch.nn.init.xavier_uniform_), min_ndim=2, refusals=_EMPTY_FAN),
+    Case("init.xavier_normal_", _init(torch.nn.init.xavier_normal_), min_ndim=2, refusals=_EMPTY_FAN),
     # std 0.2 within [-2, 2]: no value is ever rejected; std 1 within [-1, 1]: the rejection loop runs
     # until no rank has a value out of range, which takes collectives.
     Case("init.trunc_normal_", _init(torch.nn.init.trunc_normal_, std=0.2)),
@@ -164,18 +174,29 @@ def _as_tuple(result):
     return result if isinstance(result, tuple) else (result,)
 
 
+def _error_text(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
 def reference(case: Case, shape, dtype, state: torch.Tensor):
-    """The single-device result and the generator state after it (or the exception it raised)."""
+    """The single-device result and the generator state after it, or the exception it raised: only
+    PyTorch's own refusal of the call (the same error without vescale's generator), and only one the
+    case documents in ``refusals``; any other error fails here."""
     vr.set_state(state)
     try:
         with vr.consistent():
             result = _as_tuple(case.run(Plain(), shape, dtype))
     except Exception as error:  # the distributed run must then fail the same way ...
+        what = f"{case.name} {dtype} {shape}"
         try:  # ... and only where PyTorch itself refuses the call
             case.run(Plain(), shape, dtype)
-        except Exception:
+        except Exception as own:
+            if _error_text(own) != _error_text(error):
+                raise AssertionError(f"{what}: vescale raised {error!r}, PyTorch raises {own!r}") from error
+            if not any(re.fullmatch(pattern, _error_text(error)) for pattern in case.refusals):
+                raise AssertionError(f"{what}: raised {error!r} on one device, not an error the case documents") from error
             return error, vr.get_state()
-        raise AssertionError(f"{case.name} {dtype} {shape}: vescale raised {error!r}, PyTorch does not") from error
+        raise AssertionError(f"{what}: vescale raised {error!r}, PyTorch does not") from error
     return result, vr.get_state()
 
 
@@ -196,9 +217,13 @@ def compare(ref, ref_state, out, out_state, mesh, allow_partial: bool = False) -
     multiplies a Partial input by the mask); with ``allow_partial`` such a result is skipped here and
     the caller checks it gathered (full_tensor)."""
     if isinstance(ref, Exception) or isinstance(out, Exception):
-        if type(ref) is type(out):
-            return None
-        return f"reference gave {ref!r}, distributed gave {out!r}"
+        # ``reference`` lets through only PyTorch's own, documented refusals; the distributed run
+        # must refuse alike and leave the generator where the single-device run left it.
+        if not (isinstance(ref, Exception) and isinstance(out, Exception) and _error_text(ref) == _error_text(out)):
+            return f"reference gave {ref!r}, distributed gave {out!r}"
+        if not torch.equal(out_state, ref_state):
+            return f"after {ref!r}: generator state {out_state.tolist()} != single-device {ref_state.tolist()}"
+        return None
     if len(ref) != len(out):
         return f"{len(ref)} results on one device, {len(out)} distributed"
     for i, (r, o) in enumerate(zip(ref, out)):

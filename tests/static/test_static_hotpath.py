@@ -9,7 +9,7 @@ autograd's AccumulateGrad would. On gloo ranks (zoo LLaMA with dropout; TP=2 + S
 tests check that
 
 * static steps give the gradients of the ``local_of`` path (an autograd node per parameter use) bit
-  for bit, and eager mode's within 1e-6: a plain step, a step whose zero_grad runs
+  for bit, eager mode's within 1e-6 and one device's within 1e-5: a plain step, a step whose zero_grad runs
   between forward and backward, and a step that accumulates onto the previous gradients;
 * a parameter's own hooks run once per backward, and a hook that replaces the gradient takes
   effect (it doubles one weight's gradient here);
@@ -33,7 +33,7 @@ import torch
 
 import vescale
 from vescale.debug import CollectiveCounter
-from vescale.testing import run_on_ranks
+from vescale.testing import global_value, run_on_ranks
 from vescale.zoo import llama_plan, synthetic_batches, tiny_llama
 
 SEED = 7
@@ -41,17 +41,20 @@ HOOKED = "model.layers.1.mlp.up_proj.weight"
 
 
 def _grads(model) -> dict:
-    return {n: p.grad.full_tensor().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return {n: global_value(p.grad) for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _train(mode: str, shape: tuple, param_leaves: bool = True) -> dict:
+    """``mode`` "eager" or "static" on a mesh of ``shape``, or "single": one device, under
+    ``consistent()`` (the same dropout masks)."""
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     names = ("TP",) if len(shape) == 1 else ("DP", "TP")
-    mesh = vescale.init_mesh(shape, names)
     torch.manual_seed(0)
     model = tiny_llama(attention_dropout=0.1, hidden_dropout=0.1)
-    plan = llama_plan(mesh, model.config, sequence_parallel=True, zero3="DP" in names)
-    vescale.parallelize(model, plan, mesh, mode=mode)
+    if mode != "single":
+        mesh = vescale.init_mesh(shape, names)
+        plan = llama_plan(mesh, model.config, sequence_parallel=True, zero3="DP" in names)
+        vescale.parallelize(model, plan, mesh, mode=mode)
     if mode == "static":
         model._vescale_static.param_leaves = param_leaves
     params = dict(model.named_parameters())
@@ -72,12 +75,13 @@ def _train(mode: str, shape: tuple, param_leaves: bool = True) -> dict:
     out = {"grads": [], "posts": []}
     batches = list(synthetic_batches(6, 4, 16, 128, seed=2))
     for step, (x, y) in enumerate(batches):
+        rng = vescale.random.consistent() if mode == "single" else contextlib.nullcontext()
         seen.clear()
         fired["post"] = 0
         # Counted in the last step only (a static one): a dispatch mode open around a recording step
         # hides DTensor ops from the recording's watcher on main as of 84eb614 (a known gap).
         counter = CollectiveCounter() if step == len(batches) - 1 else contextlib.nullcontext()
-        with counter:
+        with counter, rng:
             loss = model(input_ids=x, labels=y).loss
             if step == 3:
                 opt.zero_grad()  # between forward and backward: the gradients start from nothing
@@ -108,10 +112,17 @@ def _runs(shape: tuple):
 def test_static_hot_path_matches_eager(shape):
     runs = run_on_ranks(_runs, math.prod(shape), shape)[0]
     eager, static, local_of = runs["eager"], runs["static"], runs["local_of"]
+    single = _train("single", shape)
     recorded, ran_static = static["steps"]
     assert ran_static >= 3, static["steps"]
-    for step, (a, b, c) in enumerate(zip(static["grads"], local_of["grads"], eager["grads"])):
-        assert a.keys() == b.keys() == c.keys(), step
+    # Known defect (eager mode too): under ZeRO-3 a user's hooks on a parameter do not run (its
+    # gradient is written by the reduce-scatter, not by autograd), so HOOKED's doubled gradient and
+    # the post-accumulate hook's calls differ from one device (and, after step 0's update, every
+    # gradient). Collected here; the test xfails on them alone and fails once they are gone (then
+    # drop this exception).
+    known = []
+    for step, (a, b, c, d) in enumerate(zip(static["grads"], local_of["grads"], eager["grads"], single["grads"])):
+        assert a.keys() == b.keys() == c.keys() == d.keys(), step
         for name in a:
             assert torch.equal(a[name], b[name]), (
                 f"step {step}: {name} gradient differs from the local_of path by {(a[name] - b[name]).abs().max().item():.3g}"
@@ -119,6 +130,12 @@ def test_static_hot_path_matches_eager(shape):
             # Eager mode sums some gradients in another order (the recording steps too): a few ulps.
             diff = (a[name] - c[name]).abs().max().item()
             assert diff <= 1e-6, f"step {step}: {name} gradient differs from eager by {diff:.3g}"
+            # One device sums in another order again (fp32, as in test_static_llama.py): 1e-5.
+            diff = (a[name] - d[name]).abs().max().item()
+            if diff > 1e-5 and len(shape) == 2 and (name == HOOKED or step > 0):  # step 0's update spread it
+                known.append(f"step {step}: {name} gradient differs from one device by {diff:.3g}")
+                continue
+            assert diff <= 1e-5, f"step {step}: {name} gradient differs from one device by {diff:.3g}"
     assert static["posts"] == local_of["posts"] == eager["posts"], (static["posts"], eager["posts"])
     if len(shape) == 1:
         assert eager["posts"] == [1] * 6, eager["posts"]
@@ -139,3 +156,9 @@ def test_static_hot_path_matches_eager(shape):
         want = ["DTensor"] if path in eager_modules else ["Tensor"]
         assert types == want, f"{path}: its body saw parameters of type {types}, want {want}"
     assert static["after"] == ["DTensor"], static["after"]
+    if static["posts"] != single["posts"]:
+        known.append(f"post-accumulate-grad hook calls per step {static['posts']}, one device {single['posts']}")
+    if len(shape) == 2:
+        assert known, "ZeRO-3 now runs a parameter's own hooks as one device does: drop the known-defect exception"
+        pytest.xfail("known defect: under ZeRO-3 a parameter's own hooks do not run: " + "; ".join(known))
+    assert not known, known

@@ -7,7 +7,8 @@ replay's dispatch mode on around those calls only. Checked here:
 * on 2 gloo ranks (zoo LLaMA, TP=2 + SP, attention and residual dropout): training equals, bit for
   bit (losses, every step's gradients), the same run with the replay over whole drawing bodies
   (as when nothing can be gated); the learnt functions are ``F.dropout`` alone; in a gated step the
-  replay's dispatch mode sees the dropout calls' own ops and nothing else;
+  replay's dispatch mode sees the dropout calls' own ops and nothing else; afterwards each rank
+  checks its split (``split_checks.check_llama_split``);
 * a module that draws through a function it did not call in the learning step fails at the end of
   that forward, naming the module and ``plan.eager``, rather than drawing unreplayed numbers.
 """
@@ -27,6 +28,8 @@ from vescale import PlanError, Replicate, Shard, VescalePlan
 from vescale.static import random_gate, runtime
 from vescale.testing import error_of, fake_world, run_on_ranks
 from vescale.zoo import llama_plan, synthetic_batches, tiny_llama
+
+from split_checks import check_llama_split, probe_batch
 
 
 def _train(gated: bool) -> dict:
@@ -64,6 +67,7 @@ def _train(gated: bool) -> dict:
     out["funcs"] = sorted(f.__qualname__ for f in rec.random_funcs or ())
     out["draws"] = sum(len(v) for v in rec.random.values())
     out["seen"] = dict(seen)
+    check_llama_split(model, probe_batch(), tp=2, sequence_parallel=True, label=f"static TP=2+SP, gated={gated}")
     return out
 
 

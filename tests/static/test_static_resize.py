@@ -14,6 +14,7 @@ On gloo ranks, the zoo LLaMA with attention and residual dropout drawn under
   say so: ``resized_records`` grows, ``recorded_steps`` does not), and losses and the last gradients
   stay within 1e-5 of the single device (fp32 sums in another order) and within 1e-6 of training
   with reuse off (whose new lengths record, eagerly: the same arithmetic, reduced in another order);
+  afterwards each rank checks its split (``split_checks.check_llama_split``);
 * a boundary size that follows no factor of the input (a shifted slice, length - 1) on a dim no rank
   splits is taken from the tensor: the record is derived and the losses are eager mode's;
 * fallbacks: a length the mesh does not divide under sequence parallelism records; where such a
@@ -43,6 +44,8 @@ from vescale.random import consistent
 from vescale.static.resize import ResizeMismatch
 from vescale.testing import run_on_ranks
 from vescale.zoo import llama_plan, moe_plan, synthetic_batches, tiny_hf_llama, tiny_hf_mixtral, tiny_llama
+
+from split_checks import check_llama_split, probe_batch
 
 LR, TOL, SEED = 0.05, 1e-5, 1234
 MODELS = {
@@ -180,6 +183,10 @@ def _train_parallel(name: str, config: str):
             runs[reuse] = _train(model, TRAIN_LENGTHS)
         # Static steps must leave no dispatch mode behind (consistent() is one of its own).
         runs[reuse]["modes_left"] = len(_get_current_dispatch_mode_stack())
+    _, shape, names, sp, zero3 = CONFIGS[config]
+    sizes = dict(zip(names, shape))
+    check_llama_split(model, probe_batch(), tp=sizes.get("TP", 1), dp=sizes.get("DP", 1), sequence_parallel=sp,
+                      zero3=zero3, label=config)
     return runs
 
 

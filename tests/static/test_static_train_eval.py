@@ -8,7 +8,8 @@ of the record's key, so the training step records again and stays consistent.
 
 Checked on TP=2 (zoo LLaMA, dropout 0.1 on the residual branches): three evaluation steps with
 gradients, then three training steps, losses within 1e-6 of one device (fp32; the row-parallel
-sums add in another order), and the runtime kept one record per mode.
+sums add in another order), and the runtime kept one record per mode; afterwards each rank checks
+its split (``split_checks.check_llama_split``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import torch
 import vescale
 from vescale.testing import run_on_ranks
 from vescale.zoo import llama_plan, synthetic_batches, tiny_llama
+
+from split_checks import check_llama_split, probe_batch
 
 TOL = 1e-6
 
@@ -44,6 +47,8 @@ def _run(parallel: bool):
         model.zero_grad()
         losses.append(loss.item())
     records = len(vescale.static.static_runtime(model).records) if parallel else 0
+    if parallel:
+        check_llama_split(model, probe_batch(), tp=2, sequence_parallel=True, label="static TP=2+SP")
     return losses, records
 
 

@@ -7,7 +7,8 @@ it, frees the gathered ones and gathers the unit again when backward reaches its
 ranks (zoo LLaMA with dropout, DP=2 x TP=2 + SP + ZeRO-3) these tests check that
 
 * losses and gradients are those of the members keeping their own hooks (``zero3_units = False``)
-  bit for bit, with the same collectives, and within 1e-5 of eager mode;
+  bit for bit, with the same collectives, and within 1e-5 of eager mode and of one device (fp32 sums
+  in another order, over five AdamW steps);
 * the members' hooks are really off in those steps (one member's hooks, wrapped to count their
   calls under their own ids, are not called), and with per-member hooks they run;
 * the gathered parameters are freed after each unit's forward (the scheduler holds the same bytes
@@ -26,7 +27,7 @@ import torch
 
 import vescale
 from vescale.debug import CollectiveCounter
-from vescale.testing import run_on_ranks
+from vescale.testing import global_value, run_on_ranks
 from vescale.zoo import llama_plan, synthetic_batches, tiny_llama
 
 STEPS = 5
@@ -34,10 +35,13 @@ MEMBER = "model.layers.1.mlp.up_proj"
 
 
 def _train(mode: str, units: bool = True) -> dict:
+    """``mode`` "eager" or "static" on DP=2 x TP=2, or "single": one device, dropout under consistent()."""
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    mesh = vescale.init_mesh((2, 2), ("DP", "TP"))
     torch.manual_seed(0)
     model = tiny_llama(attention_dropout=0.1, hidden_dropout=0.1)
+    if mode == "single":
+        return _train_single(model)
+    mesh = vescale.init_mesh((2, 2), ("DP", "TP"))
     vescale.parallelize(model, llama_plan(mesh, model.config, sequence_parallel=True, zero3=True), mesh, mode=mode)
     scheduler = model._vescale_gathers
     if mode == "static":
@@ -76,6 +80,25 @@ def _train(mode: str, units: bool = True) -> dict:
     return out
 
 
+def _train_single(model) -> dict:
+    """``_train``'s steps (the evaluation forward included) on one device."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    vescale.manual_seed(3)
+    out = {"losses": [], "grads": []}
+    with vescale.random.consistent():
+        for step, (x, y) in enumerate(synthetic_batches(STEPS, 4, 16, 128, seed=1)):
+            if step == 3:
+                with torch.no_grad():
+                    out["eval_loss"] = model(input_ids=x, labels=y).loss.item()
+            loss = model(input_ids=x, labels=y).loss
+            loss.backward()
+            out["losses"].append(loss.item())
+            out["grads"].append({n: p.grad.clone() for n, p in model.named_parameters()})
+            opt.step()
+            opt.zero_grad()
+    return out
+
+
 def _three():
     return _train("static"), _train("static", units=False), _train("eager")
 
@@ -83,17 +106,22 @@ def _three():
 @pytest.mark.multiproc
 def test_units_match_per_member_hooks_bit_for_bit():
     units, members, eager = run_on_ranks(_three, 4)[0]
+    single = _train("single")
     assert units["units"] == [f"model.layers.{i}" for i in range(2)], units["units"]  # tiny_llama: 2 layers
     assert units["units_off"] == {}
     assert members["units"] == []
     assert units["losses"] == members["losses"]
     assert units["eval_loss"] == members["eval_loss"]
     assert abs(units["eval_loss"] - eager["eval_loss"]) <= 1e-5
-    for step, (a, b, c) in enumerate(zip(units["grads"], members["grads"], eager["grads"])):
+    assert abs(units["eval_loss"] - single["eval_loss"]) <= 1e-5
+    assert all(abs(a - b) <= 1e-5 for a, b in zip(units["losses"], single["losses"])), (units["losses"], single["losses"])
+    for step, (a, b, c, d) in enumerate(zip(units["grads"], members["grads"], eager["grads"], single["grads"])):
         for name in a:
             assert torch.equal(a[name], b[name]), f"step {step}: {name}"
             diff = (a[name] - c[name]).abs().max().item()
             assert diff <= 1e-5, f"step {step}: {name} differs from eager by {diff:.3g}"
+            diff = (a[name] - d[name]).abs().max().item()
+            assert diff <= 1e-5, f"step {step}: {name} differs from one device by {diff:.3g}"
     assert units["collectives"] == members["collectives"]
     # Recorded at step 1, checked at step 2 (every hook on), run as units from step 3 on.
     assert units["steps"] == members["steps"] == (1, STEPS - 1), units["steps"]
@@ -109,20 +137,21 @@ def _outside() -> dict:
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     mesh = vescale.init_mesh((2, 2), ("DP", "TP"))
     out = {}
-    for mode in ("static", "eager"):
+    for mode in ("static", "eager", "single"):
         torch.manual_seed(0)
         model = tiny_llama()
         mlp = model.model.layers[1].mlp
         norm_forward = model.model.norm.forward
         # The final norm's output goes through layer 1's MLP once more (outside layer 1's forward).
         model.model.norm.forward = lambda h: norm_forward(h) + mlp(norm_forward(h))
-        vescale.parallelize(model, llama_plan(mesh, model.config, sequence_parallel=False, zero3=True), mesh, mode=mode)
+        if mode != "single":
+            vescale.parallelize(model, llama_plan(mesh, model.config, sequence_parallel=False, zero3=True), mesh, mode=mode)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         losses = []
         for x, y in synthetic_batches(STEPS, 4, 16, 128, seed=1):
             loss = model(input_ids=x, labels=y).loss
             loss.backward()
-            losses.append(loss.full_tensor().item())
+            losses.append(global_value(loss).item())
             opt.step()
             opt.zero_grad()
         out[mode] = losses
@@ -138,9 +167,10 @@ def test_a_member_run_outside_its_unit_keeps_per_member_hooks():
     out = run_on_ranks(_outside, 4)[0]
     assert "model.layers.1" in out["units_off"], out["units_off"]
     assert "model.layers.1" not in out["units"], out["units"]
-    # Eager sums some gradients in another order: within 1e-5 over five SGD steps.
-    for a, b in zip(out["static"], out["eager"]):
+    # Eager mode and one device sum some gradients in another order: within 1e-5 over five SGD steps.
+    for a, b, c in zip(out["static"], out["eager"], out["single"]):
         assert abs(a - b) <= 1e-5, (out["static"], out["eager"])
+        assert abs(a - c) <= 1e-5, (out["static"], out["single"])
 
 
 def test_local_taker_only_where_nothing_else_sees_the_gradient():

@@ -8,7 +8,8 @@ floating-point sums differs); final parameters within 1e-5, except the key secti
 ``c_attn.bias``: softmax is invariant to a bias added to every key, so its exact gradient is 0 and
 both runs hold rounding noise (~1e-10, checked) that AdamW divides by eps=1e-8 — each step moves
 it by up to lr x noise/eps on either run, so it is compared within 1e-4.
-Local shapes show the split happened (c_attn's weight is split by heads). After training, an
+Local shapes show the split happened (c_attn's weight is split by heads; under ZeRO-3 the tied
+embedding is stored as 1/DP of itself). After training, an
 evaluation forward (dropout off, so SDPA takes PyTorch's fused CPU flash kernel rather than the
 math path training takes) must give the single-device logits within 1e-5.
 """
@@ -127,4 +128,5 @@ def test_dp2_tp2_zero3_matches_single_device():
     assert facts["tied"]
     assert facts["c_attn"] == ((H // 2, 3 * H // 2), True)  # ZeRO-3 on dim 0 (DP), heads on dim 1 (TP)
     assert facts["c_proj"] == (H // 4, H) and facts["c_fc"] == (H // 2, 4 * H // 2)
+    assert facts["wte"] == (128 // 2, H)  # the tied embedding: ZeRO-3'd too (1/DP at rest), still tied
     _check(got)

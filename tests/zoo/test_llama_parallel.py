@@ -8,6 +8,11 @@ batches (no randomness during training) and must match the single-device run:
 * gradients after the first backward within 1e-5 — checked because AdamW is insensitive to a
   uniformly mis-scaled gradient, so matching parameters alone would not prove gradients right;
 * gathered final parameters within 1e-5.
+
+Equal numbers cannot show that anything was split (a plan that replicated everything, or DP where
+every rank trained on the whole batch, would match too), so each configuration also runs
+``split_checks.check_llama_split`` on every rank: each parameter's local shard, the first decoder
+layer's share of the batch (and of the sequence under SP) and the collectives of a probe step.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import torch.distributed as dist
 import vescale
 from vescale.testing import run_on_ranks
 from vescale.zoo import llama_plan, synthetic_batches, tiny_hf_llama, tiny_llama
+
+from split_checks import check_llama_split, probe_batch
 
 STEPS, LR, TOL = 10, 1e-3, 1e-5
 MODELS = {"ours": lambda: tiny_llama(), "hf": lambda: tiny_hf_llama(use_cache=False)}
@@ -77,6 +84,9 @@ def _distributed(configs):
             model = _build(model_name)
             vescale.parallelize(model, llama_plan(mesh, model.config, sequence_parallel=sp, zero3=zero), mesh)
             out = _train(model)
+            sizes = dict(zip(names, shape))
+            check_llama_split(model, probe_batch(), tp=sizes.get("TP", 1), dp=sizes.get("DP", 1), sequence_parallel=sp,
+                              zero3=zero, label=f"{model_name} model, {name}")
             results[(model_name, name)] = out if dist.get_rank() == 0 else None
     return results
 

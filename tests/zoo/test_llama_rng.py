@@ -5,6 +5,8 @@
 * 20 AdamW steps with attention and residual dropout p=0.1 give per-step losses within 1e-5 of the
   single-device run under ``consistent()``: the dropout masks are identical, so what is left is the
   fp32 reduction order inside collectives and sharded matmuls (a few ulps of the loss).
+* After training, every rank checks its split (``split_checks.check_llama_split``: local shards,
+  the batch and sequence share of the first layer, the collectives of a probe step).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import vescale
 from vescale.random import consistent
 from vescale.testing import run_on_ranks, train_losses
 from vescale.zoo import llama_plan, synthetic_batches, tiny_llama
+
+from split_checks import check_llama_split, probe_batch
 
 STEPS, LR, TOL, SEED = 20, 1e-3, 1e-5, 1234
 DROPOUT = dict(attention_dropout=0.1, hidden_dropout=0.1)
@@ -60,6 +64,9 @@ def _distributed(shape, names, sp):
     model.init_weights()  # runs on DTensor parameters, each rank drawing only its own shard
     init = {n: _full(p) for n, p in model.named_parameters()}
     losses = _train(model)
+    sizes = dict(zip(names, shape))
+    check_llama_split(model, probe_batch(), tp=sizes.get("TP", 1), dp=sizes.get("DP", 1), sequence_parallel=sp,
+                      label=f"{sizes}, SP={sp}")
     return (init, losses) if dist.get_rank() == 0 else None
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import pathlib
+import sys
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ PATH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "torchtitan_
 def _module():
     spec = importlib.util.spec_from_file_location("torchtitan_plans", PATH)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # inspect.getsource (its plan_sizes) finds classes through their module
     spec.loader.exec_module(mod)
     return mod
 
@@ -107,3 +109,19 @@ def _irs():
 def test_written_out_vescale_plans_are_the_zoo_plans():
     # docs/zoo.md counts the lines of the written-out plans: they must lower to the zoo's IR.
     assert run_on_ranks(_irs, 4)[0] == (True, True)
+
+
+def test_the_plan_size_table_in_docs_zoo_md_is_what_the_code_counts():
+    doc = (PATH.parents[1] / "docs" / "zoo.md").read_text()
+    section = doc[doc.index("## Plan sizes"):]
+    section = section[:section.index("\n## ", 1)]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[1].isdigit():
+            rows[cells[0]] = tuple(int(c) for c in cells[1:])
+    sizes = _module().plan_sizes()
+    assert rows == {name: tuple(counts) for name, *counts in sizes}, (rows, sizes)
+    # The ratios quoted under the table.
+    ratios = " / ".join(f"{vescale_lines / titan_lines:.2f}x" for _, vescale_lines, titan_lines, _ in sizes)
+    assert f"are {ratios} the TorchTitan-style code" in " ".join(section.split()), ratios

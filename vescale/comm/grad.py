@@ -36,11 +36,12 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from . import direct
+from ..dispatch.metas import spec_of
+from . import direct, moves
 from .groups import group_of
 from .layout import NOTHING, Transfer, pack_rows, reduce_plan, unpack_row
 
-__all__ = ["GradReducer", "attach_grad_reduction", "no_grad_sync", "DEFAULT_BUCKET_MB"]
+__all__ = ["GradReducer", "Route", "attach_grad_reduction", "no_grad_sync", "DEFAULT_BUCKET_MB"]
 
 DEFAULT_BUCKET_MB = 25.0  # as torch DDP: large enough to fill the links, small enough to overlap
 
@@ -49,6 +50,18 @@ DEFAULT_BUCKET_MB = 25.0  # as torch DDP: large enough to fill the links, small 
 class _Entry:
     param: torch.Tensor
     local: torch.Tensor
+    plan: "Transfer | Route"
+
+
+@dataclass(frozen=True)
+class Route:
+    """A gradient reduced in two parts: ``move`` lays it out anew over the mesh dims it is not
+    Partial on (no reduction; ``vescale.comm.moves``), then ``plan`` reduces it in a bucket. For a
+    gradient whose layout no single bucketed collective takes to its parameter's: a fused bias's
+    gradient ``(Partial, InterleavedShard(0, 3))`` goes to ``(Partial, Shard(0))`` over TP, then
+    is reduce-scattered over DP into its nested ZeRO shard ``(InterleavedShard(0, 2), Shard(0))``."""
+
+    move: object  # local tensor -> local tensor (compiled once), None where nothing moves
     plan: Transfer
 
 
@@ -133,19 +146,32 @@ class GradReducer:
             plan = None
         else:
             plan = reduce_plan(spec.shape, self.mesh, spec.placements, param.placements)
+            if plan is None:
+                plan = _route(spec, param._spec)
         self._plans[id(param)] = (param._spec, spec, plan)
         return plan
+
+    def reduce_alone(self, param: DTensor, grad: DTensor) -> DTensor:
+        """A gradient with no bucketed form (``plan_of`` is None) laid out like ``param`` now, per
+        tensor (``vescale.comm.moves.relayout``: DTensor's redistribute where it is right)."""
+        return moves.relayout(grad, param.placements)
 
     def add(self, param: DTensor, grad: DTensor, plan: Transfer) -> None:
         """File a gradient of ``param`` (called from backward hooks)."""
         self.add_local(param, grad._local_tensor, grad.placements, plan)
 
-    def add_local(self, param: DTensor, local: torch.Tensor, placements: tuple, plan: Transfer) -> None:
-        """``add`` for a gradient given as its local tensor and placements."""
-        if not self.sync:
+    def add_local(self, param: DTensor, local: torch.Tensor, placements: tuple, plan: Transfer,
+                  more_coming: bool = False) -> None:
+        """``add`` for a gradient given as its local tensor and placements. ``more_coming``: another
+        gradient of ``param`` arrives later in this backward (a tied parameter's other gathered
+        copy): this one waits, summed with it, so the parameter is reduced once (if the two come
+        in other layouts, each is reduced on its own)."""
+        if not self.sync or more_coming:
             key = (id(param), tuple(placements))
             held = self._pending.get(key)
             self._pending[key] = _Entry(param, local if held is None else held.local + local, plan)
+            if self.sync:
+                self._queue_finish()  # files it at the end of backward if no other gradient comes
             return
         if self._pending:  # micro-steps accumulated under no_grad_sync
             held = self._pending.pop((id(param), tuple(placements)), None)
@@ -155,6 +181,8 @@ class GradReducer:
         self._file(_Entry(param, local, plan))
 
     def _file(self, e: _Entry) -> None:
+        if isinstance(e.plan, Route):  # laid out anew first (after any no-sync accumulation)
+            e = _Entry(e.param, e.local if e.plan.move is None else e.plan.move(e.local), e.plan.plan)
         if e.plan is NOTHING:
             self._ready.append((e.param, e.local))
             return
@@ -203,6 +231,20 @@ class GradReducer:
             _accumulate(param, local)
 
 
+def _route(grad, param) -> Route | None:
+    """``Route`` for a gradient laid out as ``grad`` (a DTensorSpec) to ``param``'s spec: laid out
+    as ``param`` except on the mesh dims where it is Partial (and the parameter is not), then
+    reduced by one bucketed collective; None where that reduction has no bucketed form either."""
+    mid = tuple(g if g.is_partial() and not p.is_partial() else p for g, p in zip(grad.placements, param.placements))
+    if mid == tuple(grad.placements) or mid == tuple(param.placements):
+        return None
+    plan = reduce_plan(grad.shape, grad.mesh, mid, param.placements)
+    if plan is None or plan is NOTHING:
+        return None
+    target = spec_of(grad.mesh, mid, grad.tensor_meta)
+    return Route(moves.compile_move(grad, target), plan)
+
+
 def _accumulate(param: DTensor, local: torch.Tensor) -> None:
     """``param.grad += reduced`` where ``reduced`` is already laid out like ``param``."""
     if param.grad is None:
@@ -215,7 +257,7 @@ def _accumulate(param: DTensor, local: torch.Tensor) -> None:
 def _per_tensor_hook(param: DTensor):
     def hook(grad: torch.Tensor) -> torch.Tensor:
         if isinstance(grad, DTensor) and grad.placements != param.placements:
-            return grad.redistribute(param.device_mesh, param.placements)
+            return moves.relayout(grad, param.placements)
         return grad
 
     return hook
@@ -230,7 +272,7 @@ def _bucketed_hooks(param: DTensor, reducer: GradReducer) -> list:
     def pre(grad: torch.Tensor) -> torch.Tensor:
         plan = reducer.plan(param, grad) if isinstance(grad, DTensor) else NOTHING
         if plan is None:  # no bucketed form: reduce this one on its own, as the per-tensor path does
-            return grad.redistribute(param.device_mesh, param.placements)
+            return reducer.reduce_alone(param, grad)
         if plan is NOTHING:
             return grad
         state.update(taken=True, kept=param.grad, plan=plan)

@@ -47,6 +47,7 @@ from torch.distributed.tensor.placement_types import _is_shard_like, _StridedSha
 
 from ..placement import blockwise
 from ..placement.blocks import local_block, representative_coords
+from ..placement import blockwise, splits
 
 __all__ = [
     "Transfer", "NOTHING", "reduce_plan", "gather_plan", "pack_rows", "unpack_row", "pack_gather", "unpack_gather",
@@ -289,11 +290,28 @@ def _scatter_plan(shape, mesh_shape, coord, src, dst) -> Transfer | None:
     # stays out of the collective: a reduce-scatter over DP of the TP shard, not over DP x TP of
     # the whole gradient with zeros from every other TP rank.
     sliced = tuple(dst[i] if src[i].is_replicate() and _is_shard_like(dst[i]) else src[i] for i in range(len(src)))
-    if sliced != src and sliced != dst and blockwise(shape, mesh_shape, sliced):
+    if sliced != src and sliced != dst and blockwise(shape, mesh_shape, sliced) and _slices_held(src, sliced, mesh_shape):
         t = _plan("reduce_scatter", shape, mesh_shape, coord, sliced, dst)
         if t is not None:
             return dataclasses.replace(t, held=_block(shape, mesh_shape, coord, src))
     return _plan("reduce_scatter", shape, mesh_shape, coord, src, dst)
+
+
+def _slices_held(src, sliced, mesh_shape) -> bool:
+    """Each split ``sliced`` adds to ``src`` is a block split applied after every split ``src``
+    already makes of that tensor dim, so the sliced shard is a piece of the held one on every rank.
+    (A gradient Replicate on TP but Shard(0) on a later CP dim holds a CP block; TP's block split
+    of dim 0 would apply before CP's and ask for rows other ranks hold.)"""
+    after = splits(sliced, mesh_shape)
+    if after is None:
+        return False
+    for i, (a, b) in enumerate(zip(src, sliced)):
+        if a != b:
+            d, sections, before = after[i]
+            held = {j for j, p in enumerate(src) if _is_shard_like(p) and p.dim == d}
+            if sections != 1 or not held <= set(before):
+                return False
+    return True
 
 
 @functools.lru_cache(maxsize=4096)

@@ -8,7 +8,12 @@ torch.distributed's checking wrappers; ``all_gather_dim`` / ``reduce_scatter_dim
 cheapest form for the backend and the shard dim). Everything else (several mesh dims at once,
 nested or uneven shards, other Partial ops) goes through DTensor's ``redistribute_local_tensor``
 with the same specs, so every move computes what DTensor would, bit for bit
-(``tests/static/test_boundary.py``).
+(``tests/static/test_boundary.py``), except where DTensor would compute it wrong: a move that
+changes what two or more mesh dims' splits mean where a ``_StridedShard`` is involved (a fused
+bias's gradient, ``(Partial, _StridedShard(0, 3))``, into its nested ZeRO shard
+``(InterleavedShard(0, 2), Shard(0))``; see ``vescale.placement.nested``) goes one split at a time
+(``split_steps``), each step a move DTensor gets right. ``relayout`` is that for gradients
+(no autograd), where vescale would otherwise call ``DTensor.redistribute``.
 
 Static Eager's boundary moves are built from these (``vescale.static.boundary``). In eager mode,
 ``redistribute`` is ``DTensor.redistribute`` (same result, same gradient placements) with the
@@ -25,13 +30,14 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
-from torch.distributed.tensor.placement_types import _is_shard_like
+from torch.distributed.tensor.placement_types import _is_shard_like, _StridedShard
 
 from ..dispatch.metas import spec_of
 from ..placement.blocks import dim_ranges, is_blockwise, representative_coords
+from ..placement import splits
 from . import direct
 
-__all__ = ["compile_move", "grad_placements", "redistribute", "clear_moves"]
+__all__ = ["compile_move", "grad_placements", "redistribute", "relayout", "split_steps", "clear_moves"]
 
 LocalFn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -109,6 +115,9 @@ def compile_move(src: DTensorSpec, dst: DTensorSpec) -> Optional[LocalFn]:
         fn = _single_dim_move_for(src, dst, changed[0])
         if fn is not None:
             return fn
+    steps = split_steps(src.placements, dst.placements, tuple(src.mesh.shape))
+    if steps is not None:
+        return _chain(src, steps)
     return lambda t: redistribute_local_tensor(t.contiguous(), src, dst)
 
 
@@ -196,6 +205,63 @@ def select(t: torch.Tensor, picks) -> torch.Tensor:
     return t.contiguous()
 
 
+@functools.lru_cache(maxsize=4096)
+def split_steps(src: tuple, dst: tuple, mesh_shape: tuple) -> tuple | None:
+    """The layouts to go through from ``src`` to ``dst`` (the last one ``dst``), one split changed
+    per step, where a ``_StridedShard`` is involved and more than one mesh dim's split changes
+    meaning (``vescale.placement.splits``), or one changes into another split; None where DTensor's
+    redistribution takes the move in one go. First the changed splits of ``src`` are undone, the
+    last applied first (a nested ZeRO shard before the TP split it sits in), then those of ``dst``
+    made, the first applied first (the TP split, then the ZeRO shard inside it); a Partial goes
+    straight to its target. Each step is a move DTensor gets right (``tests/comm/test_split_steps.py``;
+    on gloo, every layout pair with a ``_StridedShard`` on (2, 2), (4, 2), (2, 4) and (2, 2, 2) meshes)."""
+    if not any(isinstance(p, _StridedShard) for p in (*src, *dst)):
+        return None
+    a, b = splits(src, mesh_shape), splits(dst, mesh_shape)
+    if a is None or b is None:
+        return None  # a strided layout this does not read: DTensor's as before
+
+    def meaning(x):  # mesh dims of one rank split nothing
+        return (x[0], x[1], tuple(j for j in x[2] if mesh_shape[j] > 1)) if isinstance(x, tuple) else x
+
+    changed = [i for i in range(len(src)) if mesh_shape[i] > 1 and meaning(a[i]) != meaning(b[i])]
+    if not changed or (len(changed) == 1 and not all(isinstance(x[changed[0]], tuple) for x in (a, b))):
+        return None  # one split made, undone or reduced: one step DTensor gets right
+    steps, cur = [], list(src)
+
+    def step(i, p):
+        if cur[i] != p:
+            cur[i] = p
+            steps.append(tuple(cur))
+
+    for i in sorted((i for i in changed if isinstance(a[i], tuple)), key=lambda i: -len(a[i][2])):
+        step(i, Replicate())
+    for i in sorted((i for i in changed if isinstance(b[i], tuple)), key=lambda i: len(b[i][2])):
+        step(i, dst[i])
+    for i in changed:
+        step(i, dst[i])
+    return tuple(steps)
+
+
+def _chain(src: DTensorSpec, steps: tuple) -> LocalFn:
+    """One local function for the moves from ``src`` through ``steps`` (placements), each compiled
+    as a move of its own (one mesh dim each)."""
+    moves, at = [], src
+    for placements in steps:
+        nxt = spec_of(src.mesh, placements, src.tensor_meta)
+        move = compile_move(at, nxt)
+        if move is not None:
+            moves.append(move)
+        at = nxt
+
+    def run(t: torch.Tensor) -> torch.Tensor:
+        for move in moves:
+            t = move(t)
+        return t
+
+    return run
+
+
 # ---------------------------------------------------------------------------------------------
 # Eager mode: DTensor.redistribute through compiled moves
 # ---------------------------------------------------------------------------------------------
@@ -231,8 +297,18 @@ def clear_moves() -> None:
 
 def grad_placements(grad: tuple, src: tuple) -> tuple:
     """Where DTensor's redistribute hands a gradient back: the source placements, but a Partial
-    source takes a gradient that arrives Shard or Replicate as Replicate (no reduce is undone)."""
-    return tuple(Replicate() if (_is_shard_like(g) or g.is_replicate()) and s.is_partial() else s
+    source takes a gradient that arrives Shard or Replicate as Replicate (no reduce is undone), and
+    one that arrives Partial of another kind as it arrives.
+
+    The last case is a vocabulary-parallel lookup whose ``_MaskPartial`` output is all-reduced (no
+    sequence parallelism) and whose gradient comes back ``Partial(sum)`` from the column-parallel
+    layers that read it: DTensor would move ``P(sum) -> MaskP(sum)``, which it cannot (an
+    ``AssertionError`` in its redistribution). Either is the same global gradient; the lookup's
+    backward (``embedding_dense_backward``) takes a ``Partial(sum)`` gradient as it is and gives the
+    table a ``Partial(sum)`` gradient, which the gradient reduction reduce-scatters to the table's
+    rows like any other (issue 27, defect 3)."""
+    return tuple(Replicate() if (_is_shard_like(g) or g.is_replicate()) and s.is_partial()
+                 else g if g.is_partial() and s.is_partial() and g != s else s
                  for g, s in zip(grad, src))
 
 
@@ -265,6 +341,16 @@ class _Redistribute(torch.autograd.Function):
         move, spec, _ = _move_to(grad._spec, want)  # laid out anew, shaped as the gradient
         local = grad._local_tensor
         return DTensor(_own(move, local), spec, requires_grad=False), None, None
+
+
+def relayout(d: DTensor, placements) -> DTensor:
+    """A gradient (no autograd) laid out as ``placements``: ``DTensor.redistribute``, except for the
+    moves it gets wrong (``split_steps``), which go one split at a time."""
+    placements = tuple(placements)
+    if split_steps(tuple(d.placements), placements, tuple(d.device_mesh.shape)) is None:
+        return d.redistribute(d.device_mesh, placements)
+    move, spec, _ = _move_to(d._spec, placements)
+    return DTensor(_own(move, d._local_tensor), spec, requires_grad=False)
 
 
 def redistribute(d: DTensor, placements: tuple) -> DTensor:

@@ -6,6 +6,8 @@
   steps as global tensors; ``python -m vescale.debug.compare a/ b/`` names the first one where two
   runs part (``compare_runs`` is the same check as a function).
 * ``bytes_at_rest``: per-rank memory of training state; ``CollectiveCounter``: collectives by kind.
+* ``gathers(model)``: which ops inside the model gather a sharded tensor (a plan whose parallelism
+  is not in effect there), by module, op, argument and source line.
 
 See docs/debug.md.
 """
@@ -13,7 +15,9 @@ See docs/debug.md.
 from .comparing import Comparison, RecordMismatch, compare_runs
 from .distributed_pdb import breakpoint
 from .comm import CollectiveCounter
+from .gathers import Gather, GatherReport, gathers
 from .memory import bytes_at_rest
 from .record import record
 
-__all__ = ["breakpoint", "record", "compare_runs", "Comparison", "RecordMismatch", "bytes_at_rest", "CollectiveCounter"]
+__all__ = ["breakpoint", "record", "compare_runs", "Comparison", "RecordMismatch", "bytes_at_rest", "CollectiveCounter",
+           "gathers", "GatherReport", "Gather"]

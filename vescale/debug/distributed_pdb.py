@@ -43,6 +43,9 @@ __all__ = ["breakpoint", "REPLY_TIMEOUT_S"]
 
 REPLY_TIMEOUT_S = 30.0  # how long `pg` waits for every rank to say what the expression is on it
 _POLL_MIN_S, _POLL_MAX_S = 0.005, 0.2  # waiting ranks poll the store, backing off while idle
+# How long a debugged rank that continues waits for the waiting ranks to leave (they poll every
+# _POLL_MAX_S at most; the bound only keeps a dead waiting rank from holding the others up).
+_LEAVE_WAIT_S = 30.0
 
 _calls = 0  # breakpoint() calls so far in this process: all ranks make the same calls, in order
 _listener: tuple[socket.socket, str] | None = None  # (listening socket, token), made once per process
@@ -284,7 +287,10 @@ class _Rendezvous:
         self.serve()
 
     def wait_until_released(self) -> None:
-        """Wait, answering gather requests, until every debugged rank has continued."""
+        """Wait, answering gather requests, until every debugged rank has continued. A waiting rank
+        then says it has left; a debugged rank waits (a little) until every waiting rank has, since
+        it may host the store (rank 0 without torchrun's agent) and end right after the breakpoint,
+        taking the store with it before a slow waiting rank has read the release."""
         pause = _POLL_MIN_S
         try:
             while self.continued() < len(self.debug_ranks):
@@ -292,6 +298,12 @@ class _Rendezvous:
                 self.poll()
                 pause = _POLL_MIN_S if self.answered != before else min(pause * 2, _POLL_MAX_S)
                 time.sleep(pause)
+            if self.rank not in self.debug_ranks:
+                self.store.add(self.key("left"), 1)
+                return
+            waiting, deadline = self.world - len(self.debug_ranks), time.monotonic() + _LEAVE_WAIT_S
+            while self.store.add(self.key("left"), 0) < waiting and time.monotonic() < deadline:
+                time.sleep(_POLL_MIN_S)
         except dist.DistError as e:  # the store's host (rank 0 without torchrun's agent) has ended
             raise RuntimeError(
                 f"vescale.debug.breakpoint: rank {self.rank} lost the process group's store while waiting "

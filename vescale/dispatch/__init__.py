@@ -11,6 +11,8 @@
   path, when the decision moves no input.
 * ``metas``: output metadata by arithmetic where certain, for cache hits and for misses of ``mm`` /
   ``embedding`` (no FakeTensor run).
+* ``viewrule``: PyTorch's view rule with the unflatten of a dim split by several mesh dims
+  corrected (attention's (batch x heads) scores under DP x TP with a global batch not divisible by TP).
 * ``interleaved``: ``split`` of an ``InterleavedShard`` tensor into its sections (and the reverse
   ``cat``) on the local shards.
 * ``partial``: Partial-sum strategies beside PyTorch's for ``scatter`` (linear in ``self`` and
@@ -31,6 +33,7 @@
 
 from .datadep import DATADEP_OPS, install_datadep_handlers, uninstall_datadep_handlers
 from .interleaved import install_interleaved_rules, uninstall_interleaved_rules
+from .viewrule import install_view_rule, uninstall_view_rule
 from .attention import install_attention_rules
 from .conv import install_conv_handlers
 from .cache import ShapeFreeCache, install_shape_free_cache, shape_free_cache, uninstall_shape_free_cache
@@ -42,8 +45,13 @@ from .semantics import install_semantic_handlers
 from .unwrap import install_unwrap, uninstall_unwrap
 
 
+_installed = False  # install() done and not undone by uninstall()
+
+
 def install() -> None:
     """Install vescale's dispatch extensions into DTensor (idempotent)."""
+    global _installed
+    _installed = True
     install_semantic_handlers()
     install_attention_rules()
     install_conv_handlers()
@@ -53,6 +61,7 @@ def install() -> None:
     install_shape_free_cache()
     install_local_optimizer_step()
     install_interleaved_rules()
+    install_view_rule()
     install_sized_ops()
     install_unwrap()
 
@@ -62,8 +71,11 @@ def uninstall(keep_learned: bool = False) -> None:
     (the semantic, SDPA and convolution handlers stay: without them those ops fail outright).
     ``keep_learned``: the next ``install()`` resumes with the shape-free cache's decisions (for
     benchmarks that run PyTorch's stack and vescale's in one process, step by step)."""
+    global _installed
+    _installed = False
     uninstall_unwrap()
     uninstall_sized_ops()
+    uninstall_view_rule()
     uninstall_interleaved_rules()
     uninstall_local_optimizer_step()
     uninstall_shape_free_cache(keep_learned)
@@ -71,10 +83,15 @@ def uninstall(keep_learned: bool = False) -> None:
     uninstall_fast_search()
 
 
+def is_installed() -> bool:
+    """Whether ``install()`` (directly or through ``parallelize``) is in effect."""
+    return _installed
+
+
 __all__ = [
-    "install", "uninstall", "ELEMENTWISE_OPTIMIZERS", "ShapeFreeCache", "install_shape_free_cache",
+    "install", "uninstall", "is_installed", "ELEMENTWISE_OPTIMIZERS", "ShapeFreeCache", "install_shape_free_cache",
     "uninstall_shape_free_cache", "shape_free_cache", "install_semantic_handlers", "install_attention_rules",
     "install_datadep_handlers", "uninstall_datadep_handlers", "DATADEP_OPS",
     "install_interleaved_rules", "uninstall_interleaved_rules", "install_sized_ops", "uninstall_sized_ops", "install_fast_search", "uninstall_fast_search",
-    "install_partial_rules", "uninstall_partial_rules",
+    "install_partial_rules", "uninstall_partial_rules", "install_view_rule", "uninstall_view_rule",
 ]

@@ -66,7 +66,10 @@ from torch.distributed.tensor._ops.utils import is_tensor_evenly_shardable
 from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
 from .errors import is_missing_rule, missing_rule_error
-from .interleaved import _SPLIT_OPS, SIZE_DEPENDENT_OPS, _local_split_args, grouped_mm_layout_key
+from .interleaved import (
+    _SPLIT_OPS, SIZE_DEPENDENT_OPS, _local_slice_args, _local_slice_backward_args, _local_split_args, grouped_mm_layout_key,
+    slice_backward_layout,
+)
 from .metas import fast_outputs, local_shape, meta_outputs, with_meta
 from .unitdims import lift, mesh_shape, reduce_schema, reducible_mesh, unit_placements
 from .viewkey import decision as view_decision
@@ -251,8 +254,25 @@ def _slice_backward_sizes(op_schema: OpSchema) -> dict:
     """slice_backward (``slice_backward_rules``): the gradient's placements with the sliced dim
     replicated; input_sizes, start, end and step are not read (the local input_sizes of a sharded
     output are PyTorch's ``_adjust_shape_and_stride_args``' at every hit). The output's sharded dims
-    are the gradient's, sizes included, so the gradient's shard fit in the key covers them."""
-    return {1: tuple(_size_class(n) for n in op_schema.args_schema[1]), 3: None, 4: None, 5: None}
+    are the gradient's, sizes included, so the gradient's shard fit in the key covers them. vescale's
+    rule in front of PyTorch's (``interleaved._local_slice_backward``) keeps a gradient sharded
+    along the sliced dim where the slice sits on whole sections: whether it does, and the sections,
+    are kept with the dim."""
+    grad, sizes, dim = op_schema.args_schema[:3]
+    start, _, step = (list(op_schema.args_schema[3:6]) + [None, None, 1])[:3]
+    return {1: tuple(_size_class(n) for n in sizes), 2: (dim, slice_backward_layout(grad, sizes, dim, start, step)),
+            3: None, 4: None, 5: None}
+
+
+def _slice_redundant(op_schema: OpSchema) -> bool:
+    """``slice`` (``gen_slice_strategy``): a slice of a sharded dim keeps the shards only where it
+    is the whole dim, which the sliced dim's length decides (the key keeps the bounds, and exact
+    lengths only of interleaved dims, which vescale's rule in front reads:
+    ``interleaved._local_slice``)."""
+    args = op_schema.args_schema
+    spec, (dim, start, end, step) = args[0], (list(args[1:5]) + [0, None, None, 1][len(args) - 1:])[:4]
+    length = spec.shape[dim]
+    return (start in (None, 0) or start == -length) and (end is None or end >= length) and step == 1
 
 
 # PyTorch strategies that read a size argument (or a slice's bounds) only through what the function
@@ -262,6 +282,16 @@ _SIZE_ARG_RULES = {
     _tensor_ops.new_factory_strategy: _new_factory_sizes,
     _tensor_ops.slice_backward_rules: _slice_backward_sizes,
 }
+
+
+def _size_arg_rule(prop, op):
+    """The ``_SIZE_ARG_RULES`` entry of the op's strategy function: PyTorch's own, or vescale's
+    interleaved rule in front of it (``__wrapped__``; its key function keeps what that rule reads)."""
+    rule = prop.op_strategy_funcs.get(op)
+    found = _SIZE_ARG_RULES.get(rule)
+    if found is None and getattr(rule, "__wrapped__", None) is _tensor_ops.slice_backward_rules:
+        found = _SIZE_ARG_RULES[_tensor_ops.slice_backward_rules]
+    return found
 
 
 def _interleaved_split_length(op_schema: OpSchema) -> int | None:
@@ -290,11 +320,12 @@ _KEY_EXTRAS = {
     aten.embedding.default: embedding_key,
     aten.scatter.src: scatter_axes,
     aten.scatter.value: scatter_axes,
+    aten.slice.Tensor: _slice_redundant,
 }
 
 
 def _size_arg_keys(prop, op_schema: OpSchema) -> dict:
-    sizes = _SIZE_ARG_RULES.get(prop.op_strategy_funcs.get(op_schema.op))
+    sizes = _size_arg_rule(prop, op_schema.op)
     if sizes is None or op_schema.op is aten.new_empty_strided.default:  # its strides: keyed as they are
         return {}
     return sizes(op_schema)
@@ -359,8 +390,41 @@ def _decided_by_key(prop, op) -> bool:
     alone) and ops still ruled by a one-strategy function above or a size-argument rule
     (``_SIZE_ARG_RULES``)."""
     rule = prop.op_strategy_funcs.get(op)
-    return (op in _VIEW_RULES or op in prop.squeeze_op_to_dims_variant or rule in _SIZE_ARG_RULES
+    return (op in _VIEW_RULES or op in prop.squeeze_op_to_dims_variant or _size_arg_rule(prop, op) is not None
             or any(rule is f for f in _ONE_STRATEGY_RULES))
+
+
+def _keyed_slice(prop, op_schema: OpSchema) -> bool:
+    """A slice or its backward that vescale's interleaved rules decide, in front of PyTorch's
+    one-strategy rules, from what the key keeps (``_slice_redundant``, ``_slice_backward_sizes``);
+    their bound adjusters make the bounds local at every replay."""
+    op, spec = op_schema.op, op_schema.args_schema[0]
+    wanted = {aten.slice.Tensor: (_tensor_ops.gen_slice_strategy, _local_slice_args),
+              aten.slice_backward.default: (_tensor_ops.slice_backward_rules, _local_slice_backward_args)}.get(op)
+    return (wanted is not None and isinstance(spec, DTensorSpec)
+            and getattr(prop.op_strategy_funcs.get(op), "__wrapped__", None) is wanted[0]
+            and prop.op_to_scalar_shape_adjuster.get(op) is wanted[1])
+
+
+def _plain_if_unchanged(op_schema: OpSchema, result: OutputSharding) -> OutputSharding:
+    """A decision whose "redistribution" moves no input and rewrites no argument (an argument
+    adjuster that found nothing to make local: a split or slice of a tensor not interleaved where it
+    is cut) is a plain one. PyTorch marks every call of an op with an adjuster so once any input is
+    sharded, which sends it down DTensor's Python slow path on every call (2-3x the C++ path's cost
+    for a slice on the CPU)."""
+    target = result.redistribute_schema
+    if not result.needs_redistribute or target is None or target.op is not op_schema.op:
+        return result
+    if len(target.args_schema) != len(op_schema.args_schema) or target.kwargs_schema != op_schema.kwargs_schema:
+        return result
+    for a, b in zip(target.args_schema, op_schema.args_schema):
+        if isinstance(a, DTensorSpec) or isinstance(b, DTensorSpec):
+            if not (isinstance(a, DTensorSpec) and isinstance(b, DTensorSpec) and a.mesh == b.mesh
+                    and a.placements == b.placements):
+                return result
+        elif type(a) is not type(b) or a != b:
+            return result
+    return OutputSharding(result.output_spec)
 
 
 def _keyed_split(prop, op_schema: OpSchema) -> bool:
@@ -465,7 +529,7 @@ class ShapeFreeCache:
         local sizes), "free" (a cost search's zero-cost move of replicated inputs, reused where every
         dim fits the mesh's shard counts as it did: ``zerocost.SameRoom``), or None (never)."""
         prop, op = self.propagator, op_schema.op
-        keyed_split = _keyed_split(prop, op_schema)
+        keyed_split = _keyed_split(prop, op_schema) or _keyed_slice(prop, op_schema)
         if op in prop.op_to_scalar_shape_adjuster and not keyed_split:
             return None
         if op in SIZE_DEPENDENT_OPS and _any_interleaved(op_schema.args_spec):
@@ -524,7 +588,7 @@ class ShapeFreeCache:
         ):
             suggestion = _local_size_args(prop, metas, suggestion or op_schema, spec)
             needs = local_args = True
-        adjuster = prop.op_to_scalar_shape_adjuster.get(op_schema.op)  # only a keyed split gets here
+        adjuster = prop.op_to_scalar_shape_adjuster.get(op_schema.op)  # only a keyed split or slice gets here
         if adjuster is not None and any(isinstance(p, (Shard, _StridedShard)) for t in targets for p in t.placements):
             suggestion = adjuster(list(expected()), suggestion or op_schema)
             needs = local_args = True
@@ -593,6 +657,7 @@ class ShapeFreeCache:
             if op_schema.op not in _STRICT_VIEWS or "Cannot unflatten unevenly sharded" not in str(e):
                 raise
             result = self.fallback(_as_reshape(op_schema))
+        result = _plain_if_unchanged(op_schema, result)
         if key is not None and entry is None:
             self.entries[key] = self._learn(op_schema, result)
         return result

@@ -12,6 +12,18 @@ arguments (what implicit replication does for every other op) and hand the call 
 handler. PyTorch's convolution rules derive the output layout from the input alone and ignore a
 sharded weight (a ``Shard(0)`` weight would give half the channels labelled Replicate), so a
 sharded convolution weight is refused with the plan statement that fixes it.
+
+PyTorch's handlers are right only for an input split along the batch on mesh dim 0: their backward
+rule labels the weight's gradient ``Partial`` on mesh dim 0 whatever dims split the input (a batch
+split on another mesh dim left each rank with its own partial gradient), their halo exchange for a
+width-split input uses the global rank and world size and 4-D indexing (a ``Conv1d`` on a
+sequence-parallel input gave a wrong output), and a batch split on two mesh dims raised DTensor's
+"hybrid sharding" ``ValueError`` (found by the differential fuzzer, ``tests/fuzz``). So the
+convolution runs here on local tensors in one layout: the batch stays split on whatever mesh dims
+split it, every other split (channels, width) and a ``Partial`` input are gathered first (the
+convolution mixes neighbouring positions and sums over channels); the output keeps that layout, the
+input's gradient comes out in it, and the weight's and bias's gradients are ``Partial`` on exactly
+the mesh dims that split the batch (each rank's sum over its samples).
 """
 
 from __future__ import annotations
@@ -19,10 +31,11 @@ from __future__ import annotations
 import re
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor._tp_conv import convolution_backward_handler, convolution_handler
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .errors import MissingShardingRule, running_module
+from .attention import _stride_like
 
 __all__ = ["install_conv_handlers"]
 
@@ -36,9 +49,9 @@ def _as_dtensors(args, weight_index: int):
         path, _ = running_module()
         name = (re.escape(path) + r"\.weight") if path else r"<conv path>\.weight"
         raise MissingShardingRule(
-            f"vescale: convolution in module {path!r} has a sharded weight {list(weight.placements)}; DTensor's "
-            "convolution supports batch- or width-sharded inputs with a replicated weight only (it would "
-            f"mislabel the output). Fix: plan.shard(r\"{name}\", Replicate(), mesh=<its mesh dim>)"
+            f"vescale: convolution in module {path!r} has a sharded weight {list(weight.placements)}; convolutions "
+            "on DTensors take inputs in any layout (split along the batch, or gathered) with a replicated weight "
+            f"only. Fix: plan.shard(r\"{name}\", Replicate(), mesh=<its mesh dim>)"
         )
 
     def lift(a):
@@ -49,12 +62,38 @@ def _as_dtensors(args, weight_index: int):
     return tuple(lift(a) for a in args)
 
 
+def _batch_layout(x: DTensor) -> list:
+    """``x``'s placements with only plain batch splits kept (what a local convolution can take)."""
+    return [p if type(p) is Shard and p.dim == 0 else Replicate() for p in x.placements]
+
+
+def _wrap(local: torch.Tensor, like: DTensor, placements, shape) -> DTensor:
+    """``local`` as a DTensor on ``like``'s mesh; its global strides follow the local memory layout
+    (a channels-last kernel result stays channels-last)."""
+    spec = DTensorSpec(like.device_mesh, tuple(placements),
+                       tensor_meta=TensorMeta(torch.Size(shape), _stride_like(local, shape), local.dtype))
+    return DTensor._op_dispatcher.wrap(local, spec)
+
+
 def _convolution(op, args, kwargs):
-    return convolution_handler(op, _as_dtensors(args, 1), kwargs)
+    x, weight, bias, *rest = _as_dtensors(args, 1)
+    layout = _batch_layout(x)
+    x = x.redistribute(x.device_mesh, layout)
+    local = op(x._local_tensor, weight._local_tensor, None if bias is None else bias._local_tensor, *rest, **kwargs)
+    return _wrap(local, x, layout, (x.shape[0], *local.shape[1:]))
 
 
 def _convolution_backward(op, args, kwargs):
-    return convolution_backward_handler(op, _as_dtensors(args, 2), kwargs)
+    grad_out, x, weight, *rest = _as_dtensors(args, 2)
+    layout = _batch_layout(x)
+    x, grad_out = x.redistribute(x.device_mesh, layout), grad_out.redistribute(x.device_mesh, layout)
+    grad_x, grad_w, grad_b = op(grad_out._local_tensor, x._local_tensor, weight._local_tensor, *rest, **kwargs)
+    summed = [Partial() if isinstance(p, Shard) else Replicate() for p in layout]  # each rank's samples
+    return (
+        None if grad_x is None else _wrap(grad_x, x, layout, x.shape),
+        None if grad_w is None else _wrap(grad_w, x, summed, weight.shape),
+        None if grad_b is None else _wrap(grad_b, x, summed, grad_b.shape),
+    )
 
 
 _HANDLERS = {aten.convolution.default: _convolution, aten.convolution_backward.default: _convolution_backward}

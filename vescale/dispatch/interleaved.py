@@ -7,6 +7,18 @@ every section, in section order, so the local ``split`` yields each section as a
 reverse — ``cat`` of ``k`` equally sized ``Shard(d)`` tensors along ``d`` (the backward of that
 split, or a model fusing q|k|v itself) — is an ``InterleavedShard(d, k)``.
 
+Slices of an interleaved dim at its section boundaries (``aten.slice`` with step 1: basic indexing
+``x[..., a:b]``, ``narrow``) are the same: HF's Phi-3 takes q, k and v from its fused projection's
+output with ``qkv[..., :pos]``, ``qkv[..., pos:pos + kv]``, ``qkv[..., pos + kv:]``. A slice of
+``j`` whole sections of an ``InterleavedShard(d, k)`` tensor is this rank's slice of each of them,
+contiguous on the local shard: ``Shard(d)`` for one section, ``InterleavedShard(d, j)`` for several
+(``_local_slice``). Its backward, ``slice_backward`` of a gradient sharded along the sliced dim, puts
+this rank's piece into its slice of each section of zeros: ``InterleavedShard(d, k)`` of the whole
+dim, with no communication (``_local_slice_backward``; a section is the gradient's length over its
+own interleave). DTensor runs both ops on the local tensors with the schema's arguments: the bounds
+are made local by size adjusters, as split's sizes are. Other slices of a sharded dim gather it, as
+DTensor's rule does.
+
 The ``cat`` rule also skips 1-D empty inputs, as ``torch.cat`` does (an empty KV cache meets the
 keys: HF models' default ``use_cache=True``).
 
@@ -15,7 +27,7 @@ the local shards too: a column-split weight gives interleaved output columns, a 
 Partial sum (``_local_matmul``); PyTorch's rules would gather the weight on every call.
 
 The rules are added in front of PyTorch's strategy functions for ``split`` / ``split_with_sizes``,
-``cat`` and the matmuls through the propagator's own strategy table (``install()``, never at
+``slice`` / ``slice_backward``, ``cat`` and the matmuls through the propagator's own strategy table (``install()``, never at
 import); every other case goes to PyTorch's function unchanged. (``chunk`` reaches DTensor as
 ``split``.)
 """
@@ -34,11 +46,14 @@ from torch.distributed.tensor.placement_types import _is_shard_like
 from ..placement import InterleavedShard, interleave_of, is_interleaved
 from .metas import local_shape
 
-__all__ = ["install_interleaved_rules", "uninstall_interleaved_rules", "SIZE_DEPENDENT_OPS", "grouped_mm_layout_key"]
+__all__ = ["install_interleaved_rules", "uninstall_interleaved_rules", "SIZE_DEPENDENT_OPS", "grouped_mm_layout_key",
+           "local_bounds", "slice_sections", "slice_backward_layout"]
 
 aten = torch.ops.aten
 _SPLIT_OPS = (aten.split.Tensor, aten.split_with_sizes.default)
 _CAT_OPS = (aten.cat.default,)
+_SLICE_OPS = (aten.slice.Tensor,)
+_SLICE_BACKWARD_OPS = (aten.slice_backward.default,)
 _MATMUL_OPS = (aten.mm.default, aten.bmm.default, aten._grouped_mm.default)
 # Ops whose decision, where an operand is interleaved, depends on exact sizes, which a shape-free
 # cache key leaves out (PyTorch's cat rule compares them). A cat of equal Shard pieces into an
@@ -100,6 +115,154 @@ def _local_split_args(specs: list[DTensorSpec], schema: OpSchema) -> OpSchema:
     size = section if isinstance(schema.args_schema[1], int) else [section] * k
     args = (schema.args_schema[0], size, *schema.args_schema[2:])
     return OpSchema(schema.op, args, schema.kwargs_schema, schema_info=schema.schema_info)
+
+
+def _slice_args(args: tuple) -> tuple:
+    """``slice.Tensor``'s (dim, start, end, step) with its defaults."""
+    rest = list(args[1:5])
+    rest += [0, None, None, 1][len(rest):]
+    return tuple(rest)
+
+
+def slice_sections(spec: DTensorSpec, dim: int, start, end, step) -> tuple | None:
+    """``(mesh dim, first section, section count)`` where ``slice(dim, start, end, step)`` of a tensor
+    laid out as ``spec`` takes whole sections of its one ``InterleavedShard`` of ``dim``, but not all
+    of them; else None."""
+    if step != 1 or not all(type(v) is int for v in (dim, start) if v is not None) or (end is not None and type(end) is not int):
+        return None
+    dim = _normalize(dim, len(spec.shape))
+    m = _only_sharding_of(spec.placements, dim)
+    if m is None or not is_interleaved(spec.placements[m]):
+        return None
+    length, k = spec.shape[dim], interleave_of(spec.placements[m])
+    start = 0 if start is None else (start + length if start < 0 else start)
+    end = length if end is None else (end + length if end < 0 else end)
+    start, end = min(max(start, 0), length), min(max(end, 0), length)
+    section = length // k
+    if length % k or end <= start or start % section or end % section or end - start == length:
+        return None
+    return m, start // section, (end - start) // section
+
+
+def _sectioned(p, dim: int, count: int):
+    """The placement of ``count`` sections cut from interleaved ``p`` along ``dim``."""
+    return Shard(dim) if count == 1 else InterleavedShard(dim, count)
+
+
+def local_bounds(spec: DTensorSpec, mesh_dim: int, dim: int, first: int, count: int, section: int) -> tuple:
+    """This rank's (start, end) along ``dim`` of sections ``[first, first + count)`` of length
+    ``section`` on a tensor interleaved along ``dim`` over ``mesh_dim``: each section is cut as a
+    ``Shard`` over that mesh dim (``_StridedShard``'s layout), the rank's pieces laid end to end."""
+    piece, _ = Shard(dim).local_shard_size_and_offset(section, spec.mesh.size(mesh_dim), spec.mesh.get_coordinate()[mesh_dim])
+    return first * piece, (first + count) * piece
+
+
+def _local_slice(schema: OpSchema) -> OpStrategy | None:
+    """``slice`` of whole sections of an ``InterleavedShard`` dim (see the module doc)."""
+    strategy = schema.args_schema[0]
+    if not isinstance(strategy, OpStrategy) or len(strategy.strategies) != 1:
+        return None
+    spec = strategy.strategies[0].output_spec
+    dim, start, end, step = _slice_args(schema.args_schema)
+    found = slice_sections(spec, dim, start, end, step)
+    if found is None:
+        return None
+    m, _, count = found
+    dim = _normalize(dim, len(spec.shape))
+    out = tuple(_sectioned(p, dim, count) if i == m else p for i, p in enumerate(spec.placements))
+    return OpStrategy([OpSpec(output_specs=DTensorSpec(spec.mesh, out), input_specs=(spec,), redistribute_cost=[[0.0]])])
+
+
+def _local_slice_args(specs: list[DTensorSpec], schema: OpSchema) -> OpSchema:
+    """The slice's bounds made local where the chosen strategy keeps the interleaved input."""
+    spec = specs[0]
+    dim, start, end, step = _slice_args(schema.args_schema)
+    found = slice_sections(spec, dim, start, end, step)
+    if found is None:
+        return schema
+    m, first, count = found
+    dim = _normalize(dim, len(spec.shape))
+    section = spec.shape[dim] // interleave_of(spec.placements[m])
+    start, end = local_bounds(spec, m, dim, first, count, section)
+    args = (schema.args_schema[0], dim, start, end, 1)
+    return OpSchema(schema.op, args, schema.kwargs_schema, schema_info=schema.schema_info)
+
+
+def _backward_sections(spec: DTensorSpec, dim, start, step, length=None) -> tuple | None:
+    """For ``slice_backward(grad, input_sizes, dim, start, end, step)`` with the gradient laid out as
+    ``spec``: ``(mesh dim, first section, section count, section length)`` where the gradient is
+    sharded along ``dim`` on one mesh dim (its sections: one for ``Shard``, its interleave for
+    ``InterleavedShard``) and the slice starts at a section boundary; where the input's ``length``
+    along ``dim`` is given, also that the slice sits on whole sections of it and is not all of it. A
+    start counted from the end (autograd passes the forward's bounds as written: ``x[..., -8:]``)
+    gives a negative first section, counted from the end too, where no length is given."""
+    if step != 1 or type(dim) is not int or type(start) is not int:
+        return None
+    dim = _normalize(dim, len(spec.shape))
+    m = _only_sharding_of(spec.placements, dim)
+    if m is None:
+        return None
+    p = spec.placements[m]
+    count = interleave_of(p) if is_interleaved(p) else 1
+    grad_length = spec.shape[dim]
+    if grad_length % count or grad_length == 0:
+        return None
+    section = grad_length // count
+    if length is not None:
+        if type(length) is not int:
+            return None
+        start = start + length if start < 0 else start
+        if start < 0 or length % section or start + grad_length > length or grad_length == length:
+            return None
+    if start % section:
+        return None
+    return m, start // section, count, section
+
+
+def slice_backward_layout(spec: DTensorSpec, input_sizes, dim, start, step) -> tuple | None:
+    """``(first section, section count, sections in the dim)`` where ``_local_slice_backward`` keeps
+    the gradient laid out as ``spec`` sharded (what its decision reads of the sizes), else None."""
+    if type(dim) is not int or not -len(input_sizes) <= dim < len(input_sizes):
+        return None
+    found = _backward_sections(spec, dim, start, step, input_sizes[dim])
+    return None if found is None else (found[1], found[2], input_sizes[dim] // found[3])
+
+
+def _local_slice_backward(schema: OpSchema) -> OpStrategy | None:
+    """``slice_backward`` of a gradient sharded along the sliced dim into whole sections (module doc)."""
+    strategy = schema.args_schema[0]
+    if not isinstance(strategy, OpStrategy) or len(strategy.strategies) != 1:
+        return None
+    spec = strategy.strategies[0].output_spec
+    input_sizes, dim, start, _, step = schema.args_schema[1:6]
+    if type(dim) is not int or not -len(input_sizes) <= dim < len(input_sizes):
+        return None
+    length = input_sizes[dim]
+    found = _backward_sections(spec, dim, start, step, length)
+    if found is None:
+        return None
+    m, section = found[0], found[3]
+    dim = _normalize(dim, len(spec.shape))
+    out = tuple(InterleavedShard(dim, length // section) if i == m else p for i, p in enumerate(spec.placements))
+    return OpStrategy([OpSpec(output_specs=DTensorSpec(spec.mesh, out), input_specs=(spec,), redistribute_cost=[[0.0]])])
+
+
+def _local_slice_backward_args(specs: list[DTensorSpec], schema: OpSchema) -> OpSchema:
+    """The bounds made local where the chosen strategy keeps the gradient sharded along the sliced
+    dim (PyTorch's rule never does). ``input_sizes`` are local here already (DTensor rewrites them
+    first: ``op_to_shape_and_stride_idx``), so a first section counted from the end is counted from
+    the local end."""
+    spec = specs[0]
+    grad, input_sizes, dim, start, _, step = schema.args_schema[:6]
+    found = _backward_sections(spec, dim, start, step)
+    if found is None:
+        return schema
+    m, first, count, section = found
+    dim = _normalize(dim, len(spec.shape))
+    start, end = local_bounds(spec, m, dim, first, count, section)
+    if first < 0:
+        start, end = start + input_sizes[dim], end + input_sizes[dim]
+    return OpSchema(schema.op, (grad, input_sizes, dim, start, end, 1), schema.kwargs_schema, schema_info=schema.schema_info)
 
 
 def _local_cat(schema: OpSchema) -> OpStrategy | None:
@@ -294,9 +457,13 @@ def install_interleaved_rules() -> None:
     prop = DTensor._op_dispatcher.sharding_propagator
     table = prop.op_strategy_funcs
     with _LOCK:
-        for op in _SPLIT_OPS:  # DTensor runs split on local tensors: its size argument must be local
-            prop.op_to_scalar_shape_adjuster.setdefault(op, _local_split_args)
-        for ops, rule in ((_SPLIT_OPS, _local_split), (_CAT_OPS, _local_cat), (_MATMUL_OPS, _local_matmul)):
+        # DTensor runs these ops on local tensors: their size and bound arguments must be local
+        for ops, adjuster in ((_SPLIT_OPS, _local_split_args), (_SLICE_OPS, _local_slice_args),
+                              (_SLICE_BACKWARD_OPS, _local_slice_backward_args)):
+            for op in ops:
+                prop.op_to_scalar_shape_adjuster.setdefault(op, adjuster)
+        for ops, rule in ((_SPLIT_OPS, _local_split), (_CAT_OPS, _local_cat), (_MATMUL_OPS, _local_matmul),
+                          (_SLICE_OPS, _local_slice), (_SLICE_BACKWARD_OPS, _local_slice_backward)):
             for op in ops:
                 if op not in _SAVED and op in table:
                     _SAVED[op] = table[op]
@@ -307,9 +474,11 @@ def uninstall_interleaved_rules() -> None:
     prop = DTensor._op_dispatcher.sharding_propagator
     table = prop.op_strategy_funcs
     with _LOCK:
-        for op in _SPLIT_OPS:
-            if prop.op_to_scalar_shape_adjuster.get(op) is _local_split_args:
-                del prop.op_to_scalar_shape_adjuster[op]
+        for ops, adjuster in ((_SPLIT_OPS, _local_split_args), (_SLICE_OPS, _local_slice_args),
+                              (_SLICE_BACKWARD_OPS, _local_slice_backward_args)):
+            for op in ops:
+                if prop.op_to_scalar_shape_adjuster.get(op) is adjuster:
+                    del prop.op_to_scalar_shape_adjuster[op]
         for op, original in _SAVED.items():
             table[op] = original
         _SAVED.clear()

@@ -36,8 +36,10 @@ from __future__ import annotations
 import threading
 
 from torch import Tensor, reshape
-from torch.distributed.tensor._ops._view_ops import dim_maps, propagate_shape_and_sharding
+from torch.distributed.tensor._ops._view_ops import dim_maps
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+
+from .viewrule import propagate_view
 
 __all__ = ["decision", "clear_view_decisions", "VIEW_DECISIONS_LIMIT"]
 
@@ -124,7 +126,7 @@ def _pytorch_decision(op_schema, rule_fn, strict: bool, mesh_sizes):
     spec, *rest = op_schema.args_schema
     try:
         rule = dim_maps[rule_fn](spec, *rest)
-        target, out = propagate_shape_and_sharding(spec.placements, tuple(spec.shape), rule, mesh_sizes, strict)
+        target, out = propagate_view(spec.placements, tuple(spec.shape), rule, mesh_sizes, strict)
     except Exception:
         return _RAISES
     return len(rule), tuple(target), tuple(out)

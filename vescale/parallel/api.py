@@ -129,8 +129,11 @@ def parallelize(
 
     Data contract (``vescale.parallel.contract``): a root input the plan shards must split evenly
     (else an error naming the input, the mesh dim and the fix), and every rank must pass the same
-    root inputs: ``check_inputs="auto"`` compares their checksums across ranks on the first forward
-    calls and whenever their shapes change, ``"always"`` on every call (debug mode), ``"off"`` never.
+    global root inputs, while a root input the plan annotates is this rank's share of the batch
+    (``plan.annotate("<in>[input_ids]", Shard(0), mesh="DP")``, each rank its own rows, loaded with
+    ``vescale.data``): the same among ranks that differ only along other mesh dims, of one shape
+    everywhere. ``check_inputs="auto"`` compares checksums on the first forward calls and whenever
+    the inputs' shapes change, ``"always"`` on every call (debug mode), ``"off"`` never.
 
     A model built on the meta device (``with torch.device("meta"): model = Model(config)``) is
     materialised here: each rank allocates only its shards and the model's own init code

@@ -33,7 +33,7 @@ from ..plan.lower import KeyPattern, forward_arg_names
 IO_PLACED = "_vescale_io_placed"
 from .placing import _fmt, agrees, moves_nothing, place, place_entry, relabel
 from .faults import FaultReporter
-from .zero import GatheredParam
+from .zero import GatheredParam, next_forward, per_tensor_gather
 
 __all__ = ["install_module_hooks", "GatheredParam"]
 
@@ -227,7 +227,8 @@ def release_gathered(gathered: list[GatheredParam], output, scheduler, path: str
         if scheduler is None:
             _free_after_grad(g.param)
             g.free()
-        g.param._vescale_gathered.append(g)
+        if not any(g is h for h in g.param._vescale_gathered):  # a copy several modules share: once
+            g.param._vescale_gathered.append(g)
     if scheduler is None:
         _register_once_on_grads(output, lambda: [g.refill() for g in gathered])
     else:
@@ -267,7 +268,7 @@ def install_module_hooks(
         else:
             for e in gathers:
                 store = mod._parameters if e.tensor in mod._parameters else mod._buffers
-                live.append(GatheredParam(store[e.tensor], mesh, e.targets))
+                live.append(per_tensor_gather(store[e.tensor], mesh, e.targets))
         for e, g in zip(gathers, live):
             store = mod._parameters if e.tensor in mod._parameters else mod._buffers
             store[e.tensor] = g.value  # the forward sees the gathered tensor
@@ -361,6 +362,7 @@ def root_hooks(root: nn.Module, scheduler=None, contract=None) -> list:
 
     def pre_hook(mod, args, kwargs):
         enable_implicit_replication()
+        next_forward()
         if contract is not None:
             contract(args, kwargs)
         if scheduler is not None:

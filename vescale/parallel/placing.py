@@ -161,7 +161,14 @@ def place_entry(t, mesh: DeviceMesh, e, what: str):
                 f"{_fmt(have)}; fix the source placements (vescale.static.export_plan prints the recorded ones){hint}"
             )
     if e.grad_sources is None and e.grad_targets is None:
-        return place(t, mesh, e.targets, what)
+        placed = place(t, mesh, e.targets, what)
+        if placed is t and t.requires_grad and torch.is_grad_enabled():
+            # Nothing moves, yet the gradient leaves laid out like the value, as a move's does: a
+            # Partial gradient is reduced here (Megatron's ``f``), not wherever it next meets another
+            # layout. Static Eager's boundary does the same (it cannot defer a reduction into local
+            # code), so both modes reduce at the same spot and compute the same bits.
+            return relabel(placed, tuple(placed.placements))
+        return placed
     d = as_dtensor(t, mesh)
     dst = tuple(cur if tgt is None else tgt for cur, tgt in zip(d.placements, e.targets))
     default = grad_layout(d.placements)

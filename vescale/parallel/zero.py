@@ -21,6 +21,14 @@ collective's buffer is copied straight into their storage (one ``split_with_size
 and that storage is freed between uses exactly as a fresh copy's would be. Backward's refills write
 into the freed storage the same way.
 
+Tied (shared) parameters: every module holding the parameter gathers it (lowering gives each use
+the gather entry). A unit gathers a parameter once however many of its modules hold it, and those
+modules share the gathered copy (kept gathered until the last of them ran), so autograd sums their
+gradient contributions into it and it is reduce-scattered once: GPT-2's tied ``wte``/``lm_head``,
+both outside the blocks, are gathered once per step. Copies in different units (or a module called
+twice) are gathered per use; their gradients wait for each other in the reducer (``more_coming``)
+and are reduced once. Per-tensor mode shares one copy per forward (``per_tensor_gather``).
+
 What forward used last stays gathered for backward (FSDP2's rule for its root unit, TorchTitan's
 for the last block): a training forward frees a module's gathered parameters only when it gathers
 the next unit (``GatherScheduler.release``), so those that forward released after its last new
@@ -35,6 +43,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
 import re
 
 import torch
@@ -43,10 +52,20 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from ..comm import moves
 from ..comm.gather import GatherProgram, GroupGather, gather
 from ..comm.layout import NOTHING
 
-__all__ = ["GatheredParam", "GatherScheduler", "unit_of"]
+__all__ = ["GatheredParam", "GatherScheduler", "unit_of", "per_tensor_gather", "next_forward"]
+
+_FORWARDS = itertools.count()  # root forwards so far (any model): a per-tensor copy is shared within one
+_forward = [next(_FORWARDS)]
+
+
+def next_forward() -> None:
+    """A root forward begins (``vescale.parallel.hooks.root_hooks``): per-tensor gathered copies of
+    earlier forwards are not shared with this one (they may hold values from before an optimiser step)."""
+    _forward[0] = next(_FORWARDS)
 
 
 class GatheredParam:
@@ -62,8 +81,9 @@ class GatheredParam:
     def __init__(self, param: DTensor, mesh: DeviceMesh, run_placements, reducer=None, local=None):
         self.param, self.mesh, self.run_placements = param, mesh, tuple(run_placements)
         self.reducer = reducer
+        self.forward = _forward[0]  # the root forward it was gathered in (per-tensor sharing)
         if reducer is None:
-            self.value: DTensor = param.redistribute(mesh, self.run_placements)
+            self.value: DTensor = _redistributed(param, mesh, self.run_placements)
         else:
             if local is None:
                 local = gather(param, mesh, self.run_placements, reducer.stats)._local_tensor
@@ -132,16 +152,45 @@ class GatheredParam:
         return grad_ready
 
     def _take_grad(self, local: torch.Tensor, spec: DTensorSpec) -> None:
-        """Bucketed mode: the gathered copy's gradient goes to the reducer; the copy is freed."""
+        """Bucketed mode: the gathered copy's gradient goes to the reducer; the copy is freed. If
+        another copy of the parameter still waits for its gradient (a tied parameter used in two
+        units), the reducer holds this one and sums them: one reduce-scatter."""
         plan = self.reducer.plan_of(self.param, spec)
-        if plan is None:  # no bucketed form: DTensor reduces this one on its own
-            grad = DTensor(local, spec, requires_grad=False).redistribute(self.param.device_mesh, self.param.placements)
+        if plan is None:  # no bucketed form: reduced on its own
+            grad = self.reducer.reduce_alone(self.param, DTensor(local, spec, requires_grad=False))
             local, spec, plan = grad._local_tensor, grad._spec, NOTHING
-        self.reducer.add_local(self.param, local, spec.placements, plan)
-        self.free()
         gathered = getattr(self.param, "_vescale_gathered", [])
+        more = any(g is not self and g.value.requires_grad for g in gathered)
+        self.reducer.add_local(self.param, local, spec.placements, plan, more_coming=more)
+        self.free()
         if self in gathered:
             gathered.remove(self)
+
+
+def _redistributed(param: DTensor, mesh: DeviceMesh, placements: tuple) -> DTensor:
+    """Per-tensor mode: ``param`` redistributed to its RUN placements, autograd-tracked, with
+    ``vescale.comm.moves``' backward, which takes the gradient to the at-rest layout one split at a
+    time where DTensor's own backward would get it wrong (a fused bias's interleaved gradient into
+    its nested ZeRO shard). Over mesh dims of one rank DTensor's redistribute aliases the shard."""
+    if all(a == b or mesh.size(i) == 1 for i, (a, b) in enumerate(zip(param.placements, placements))):
+        return param.redistribute(mesh, placements)
+    return moves.redistribute(param, placements)
+
+
+def per_tensor_gather(param: DTensor, mesh: DeviceMesh, run_placements) -> GatheredParam:
+    """Per-tensor mode: ``param``'s gathered copy for this use. Uses within one training forward
+    (a tied parameter's modules, a module called twice) share one copy, gathered again in place
+    if it was freed in between: one autograd node, so the contributions are summed before its one
+    reduction."""
+    g = param.__dict__.get("_vescale_shared_gather")
+    run = tuple(run_placements)
+    if g is not None and g.forward == _forward[0] and g.run_placements == run and torch.is_grad_enabled():
+        g.refill()
+        return g
+    g = GatheredParam(param, mesh, run)
+    if torch.is_grad_enabled():
+        param.__dict__["_vescale_shared_gather"] = g
+    return g
 
 
 def _run_spec(param: DTensor, mesh: DeviceMesh, placements: tuple) -> DTensorSpec:
@@ -180,6 +229,9 @@ class GatherScheduler:
         # unit -> (its forward GatherProgram, a GatheredParam.slot per item of its collectives, None
         # for parameters gathered alone): the gathered parameters a training forward reuses.
         self._slots: dict[str, tuple[GatherProgram, list]] = {}
+        # unit -> the item (of its last forward gather) each of its (module, tensor) entries takes:
+        # a parameter several of its modules hold (tied) is one item.
+        self._items_of: dict[str, list[int]] = {}
         self.keep_for_backward = True
         self._released: list[GatheredParam] = []  # used by this forward, freed at its next unit gather
 
@@ -203,17 +255,26 @@ class GatherScheduler:
 
     def release(self, gathered: list[GatheredParam]) -> None:
         """Forward is done with ``gathered`` (they wait for backward in ``param._vescale_gathered``):
-        free them now, or, with ``keep_for_backward``, when this forward gathers another unit."""
+        free them now, or, with ``keep_for_backward``, when this forward gathers another unit.
+        A copy another module of its unit has still to take (a tied parameter) stays gathered."""
         if self.keep_for_backward and torch.is_grad_enabled():
             self._released.extend(gathered)
         else:
+            waiting = self._waiting()
             for g in gathered:
-                g.free()
+                if id(g) not in waiting:
+                    g.free()
 
     def _free_released(self) -> None:
+        waiting = self._waiting()
         for g in self._released:
-            g.free()
+            if id(g) not in waiting:  # released again after its last module ran
+                g.free()
         self._released = []
+
+    def _waiting(self) -> set[int]:
+        """The gathered copies that modules of this forward have still to take."""
+        return {id(x) for ready in self._ready.values() for x in ready.values()}
 
     def end_forward(self) -> None:
         if self._fwd:
@@ -245,7 +306,16 @@ class GatherScheduler:
         return held[1]
 
     def _launch_unit(self, unit: str) -> GroupGather:
-        items = [(_stored(m, t), run) for m, t, run in self.units[unit]]
+        """The unit's gather: each parameter once, however many of its modules hold it."""
+        items, first, index = [], {}, []
+        for m, t, run in self.units[unit]:
+            p = _stored(m, t)
+            key = (id(p), run)
+            if key not in first:
+                first[key] = len(items)
+                items.append((p, run))
+            index.append(first[key])
+        self._items_of[unit] = index
         return self._gather(unit, "forward", items)
 
     def _gather(self, unit: str, direction: str, items: list) -> GroupGather:
@@ -273,19 +343,24 @@ class GatherScheduler:
             if torch.is_grad_enabled():  # into the unit's slots (made once), where it has them
                 slots = self._unit_slots(unit, gg)
                 gathered = gg.wait_into([s.refill_target() if s is not None else None for s in slots])
-                self._ready[unit] = {k: s or x for k, s, x in zip(keys, slots, gathered)}
+                got = [s or x for s, x in zip(slots, gathered)]
             else:  # an evaluation forward: fresh copies, dropped after use
-                self._ready[unit] = dict(zip(keys, gg.wait()))
+                got = gg.wait()
+            self._ready[unit] = {k: got[i] for k, i in zip(keys, self._items_of[unit])}
         ready = self._ready.get(unit, {})
         out = []
         for e in entries:
             got = ready.pop((id(module), e.tensor), None)  # None: called again; gathered alone
-            if isinstance(got, GatheredParam):
-                out.append(got)
-            else:
-                out.append(GatheredParam(_stored(module, e.tensor), self.mesh, e.targets, self.reducer, got))
+            if not isinstance(got, GatheredParam):
+                raw, got = got, GatheredParam(_stored(module, e.tensor), self.mesh, e.targets, self.reducer, got)
+                if raw is not None:  # other modules holding the parameter take this copy too
+                    for k, x in ready.items():
+                        if x is raw:
+                            ready[k] = got
+            out.append(got)
         if torch.is_grad_enabled():  # kept for backward's unit refill; no-grad copies just go
-            self.live.setdefault(unit, []).extend(out)
+            live = self.live.setdefault(unit, [])
+            live.extend(g for g in out if not any(g is h for h in live))
         return out
 
     def held_bytes(self) -> int:

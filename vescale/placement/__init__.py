@@ -7,8 +7,8 @@ section order, so the model's own ``split`` / ``chunk`` into the sections runs o
 """
 
 from .interleaved import InterleavedShard, as_interleaved, interleave_of, is_interleaved
-from .nested import blockwise, nest_zero_shards, shard_indices
+from .nested import blockwise, nest_zero_shards, shard_indices, splits
 
 __all__ = [
-    "InterleavedShard", "as_interleaved", "interleave_of", "is_interleaved", "blockwise", "nest_zero_shards", "shard_indices",
+    "InterleavedShard", "as_interleaved", "interleave_of", "is_interleaved", "blockwise", "nest_zero_shards", "shard_indices", "splits",
 ]

@@ -19,6 +19,17 @@ Every rank's shard is still one contiguous block of the global tensor (``blockwi
 ``compute_local_shape_and_global_offset``, vescale.random and ``vescale.comm``'s block plans describe
 it exactly. PyTorch distributes ``_StridedShard`` only where the dim divides evenly, so a dim that
 does not divide by DP x TP keeps the plain ``(Shard, Shard)`` layout.
+
+One placement type, two meanings. ``_StridedShard(d, k)`` on a mesh dim alone on tensor dim ``d``
+is ``k`` sections each split over that mesh dim (a fused q|k|v, or what DTensor's ``split`` /
+``cat`` / ``view`` rules make of a sharded dim); first of several mesh dims on ``d`` it is a *shard
+order* (the later mesh dims split ``d`` first, this one splits their pieces: the nested ZeRO layout).
+A move between two layouts where a split changes meaning is where PyTorch 2.13's redistribution
+planner goes wrong (it decodes ``_StridedShard`` as a shard order where it can and falls back to
+a planner that ignores shard orders where it cannot; ``(Partial, _StridedShard(0, 3))`` ->
+``(InterleavedShard(0, 2), Shard(0))``, a fused bias's gradient into its nested ZeRO shard, comes
+out permuted). ``splits`` says what every mesh dim's split means, so that ``vescale.comm.moves`` can
+take such moves one split at a time, each of them one DTensor gets right.
 """
 
 from __future__ import annotations
@@ -32,7 +43,7 @@ from torch.distributed.tensor.placement_types import _is_shard_like
 from .blocks import is_blockwise
 from .interleaved import InterleavedShard
 
-__all__ = ["nest_zero_shards", "blockwise", "shard_indices"]
+__all__ = ["nest_zero_shards", "blockwise", "shard_indices", "splits"]
 
 
 def _plain_shard(p, dim: int) -> bool:
@@ -80,3 +91,32 @@ def blockwise(shape: tuple, mesh_shape: tuple, placements: tuple[Placement, ...]
     if not any(_is_shard_like(p) and type(p) is not Shard for p in placements):
         return True  # plain Shard splits are always blocks
     return is_blockwise(tuple(shape), tuple(mesh_shape), tuple(placements))
+
+
+def splits(placements: tuple, mesh_shape: tuple) -> tuple | None:
+    """What each mesh dim's placement means in this layout: ``placements[i]`` itself where it is not
+    a shard; for a shard of tensor dim ``d``, ``(d, sections, before)``: ``sections`` is the number
+    of equal sections each split on its own (1: a block split), ``before`` the mesh dims whose
+    splits of ``d`` apply first, in order. A mesh dim means the same in two layouts exactly where
+    these entries are equal (a nested ZeRO shard's TP split does; a TP split under a ZeRO split
+    that was not there does not). None for a ``_StridedShard`` that is neither alone on its tensor
+    dim nor the head of a nested ZeRO layout (``nest_zero_shards``'), which this does not read."""
+    by_dim: dict[int, list[int]] = {}
+    for i, p in enumerate(placements):
+        if _is_shard_like(p):
+            by_dim.setdefault(p.dim, []).append(i)
+    out: list = list(placements)
+    for d, mesh_dims in by_dim.items():
+        strided = [i for i in mesh_dims if type(placements[i]) is not Shard]
+        if not strided:
+            order, sections = mesh_dims, {}  # plain shards split left to right
+        elif len(mesh_dims) == 1:
+            order, sections = mesh_dims, {mesh_dims[0]: placements[mesh_dims[0]]._split_factor_int()}
+        else:
+            head, inner = mesh_dims[0], mesh_dims[1:]
+            if strided != [head] or placements[head]._split_factor_int() != math.prod(mesh_shape[j] for j in inner):
+                return None
+            order, sections = [*inner, head], {}  # nested: the inner (later) mesh dims split first
+        for k, i in enumerate(order):
+            out[i] = (d, sections.get(i, 1), tuple(order[:k]))
+    return tuple(out)

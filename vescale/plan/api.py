@@ -201,7 +201,10 @@ class VescalePlan:
           placements (an error naming this statement if not). A plain tensor there is taken as this
           rank's *local shard* with these placements (``DTensor.from_local``, even shards): that is
           how code that makes local tensors tells vescale, and random ops such as dropout inside the
-          module, which global elements it holds.
+          module, which global elements it holds. On the root's inputs it is the per-rank batch:
+          ``plan.annotate("<in>[(input_ids|labels)]", Shard(0), mesh="DP")`` has each DP rank pass
+          only its rows (``vescale.data`` loads them) where ``plan.shard`` would split a global
+          batch every rank passes whole; the results are the same.
         * ``<parameter path>.grad``: the gradient the model computes for the parameter (before
           vescale reduces it) has these placements, e.g. ``Partial()`` on TP for a norm weight
           under sequence parallelism. Checked at the first backward (and against what Static Eager

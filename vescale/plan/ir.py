@@ -22,7 +22,7 @@ from torch.distributed.tensor import Placement, Replicate
 
 from .api import Phase, Statement, placement_str
 
-__all__ = ["RawEntry", "Entry", "PlanIR", "optimize", "PlanError"]
+__all__ = ["RawEntry", "Entry", "PlanIR", "optimize", "ordered", "PlanError"]
 
 
 class PlanError(ValueError):
@@ -155,8 +155,10 @@ class PlanIR:
         return idle
 
     def _shards_activation_on(self, i: int) -> bool:
+        """Whether an activation is split on mesh dim i: moved there (a shard / redistribute), or
+        annotated as split there (a per-rank batch share at the root, say: each rank its own rows)."""
         return any(
-            e.hook != "param" and e.action not in ("gather", "annotate") and e.targets[i] is not None and not isinstance(e.targets[i], Replicate)
+            e.hook not in ("param", "grad") and e.action != "gather" and e.targets[i] is not None and not isinstance(e.targets[i], Replicate)
             for e in self.entries
         )
 
@@ -263,7 +265,11 @@ def optimize(
         extras = [_stated(group, ndim, what, a) for a in ("source", "grad_src", "grad_dst")]
         entries.append(Entry(module, hook, tensor, key, action, targets, extras[0], stmts, mesh_dim_names, *extras[1:]))
 
-    # Stable: within a hook, parameters keep named_parameters() order and activations plan order;
-    # annotations first (they describe a tensor as it arrives, before the plan moves it).
-    entries.sort(key=lambda e: (module_order.get(e.module, -1), HOOK_ORDER[e.hook], e.action != "annotate"))
-    return PlanIR(raw=list(raw), entries=entries, mesh_dim_names=mesh_dim_names)
+    return PlanIR(raw=list(raw), entries=ordered(entries, module_order), mesh_dim_names=mesh_dim_names)
+
+
+def ordered(entries: list[Entry], module_order: dict[str, int]) -> list[Entry]:
+    """Entries in module order, then hook order. Stable: within a hook, parameters keep
+    named_parameters() order and activations plan order; annotations first (they describe a
+    tensor as it arrives, before the plan moves it)."""
+    return sorted(entries, key=lambda e: (module_order.get(e.module, -1), HOOK_ORDER[e.hook], e.action != "annotate"))

@@ -20,7 +20,7 @@ from torch.distributed.tensor.placement_types import _is_shard_like
 
 from ..placement import InterleavedShard, interleave_of, is_interleaved, nest_zero_shards
 from .api import Phase, Statement, VescalePlan, placement_str
-from .ir import PlanError, PlanIR, RawEntry, optimize
+from .ir import PlanError, PlanIR, RawEntry, optimize, ordered
 
 __all__ = ["lower", "forward_arg_names", "KeyPattern"]
 
@@ -184,6 +184,7 @@ def lower(plan: VescalePlan, model: nn.Module, mesh: DeviceMesh) -> PlanIR:
     ir = optimize(raw, names, order, tuple(mesh.mesh_dim_names))
     ir.mesh_dim_sizes = tuple(mesh.shape)
     _nest_zero_shards(ir, tensors, tuple(mesh.shape))
+    _gather_at_every_use(ir, model, modules, order)
     return ir
 
 
@@ -200,6 +201,32 @@ def _nest_zero_shards(ir: PlanIR, tensors: dict, mesh_shape: tuple) -> None:
         nested = nest_zero_shards(g.sources, g.targets, tuple(tensors[name].shape), mesh_shape)
         if nested != g.sources:
             g.sources = param_entry[(g.module, g.tensor)].targets = nested
+
+
+def _gather_at_every_use(ir: PlanIR, model: nn.Module, modules: dict, order: dict) -> None:
+    """A shared (tied) parameter with a RUN-phase gather (ZeRO-3) is gathered before each module
+    that holds it runs, not only the one its entries are kept under: ``wte`` and ``lm_head`` of a
+    tied GPT-2 each get the gather entry. At run time the uses share one gathered copy per forward
+    where they can (``vescale.parallel.zero``), so the gradient contributions are summed before
+    the one reduce-scatter."""
+    gathers = {(e.module, e.tensor): e for e in ir.entries if e.action == "gather" and e.hook == "forward_pre"}
+    if not gathers:
+        return
+    names_of: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(name)
+    added = []
+    for names in names_of.values():
+        first = names[0].rpartition(".")
+        g = gathers.get((first[0], first[2]))
+        if g is None or len(names) == 1:
+            continue
+        for alias in names[1:]:
+            module, _, tensor = alias.rpartition(".")
+            if runs_forward(modules[module]) and (module, tensor) not in gathers:
+                added.append(dataclasses.replace(g, module=module, tensor=tensor))
+    if added:
+        ir.entries = ordered(ir.entries + added, order)
 
 
 def _check_interleaved_alone(raw: list[RawEntry]) -> None:
@@ -278,8 +305,8 @@ def _lower_module_statement(st, modules, dims, all_paths) -> list[RawEntry]:
 
 def _canonicalize_shared(model: nn.Module, raw: list[RawEntry]) -> list[RawEntry]:
     """A parameter shared by several modules (tied weights) is one tensor: its names must get the
-    same statements, and its entries are kept under its first name. RUN-phase gathers of shared
-    parameters are not supported yet; say so rather than mis-train."""
+    same statements, and its entries are kept under its first name (its RUN-phase gathers are
+    given to every name afterwards: ``_gather_at_every_use``)."""
     names_of: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names_of.setdefault(id(p), []).append(name)
@@ -296,13 +323,6 @@ def _canonicalize_shared(model: nn.Module, raw: list[RawEntry]) -> list[RawEntry
             raise PlanError(
                 f"parameters {names} are one shared (tied) tensor but the plan places them differently; "
                 "give every name of a shared parameter the same statements"
-            )
-        init = {(d, p) for d, ph, p in plans[0] if ph is Phase.INIT}
-        run = {(d, p) for d, ph, p in plans[0] if ph is Phase.RUN}
-        if init != run:
-            raise PlanError(
-                f"parameters {names} are one shared (tied) tensor; different INIT and RUN placements "
-                "(ZeRO-3) are not supported for shared parameters yet: exclude them from the ZeRO-3 statements"
             )
     out = []
     for e in raw:

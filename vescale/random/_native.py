@@ -16,6 +16,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import shutil
 import subprocess
 import tempfile
 import threading
@@ -70,12 +71,23 @@ def _cpu_fingerprint() -> str:
     return platform.machine() + platform.processor() + flags
 
 
+def compiler() -> str:
+    """The C compiler the build uses: ``$CC``, else ``cc``."""
+    return os.environ.get("CC") or "cc"
+
+
+def has_compiler() -> bool:
+    """Whether this platform has the C compiler (found on ``PATH`` or as a path); without one the
+    kernel cannot be built here, and a build that fails anyway is a defect, not the platform."""
+    return shutil.which(compiler()) is not None
+
+
 def _build() -> Path:
-    compiler = os.environ.get("CC") or "cc"
+    cc = compiler()
     try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as error:
-        raise RuntimeError(f"no C compiler ({compiler!r}: {error})") from None
+        raise RuntimeError(f"no C compiler ({cc!r}: {error})") from None
     source = _SOURCE.read_bytes()
     key = hashlib.sha256(
         b"\0".join([source, version.encode(), repr((_COMMON_FLAGS, _FLAG_SETS)).encode(), _cpu_fingerprint().encode()])
@@ -93,7 +105,7 @@ def _build() -> Path:
     errors = []
     for extra in _FLAG_SETS:
         temporary = target.with_name(f"{target.stem}.{os.getpid()}.{threading.get_ident()}.tmp.so")
-        command = [compiler, *_COMMON_FLAGS, *extra, str(_SOURCE), "-o", str(temporary), "-lm"]
+        command = [cc, *_COMMON_FLAGS, *extra, str(_SOURCE), "-o", str(temporary), "-lm"]
         result = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if result.returncode == 0:
             os.replace(temporary, target)

@@ -9,6 +9,8 @@ even when forward raised.
 
 from __future__ import annotations
 
+import re
+
 import torch.nn as nn
 
 from ..plan import PlanIR, VescalePlan
@@ -39,9 +41,12 @@ def install_static(model: nn.Module, plan: VescalePlan, ir: PlanIR, plan_hooks: 
     # module (each Linear's Partial input gradient reduced on its own, not summed first).
     planned_pre = {m for (m, h), entries in hooks.items() if h == "forward_pre" and any(e.action == "redist" for e in entries)}
     planned_post = {m for (m, h), entries in hooks.items() if h == "forward" and any(e.action == "redist" for e in entries)}
-    # A batch-local module's hooks move its inputs and outputs between meshes (DTensors in, DTensors out).
+    # A batch-local module's hooks move its inputs and outputs between meshes (DTensors in, DTensors
+    # out); an experts module's expert-parallel hooks send its tokens to the experts' ranks and back
+    # (DTensors in, DTensors out: vescale.parallel.experts).
     batch_local = dict(batch_local or {})
-    planned_pre, planned_post = planned_pre | set(batch_local), planned_post | set(batch_local)
+    placing = set(batch_local) | _experts_paths(plan, model)
+    planned_pre, planned_post = planned_pre | placing, planned_post | placing
     annotated = tuple({m for (m, h), entries in hooks.items() if h == hook and any(e.action == "annotate" for e in entries)}
                       for hook in ("forward_pre", "forward"))
     # Tensors made by planned factories are DTensors: the module that makes them stays eager.
@@ -62,6 +67,12 @@ def install_static(model: nn.Module, plan: VescalePlan, ir: PlanIR, plan_hooks: 
     if scheduler is not None:
         handles += _install_units(rt, model, scheduler, gathered_modules or {})
     return handles
+
+
+def _experts_paths(plan: VescalePlan, model: nn.Module) -> set[str]:
+    """The modules a ``plan.experts`` statement makes expert-parallel."""
+    patterns = [re.compile(s.path) for s in plan.statements if s.kind == "experts"]
+    return {p for p, _ in model.named_modules() if any(r.fullmatch(p) for r in patterns)} if patterns else set()
 
 
 def _install_units(rt: StaticRuntime, model: nn.Module, scheduler, gathered_modules: dict) -> list:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from .local_loss import cross_entropy_args, loss_kernel
-from .local_sizes import SIZED_CALLS, size_call, size_rewrite
+from .local_sizes import SIZED_CALLS, SizeRewrite, size_call, size_rewrite
 from .random_gate import SwitchedMode, exit_function_mode
 
 __all__ = ["CallWatch", "LocalCalls", "local_call_paths", "drop_plain_sizes"]
@@ -111,7 +111,10 @@ class LocalCalls(SwitchedMode):
             if notes is None or notes[k] is None:
                 return func(*args, **kwargs)
             call = size_call(func, args, kwargs)
-            local = notes[k].local(call.sizes if call is not None else (), self.path, func, self.derived, self.scale)
+            sizes = call.sizes if call is not None else ()
+            if not self.derived and isinstance(notes[k], SizeRewrite):
+                notes[k] = notes[k].without_local(sizes)  # sizes read from the local tensor stay as they are
+            local = notes[k].local(sizes, self.path, func, self.derived, self.scale)
             if local is None:  # the model read the size from the local tensor: nothing to rewrite, ever
                 notes[k] = None
                 return func(*args, **kwargs)

@@ -7,7 +7,8 @@ parallelism with ``reduction="mean"``, where ``vescale.dispatch.semantics`` divi
 by the label count all-reduced over the ranks. Either kept the module computing the loss (the model's
 root, usually) eager in Static Eager mode, and with it every boundary around its children.
 
-The recorded facts fix both, so static steps run the loss on the local shards instead:
+The recorded facts fix both, so static steps run the loss on the local shards instead, computing
+eager mode's bits:
 
 * **Recording** (``local_calls.CallWatch``): while the recording step's forward runs, calls of
   ``F.cross_entropy`` on a DTensor are classified (``loss_kernel``). One the kernel can run is
@@ -17,12 +18,24 @@ The recorded facts fix both, so static steps run the loss on the local shards in
   in static steps (DTensor's gather would hand it back whole). Any other call is left to the op
   watcher.
 * **Static steps** (``local_calls.LocalCalls``, on while such a module's own body runs): the k-th call runs
-  ``LocalLoss``. Sharded classes: each rank's log-sum-exp and target logit of every row are gathered
-  over the class dim (one all-gather of two numbers a row, where DTensor gathers the logits), the
-  rows' losses follow; backward is ``softmax - one_hot`` on the local classes, no communication.
-  Sharded rows: the sum over local rows divided by the label count all-reduced over the row dims
-  (the collective eager mode issues): a ``Partial`` sum, as recorded. Values match the eager step
-  up to the order of floating-point sums (log-sum-exp per shard, then over shards).
+  ``LocalLoss``. Sharded classes: the logits are gathered over the class dim (one all-gather, the
+  one DTensor's ``log_softmax`` issues in eager mode) and ``F.cross_entropy`` runs on the whole
+  rows, eager mode's kernels on eager mode's values; backward hands this rank's classes of the
+  whole-row gradient back (a slice: no communication). Sharded rows: the sum over local rows
+  divided by the label count all-reduced over the row dims (the collective eager mode issues, and
+  its numbers: ``nll_loss``'s mean backward is ``-grad / count``, the division's then the sum's
+  backward the same): a ``Partial`` sum, as recorded.
+
+The loss and the logits' gradient are eager mode's bit for bit. (An earlier kernel gathered two
+numbers a row instead of the logits, each rank's log-sum-exp over its own classes: a few ulps off
+eager mode's loss, and so every gradient of the step. Static Eager is meant to compute eager mode's
+bits, so that a user can compare the two modes with ``python -m vescale.debug.compare --atol 0``;
+``tests/static/test_static_equal.py``.) What differs from eager mode is where the whole-row gradient
+goes: eager DTensor hands it to the LM head replicated, whose weight gradient then is a matmul over
+the whole vocabulary, sliced afterwards; a static LM head gets its own classes and multiplies those
+(the same products, in a matmul of other sizes). The zoo plans gather the logits at the LM head's
+output instead (``plan.shard("lm_head.<out>", Replicate())``), where both modes slice the gradient
+at that move and the loss runs on whole rows in both: equal bit for bit.
 """
 
 from __future__ import annotations
@@ -32,8 +45,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ..comm import direct
+from ..comm.moves import compile_move
+from ..dispatch.metas import contiguous_strides
 from ..plan.ir import PlanError
 from ..placement.blocks import local_shape_and_offset
 
@@ -66,10 +82,11 @@ class LocalLoss:
 
     def __call__(self, logits: torch.Tensor, target: torch.Tensor, call: dict) -> torch.Tensor:
         self._check(logits, target, call)
-        if self.class_dim is None:
-            total = F.cross_entropy(logits, target, ignore_index=self.ignore_index, reduction="sum")
-        else:
-            total = _ClassParallelLoss.apply(logits, target, self).sum()
+        if self.class_dim is not None:  # a target outside the classes then raises as on one device
+            logits = _GatherClasses.apply(logits, self)
+        if not self.row_dims:  # the call as eager mode runs it on the whole rows
+            return F.cross_entropy(logits, target, ignore_index=self.ignore_index, reduction=self.reduction)
+        total = F.cross_entropy(logits, target, ignore_index=self.ignore_index, reduction="sum")
         if self.reduction == "sum":
             return total
         count = (target != self.ignore_index).sum()
@@ -102,40 +119,37 @@ class LocalLoss:
             )
 
 
-class _ClassParallelLoss(torch.autograd.Function):
-    """Per-row cross entropy of logits whose classes are split over a mesh dim (0 on ignored rows)."""
+class _GatherClasses(torch.autograd.Function):
+    """Logits whose classes are split over a mesh dim, gathered whole (what DTensor's
+    ``log_softmax`` does to them in eager mode); the gradient goes back as this rank's classes of
+    the whole-row gradient, contiguous (what DTensor's ``Replicate -> Shard`` move gives)."""
 
     @staticmethod
-    def forward(ctx, logits, target, kernel: LocalLoss):
-        x = logits.float()
-        valid = target != kernel.ignore_index
-        local = target - kernel.offset
-        mine = valid & (local >= 0) & (local < kernel.classes)
-        index = torch.where(mine, local, 0).unsqueeze(1)
-        top = x.amax(1, keepdim=True)
-        own_lse = (x - top).exp().sum(1).log() + top.squeeze(1)
-        own_pick = torch.where(mine, x.gather(1, index).squeeze(1), 0.0)
-        group = kernel.mesh.get_group(kernel.class_dim)
-        both = torch.stack((own_lse, own_pick))
-        gathered = both.new_empty((group.size() * 2, both.shape[1]))  # members' pairs of rows, in rank order
-        direct.all_gather(gathered, both, group)
-        gathered = gathered.view(group.size(), 2, -1)
-        lse = torch.logsumexp(gathered[:, 0], 0)
-        picked = gathered[:, 1].sum(0)  # one rank holds each row's target; the others add zeros
-        in_range = ~valid | ((target >= 0) & (target < kernel.total))
-        torch._assert_async(in_range.all(), "cross_entropy: a target is outside the classes (as single device reports)")
-        ctx.save_for_backward(x, lse, index, mine, valid)
+    def forward(ctx, logits, kernel: LocalLoss):
+        ctx.kernel = kernel
+        ctx.local_shape = logits.shape
         ctx.dtype = logits.dtype
-        return torch.where(valid, lse - picked, 0.0).to(logits.dtype)
+        return _class_move(kernel, logits.shape[0], logits.dtype, Shard(1), Replicate())(logits.contiguous())
 
     @staticmethod
     def backward(ctx, grad):
-        x, lse, index, mine, valid = ctx.saved_tensors
-        probs = (x - lse.unsqueeze(1)).exp()
-        probs.scatter_add_(1, index, -mine.to(probs.dtype).unsqueeze(1))
-        scale = torch.where(valid, grad.float(), 0.0).unsqueeze(1)
-        return (probs * scale).to(ctx.dtype), None, None
+        kernel = ctx.kernel
+        move = _class_move(kernel, ctx.local_shape[0], ctx.dtype, Replicate(), Shard(1))
+        return move(grad.contiguous()).contiguous(), None
 
+
+def _class_move(kernel: LocalLoss, rows: int, dtype, src, dst):
+    """The move of (rows, classes) logits between ``src`` and ``dst`` on the class dim (the other
+    mesh dims hold the rows as they are: each rank's own)."""
+    mesh = kernel.mesh
+    placements = [Replicate()] * mesh.ndim
+    shape = torch.Size((rows, kernel.total))
+    meta = TensorMeta(shape, contiguous_strides(tuple(shape)), dtype)
+    specs = []
+    for p in (src, dst):
+        placements[kernel.class_dim] = p
+        specs.append(DTensorSpec(mesh, tuple(placements), tensor_meta=meta))
+    return compile_move(*specs) or (lambda t: t)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,6 +11,10 @@ same holds for a fused projection cut into sections of a config size: GPT-2's at
 ``c_attn(x).split(embed_dim, dim=2)`` on q|k|v split by heads (``InterleavedShard``), whose local
 sections are ``embed_dim / n`` wide.
 
+Slices are the same: a section-aligned slice of an ``InterleavedShard`` dim (HF Phi-3's
+``qkv[..., :query_pos]``, ``narrow``) runs on the local shard with local bounds under DTensor
+(``vescale.dispatch.interleaved``), while the model passes the global ones (``SlicedCall``).
+
 The recorded facts fix it, as they fix the vocabulary-parallel lookup (``local_ops.py``):
 
 * **Recording** (``size_rewrite``): each ``view`` / ``reshape`` / ``split`` call of a module's own
@@ -57,9 +61,11 @@ from .resize import ResizeMismatch
 __all__ = ["SIZED_CALLS", "GlobalSizes", "SizeRewrite", "SizedCall", "size_call", "size_rewrite"]
 
 _SPLITS = (torch.Tensor.split, torch.split)
+_SLICES = (torch.Tensor.__getitem__, torch.Tensor.narrow, torch.narrow)
 # The torch functions whose sizes are rewritten: what models call to reshape or broadcast by a config
-# size, and to cut a fused projection into sections of a config size (GPT-2's ``split(embed_dim, dim=2)``).
-SIZED_CALLS = frozenset({torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.expand, *_SPLITS})
+# size, and to cut a fused projection into sections of a config size (GPT-2's ``split(embed_dim, dim=2)``,
+# Phi-3's ``qkv[..., :query_pos]``).
+SIZED_CALLS = frozenset({torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.expand, *_SPLITS, *_SLICES})
 
 
 @dataclass(frozen=True)
@@ -87,9 +93,12 @@ class SizedCall:
         return self.func(self.tensor, sizes[0], dim=self.split_dim)
 
 
-def size_call(func, args, kwargs) -> SizedCall | None:
-    """The ``SizedCall`` of a ``SIZED_CALLS`` call, or None where its sizes are not plain ints (a
-    dtype view, symbolic sizes, a split into listed sections)."""
+def size_call(func, args, kwargs) -> SizedCall | SlicedCall | None:
+    """The ``SizedCall`` (``SlicedCall`` for slicing) of a ``SIZED_CALLS`` call, or None where its
+    sizes are not plain ints (a dtype view, symbolic sizes, a split into listed sections, an index
+    with tensors in it)."""
+    if func in _SLICES:
+        return sliced_call(func, args, kwargs)
     if func in _SPLITS:
         names = ("tensor" if func is torch.split else "self", "split_size_or_sections", "dim")
         values = dict(zip(names, args))
@@ -108,6 +117,105 @@ def size_call(func, args, kwargs) -> SizedCall | None:
     if not isinstance(tensor, torch.Tensor) or not all(type(s) is int for s in rest):
         return None
     return SizedCall(tensor, tuple(rest), func)
+
+
+@dataclass(frozen=True)
+class SlicedCall:
+    """A slicing call: basic indexing ``x[...]`` with step-1 slices (``sizes``: start, stop per slice,
+    None where the index leaves them out) or ``narrow`` (``sizes``: start, length); ``dims``: the
+    tensor dim of each slice; ``rebuild``: the call again with other bounds."""
+
+    tensor: torch.Tensor
+    sizes: tuple
+    dims: tuple
+    rebuild: object
+    narrow: bool = False
+
+    def run(self, sizes: tuple):
+        return self.rebuild(sizes)
+
+    def slices(self):
+        """(dim, start, stop) per slice, as ``aten.slice`` takes them."""
+        if self.narrow:
+            start, length = self.sizes
+            yield self.dims[0], start, (start + length if start >= 0 or start + length < 0 else None)
+            return
+        for j, dim in enumerate(self.dims):
+            yield dim, self.sizes[2 * j], self.sizes[2 * j + 1]
+
+
+def _index_dims(index: tuple, ndim: int) -> list | None:
+    """The tensor dim each element of a basic index addresses (None for ``None`` and ``...``), or
+    None where the index is not basic (tensors, lists, bools)."""
+    consumed = [e for e in index if e is not None and e is not Ellipsis]
+    if any(isinstance(e, bool) or not isinstance(e, (slice, int)) for e in consumed) or sum(e is Ellipsis for e in index) > 1:
+        return None
+    dims, d = [], 0
+    for i, e in enumerate(index):
+        if e is Ellipsis:
+            d = ndim - sum(x is not None and x is not Ellipsis for x in index[i + 1:])
+            dims.append(None)
+        elif e is None:
+            dims.append(None)
+        else:
+            dims.append(d)
+            d += 1
+    return dims
+
+
+def sliced_call(func, args, kwargs) -> SlicedCall | None:
+    """The ``SlicedCall`` of ``x[index]`` with step-1 slices, or of ``narrow``; None otherwise."""
+    if func is torch.Tensor.__getitem__:
+        tensor, index = args[0], args[1]
+        index = index if isinstance(index, tuple) else (index,)
+        dims = _index_dims(index, tensor.ndim) if isinstance(tensor, torch.Tensor) else None
+        if dims is None:
+            return None
+        where = [i for i, e in enumerate(index) if isinstance(e, slice) and e.step in (None, 1)
+                 and all(v is None or type(v) is int for v in (e.start, e.stop))]
+        if not where:
+            return None
+
+        def rebuild(bounds, tensor=tensor, index=index, where=where):
+            new = list(index)
+            for j, i in enumerate(where):
+                new[i] = slice(bounds[2 * j], bounds[2 * j + 1], index[i].step)
+            return func(tensor, tuple(new))
+
+        bounds = tuple(v for i in where for v in (index[i].start, index[i].stop))
+        return SlicedCall(tensor, bounds, tuple(dims[i] for i in where), rebuild)
+    names = ("input" if func is torch.narrow else "self", "dim", "start", "length")
+    values = dict(zip(names, args))
+    values.update(kwargs)
+    tensor, dim, start, length = (values.get(n) for n in names)
+    if not isinstance(tensor, torch.Tensor) or not all(type(v) is int for v in (dim, start, length)) or not tensor.ndim:
+        return None
+    return SlicedCall(tensor, (start, length), (dim % tensor.ndim,),
+                      lambda bounds, tensor=tensor, dim=dim: func(tensor, dim, bounds[0], bounds[1]), narrow=True)
+
+
+def _local_slice_bounds(call: SlicedCall) -> tuple | None:
+    """The bounds a slicing call takes on the local shards where DTensor cuts its slices from an
+    interleaved dim on the local shard (``vescale.dispatch.interleaved``: whole sections stay local),
+    written as the call writes them; None where it cuts none that way."""
+    from ..dispatch.interleaved import local_bounds, slice_sections
+    from ..placement import interleave_of
+
+    spec, out = call.tensor._spec, list(call.sizes)
+    changed = False
+    for j, (dim, start, stop) in enumerate(call.slices()):
+        found = slice_sections(spec, dim, start, stop, 1)
+        if found is None:
+            continue
+        m, first, count = found
+        lo, hi = local_bounds(spec, m, dim, first, count, spec.shape[dim] // interleave_of(spec.placements[m]))
+        if call.narrow:
+            out = [lo, hi - lo]
+        else:
+            out[2 * j] = None if start is None else lo
+            out[2 * j + 1] = None if stop is None else hi
+        changed = True
+    return tuple(out) if changed else None
 
 
 @dataclass(frozen=True)
@@ -149,6 +257,19 @@ class SizeRewrite:
             out[i] = n
         return tuple(out)
 
+
+    def without_local(self, sizes: tuple) -> "SizeRewrite":
+        """This rewrite less the positions where a static step's call passes the local size already:
+        a size the model reads from the tensor (a batch that DP splits) beside one from its config
+        (HF ``Conv1D``'s ``view(*x.size()[:-1], nf)`` with a column-parallel weight) in one call. Only
+        the config's sizes are rewritten then, in this step and every later one."""
+        if len(sizes) != self.ndim:
+            return self
+        keep = [j for j, (i, n) in enumerate(zip(self.positions, self.local_sizes)) if sizes[i] != n]
+        if len(keep) == len(self.positions):
+            return self
+        pick = lambda values: tuple(values[j] for j in keep)  # noqa: E731
+        return SizeRewrite(self.ndim, pick(self.positions), pick(self.global_sizes), pick(self.local_sizes))
 
     def _scaled(self, sizes: tuple) -> tuple | None:
         """In a record derived for new input sizes: the local sizes where each rewritten size is the
@@ -238,6 +359,14 @@ def size_rewrite(call: SizedCall, out):
     """The recording's note for a sized call that gave ``out``: a ``SizeRewrite`` where an explicit
     size is global (differs from the one the local tensors take), ``GlobalSizes`` for a call on a
     plain tensor, else None."""
+    if isinstance(call, SlicedCall):
+        # A DTensor's whole sections of an interleaved dim are cut on the local shard with local
+        # bounds; a plain tensor is sliced as it is (the global tensor, every step).
+        local = _local_slice_bounds(call) if isinstance(call.tensor, DTensor) else None
+        if local is None:
+            return None
+        positions = tuple(i for i, (g, n) in enumerate(zip(call.sizes, local)) if g != n)
+        return SizeRewrite(len(local), positions, tuple(call.sizes[i] for i in positions), tuple(local[i] for i in positions))
     if not isinstance(call.tensor, DTensor):
         return GlobalSizes(tuple(call.sizes))
     if call.func is torch.Tensor.expand:

@@ -50,13 +50,14 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..dispatch.local import data_moves, decisions_remembered, why_rule_not_local
 from ..parallel.faults import _first_line
-from ..parallel.hooks import IO_PLACED, _register_once_on_grads, release_gathered
+from ..parallel.hooks import IO_PLACED, _register_once_on_grads, _tensors_in, release_gathered
 from ..plan.ir import PlanError
 from ..parallel.placing import grad_layout
 from ..placement.blocks import local_shape_and_offset
 from . import averaged, relabel, resize
 from .boundary import HandOvers, Move, ParamShadow, dtensor_of, grad_spec, local_of, settled_on_unit_dims
 from .random_gate import CallTracker, RandomGate
+from .shares import SUMS, GradientShares
 from .local_calls import CallWatch, LocalCalls, drop_plain_sizes, local_call_paths
 from .local_ops import LocalLookups, check_lookup, grad_placements, is_masked, masked_lookup, unmasked, unmasked_inputs
 
@@ -103,6 +104,7 @@ class Record:
     checked: bool = False  # a static step has run (and checked its shapes) with it
     moves: dict = field(default_factory=dict)  # (module, "in" | "out") -> [Move | None] or None
     param_grad_specs: dict = field(default_factory=dict)  # (module, name) -> spec of its gradient
+    shared_grad_specs: dict = field(default_factory=dict)  # gradient spec -> the one object of that value
     # (module, "in" | "out") -> the plan key of each tensor crossing there, in crossing order
     # (argument name or position, output index or field; None inside a nested container)
     keys: dict = field(default_factory=dict)
@@ -137,6 +139,9 @@ class Record:
     # The batch-local modules whose hooks its static steps replace by relabels (relabel.py); None
     # until its first static step.
     relabelled: frozenset | None = None
+    # Recording: which gradient each body hands back, read off autograd's nodes (shares.py); dropped
+    # once its backward has run.
+    shares: GradientShares | None = None
 
 
 @dataclass
@@ -263,9 +268,11 @@ def _zeros_made_partial(node, func, args, kwargs) -> bool:
 
 
 def _sized_ops() -> set:
-    """Ops whose size arguments DTensor rewrites from global to local sizes."""
+    """Ops whose size (or bound) arguments DTensor rewrites from global to local sizes: those it
+    rewrites shapes of, and those with a scalar adjuster (a slice of an interleaved dim's sections:
+    ``vescale.dispatch.interleaved``)."""
     prop = DTensor._op_dispatcher.sharding_propagator
-    return set(prop.op_to_shape_and_stride_idx) | {torch.ops.aten.reshape.default}
+    return set(prop.op_to_shape_and_stride_idx) | set(prop.op_to_scalar_shape_adjuster) | {torch.ops.aten.reshape.default}
 
 
 def _local_shape(out):
@@ -301,6 +308,10 @@ class _OpWatcher(TorchDispatchMode):
         # through (an eager child's mirrored wrap, a child's body-input alias): autograd adds what
         # it hands back to the caller's other gradients of that tensor while the node is current.
         self.boundary_nodes: dict = {}
+        self.shares: GradientShares | None = None  # the recording's (shares.py)
+        # recording: the bodies a DTensor reached (an input, a parameter, a child's output) or that
+        # ran a DTensor op of their own
+        self.dtensor_bodies: set = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -313,6 +324,8 @@ class _OpWatcher(TorchDispatchMode):
             return out
         if not self.checking and resize.data_dependent_op(func, args):
             self.record.data_dependent.setdefault(module, str(func))
+        if is_dtensor_op and not self.checking:
+            self.dtensor_bodies.add(module)
         judge = False
         if not self.checking and is_dtensor_op and func in DTensor._op_dispatcher._random_ops:
             # Drawn in static steps too, from the specs recorded here (see _RandomReplay).
@@ -337,7 +350,7 @@ class _OpWatcher(TorchDispatchMode):
         if judge:
             self._judge(module, func, args, kwargs)
         if func in self.sized:
-            self._check_shape(module, func, out)
+            self._check_shape(module, func, out, is_dtensor_op)
         return out
 
     def _judge(self, module: str, func, args, kwargs) -> None:
@@ -374,6 +387,8 @@ class _OpWatcher(TorchDispatchMode):
         node = torch._C._current_autograd_node()
         if node is not None and self._mixed_sum(node, func, args, kwargs):
             return
+        if node is not None and self.shares is not None and self.shares.sums(node, func, args):
+            return  # autograd adding a body's share to a tensor's other gradients: shares.settle judges it
         module = self._module_of(node) if node is not None else None
         if module is not None and module not in self.record.unsafe:
             if self._returns_average(module):
@@ -398,7 +413,7 @@ class _OpWatcher(TorchDispatchMode):
         would add its local tensors as they are; so the caller stays eager. (Sums of gradients the
         caller's own ops made are judged by the module that made them, as every backward op is.)"""
         found = self.boundary_nodes.get(id(node))
-        if found is None or found[0] is not node or func not in (torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor):
+        if found is None or found[0] is not node or func not in SUMS:
             return False
         caller = found[1]
         if caller not in self.record.unsafe and why_rule_not_local(func, args, kwargs):
@@ -416,10 +431,24 @@ class _OpWatcher(TorchDispatchMode):
             i += 1
         return False
 
-    def _check_shape(self, module: str, func, out) -> None:
+    def forget_plain_bodies(self) -> None:
+        """End of the recording forward: a body no DTensor reached (an experts module under expert
+        parallelism, whose hooks hand it local tokens and parameters) gets the same plain tensors
+        in static steps, sized as the data has it (the tokens routed to this rank): no size of it is
+        DTensor's to rewrite, and none to check."""
+        rec = self.record
+        for notes in (rec.sizes, rec.shapes):
+            for path, found in notes.items():
+                if path not in self.dtensor_bodies:
+                    notes[path] = [None] * len(found)
+
+    def _check_shape(self, module: str, func, out, is_dtensor_op: bool) -> None:
         shapes = self.record.shapes.setdefault(module, [])
         if not self.checking:
-            shapes.append(_local_shape(out))
+            # Only DTensor rewrites sizes: an op the recording ran on plain tensors (an experts
+            # module's body under expert parallelism, whose hooks hand it local tokens) runs on the
+            # same tensors in static steps, with sizes that may follow the data (tokens routed here).
+            shapes.append(_local_shape(out) if is_dtensor_op else None)
             return
         k = self.seen[module] = self.seen.get(module, 0) + 1
         want = shapes[k - 1] if k <= len(shapes) else None
@@ -854,13 +883,14 @@ class StaticRuntime:
             self.refused.add(key)
 
     def _new_record(self, key, assumed_eager: frozenset) -> Record:
-        self.state, self.record = State.RECORD, Record(assumed_eager=assumed_eager)
+        self.state, self.record = State.RECORD, Record(assumed_eager=assumed_eager, shares=GradientShares())
         self.record.unsafe.update(self.mixed_sums)
         self.records[key] = self.record
         self.recorded_steps += 1
         self._bound_records(self.record)
         self._open_watcher(checking=False)
         rec = self.record
+        self.watcher.shares = rec.shares
         self.call_watch = CallWatch(lambda: self.stack[-1] if self.stack else None, rec.losses, rec.sizes, self.own_ops_off)
         self.call_watch.__enter__()
         return rec
@@ -878,6 +908,8 @@ class StaticRuntime:
     def end_forward(self) -> None:
         """Root cleanup hook: the forward is over. A recording keeps watching through backward
         (closed when backward finishes, or at the next step); a check is done."""
+        if self.state is State.RECORD and self.watcher is not None and not self.watcher.checking:
+            self.watcher.forget_plain_bodies()
         if self.watcher is not None and (self.state is State.STATIC or not torch.is_grad_enabled()):
             self._close_watcher()
         replay = self.replay
@@ -945,6 +977,13 @@ class StaticRuntime:
         torch.autograd.Variable._execution_engine.queue_callback(lambda: self._complete(record))
 
     def _complete(self, record: Record) -> None:
+        bodies, callers = record.shares.settle(self.parent) if record.shares is not None else ({}, {})
+        record.shares = None
+        for found in (bodies, callers):
+            for path, why in found.items():
+                record.unsafe.setdefault(path, why)
+        # A caller's mixed sums show only while it is assumed static: every later record starts with it.
+        self.mixed_sums.update({p: why for p, why in callers.items() if p not in self.mixed_sums})
         unlaid = self._unlaid_gradients(record)
         record.unsafe.update(unlaid)
         self.mixed_sums.update(unlaid)
@@ -1056,30 +1095,31 @@ class StaticRuntime:
 
         def note(i, t):
             c = _note(rec, self.parent, (path, "body", i), t)
+            if c.spec is not None and self.watcher is not None:
+                self.watcher.dtensor_bodies.add(path)
             if averaged.averaged_dims(c.spec):  # its body would get a share of an averaged value
                 rec.unsafe.setdefault(path, f"its input is {averaged.describe(c.spec)} (averaged over ranks)")
-            if isinstance(t, DTensor) and t.requires_grad:
-                # This module's own view: a tensor several modules consume (q/k/v projections
-                # share their input) collects all their gradients, but a static module's
-                # to_local sees its own share only.
-                t = _Alias.apply(t)
-                if self.watcher is not None:
-                    self.watcher.note_boundary(t.grad_fn, self.parent.get(path))
-                _on_grad(t, lambda g, c=c: setattr(c, "grad_placements", g))
+            if isinstance(t, DTensor) and t.requires_grad and torch.is_grad_enabled():
+                # The gradient this body's own ops hand back for it (a tensor several modules
+                # consume, as q/k/v projections share their input, collects all their gradients,
+                # but a static module's local tensor gets its own share only): read off autograd's
+                # nodes, with no node added (vescale/static/shares.py).
+                uses.append(rec.shares.expect(t, path, f"input {i}", True, lambda g, c=c: setattr(c, "grad_placements", g)))
             return t
 
+        uses: list = []
         args, kwargs = _map_io(note, args, kwargs)
-        # The module uses a view of each parameter in this step, so the gradient's placements
-        # are seen as the module produces them: before vescale.comm reduces them on the leaf.
-        swapped = []
-        for name, p in list(mod._parameters.items()):
+        # The gradient placements of each parameter as the module produces them: before
+        # vescale.comm reduces them on the leaf.
+        if self.watcher is not None and any(isinstance(p, DTensor) for p in mod._parameters.values()):
+            self.watcher.dtensor_bodies.add(path)
+        for name, p in mod._parameters.items():
             if isinstance(p, DTensor) and p.requires_grad and torch.is_grad_enabled():
-                view = _Alias.apply(p)
                 key = (path, name)
-                _on_grad(view, lambda g, key=key: rec.param_grads.__setitem__(key, g))
-                mod._parameters[name] = view
-                swapped.append((name, p, view))
-        mod.__dict__["_vescale_swapped"] = swapped
+                uses.append(rec.shares.expect(p, path, f"parameter {name!r}", False,
+                                              lambda g, key=key: rec.param_grads.__setitem__(key, g)))
+        if uses:
+            mod.__dict__["_vescale_shares"] = uses
         self._body_starts(path)
         return args, kwargs
 
@@ -1108,17 +1148,19 @@ class StaticRuntime:
 
     def _shadow(self, steps: "_Steps", name: str, p: DTensor, spec) -> torch.Tensor:
         """The plain leaf standing for the leaf parameter ``p`` (see ``ParamShadow``). One per
-        parameter and gradient spec, shared by every module that uses it (autograd sums their
-        gradients before the parameter's hooks run, as it does for the parameter); uses with
-        different gradient layouts hand their gradients over separately, as ``local_of`` would."""
+        parameter and gradient layout, shared by every module that uses it (autograd sums their
+        gradients before the parameter's hooks run, as it does for the parameter: a tied ZeRO-3
+        weight's two modules hand over one gradient, reduced once); uses with different gradient
+        layouts hand their gradients over separately, as ``local_of`` would. Modules record their
+        gradient specs apart, so equal specs are found by value."""
         shadow = steps.shadows.get(name)  # the last call's: the same parameter, outside ZeRO-3
         if shadow is None or shadow.param_ref() is not p or shadow.spec is not spec or not shadow.fits(p):
             per_spec = self.shadows.get(p)
             if per_spec is None:
                 per_spec = self.shadows[p] = {}
-            shadow = per_spec.get(id(spec))
-            if shadow is None or shadow.spec is not spec or not shadow.fits(p):
-                shadow = per_spec[id(spec)] = ParamShadow(p, spec, self.hand_overs)
+            shadow = per_spec.get(spec)
+            if shadow is None or shadow.spec != spec or not shadow.fits(p):
+                shadow = per_spec[spec] = ParamShadow(p, spec, self.hand_overs)
             if isinstance(p, nn.Parameter):  # not ZeRO-3's gathered copies: new each call, freed after
                 steps.shadows[name] = shadow
         return shadow.leaf
@@ -1131,7 +1173,13 @@ class StaticRuntime:
             scope = self.scope_of.get(path)
             if scope is not None and scope in (rec.relabelled or ()):  # recorded on the sub-mesh
                 placements = relabel.grad_placements(placements, p, self.scopes[scope])
-            spec = rec.param_grad_specs[(path, name)] = grad_spec(p._spec, settled_on_unit_dims(placements, p._spec))
+            spec = grad_spec(p._spec, settled_on_unit_dims(placements, p._spec))
+            # One object per layout: modules that use one parameter (tied embeddings) with equal
+            # gradient layouts then share its shadow (``_shadow``), whose leaf sums their gradients
+            # before the one hand-over, as autograd sums them before the parameter's AccumulateGrad.
+            # (Two shadows handed over two gradients: the first one's reduction hooks ran before the
+            # second was added, a few ulps off eager mode.)
+            spec = rec.param_grad_specs[(path, name)] = rec.shared_grad_specs.setdefault(spec, spec)
         return spec
 
     def _body_starts(self, path: str) -> None:
@@ -1157,6 +1205,9 @@ class StaticRuntime:
         """Always called after forward: the module gets its own parameters back."""
         state = mod.__dict__
         state.pop(IO_PLACED, None)  # set only if forward raised between leave and handed_back
+        uses = state.pop("_vescale_shares", None)
+        if uses:
+            GradientShares.end(uses)
         swapped = state.pop("_vescale_swapped", None)
         if swapped:
             _put_back(mod, swapped)
@@ -1310,6 +1361,8 @@ class StaticRuntime:
 
             def note(i, t):
                 c = _note(rec, self.parent, (path, "result", i), t)
+                if c.spec is not None and caller is not None and self.watcher is not None:
+                    self.watcher.dtensor_bodies.add(caller)  # its body gets a DTensor (and may read its sizes)
                 if unwrapped and caller is not None and averaged.averaged_dims(c.spec):
                     rec.unsafe.setdefault(caller, f"gets {averaged.describe(c.spec)} (averaged over ranks) from {path!r}")
                 _on_grad(t, lambda g, c=c: setattr(c, "grad_placements", g))
@@ -1319,6 +1372,8 @@ class StaticRuntime:
                 return t
 
             _map_out(note, output)
+            if is_root:  # the forward is over: find the nodes that hand the bodies their gradients
+                rec.shares.hook(_tensors_in(output))
             unit = self.unit_of_member.get(path)
             if unit is not None:
                 _register_once_on_grads(output, lambda: unit in rec.unit_reached or rec.units_off.setdefault(
@@ -1645,21 +1700,6 @@ class _FromGlobal:
             whole = DTensorSpec(dst.spec.mesh, (Replicate(),) * dst.spec.mesh.ndim, tensor_meta=dst.spec.tensor_meta)
             self.move = Move(whole, dst.spec, dst.grad_placements)
         return self.move(t)
-
-
-class _Alias(torch.autograd.Function):
-    """A DTensor's alias of its own (what ``view_as`` gives) whose gradient passes through as it
-    arrives. ``view_as`` on a DTensor is a DTensor op, forward and backward: under a recording's
-    op watcher each runs DTensor's Python dispatch, ~300 of them a step on the zoo LLaMA."""
-
-    @staticmethod
-    def forward(ctx, t: DTensor):
-        local = t._local_tensor
-        return DTensor(local.view_as(local), t._spec, requires_grad=t.requires_grad)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
 
 
 def _on_grad(t, fn) -> None:

@@ -14,7 +14,8 @@ and an optional ZeRO-3:
 * adaLN-Zero modulation (``norm1.linear``, 6 chunks of the hidden size), timestep/class embedders,
   patch embedding and the output head stay replicated: they are small and ``chunk``ed along the
   feature dim, which a plain ``Shard`` would mis-align;
-* DP: the batch (``hidden_states``, ``timestep``, ``class_labels``) is split along dim 0;
+* DP: the batch (``hidden_states``, ``timestep``, ``class_labels``) is split along dim 0 (with
+  ``local_inputs=True`` each rank passes its own rows instead);
 * ZeRO-3 (on DP): every parameter is stored ``Shard(0)`` on DP and gathered while its module runs.
 
 What made attention head-parallel for real (in ``vescale.dispatch``, nothing in the model is
@@ -33,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
 from ..plan import INIT, RUN, VescalePlan
-from .plans import _mesh_has
+from .plans import LocalInputs, _mesh_has, batch_keys, split_batch
 
 __all__ = ["TINY_DIT_SIZES", "tiny_dit", "dit_plan"]
 
@@ -75,10 +76,13 @@ def dit_plan(
     tp: str | None = "TP",
     dp: str | None = "DP",
     zero3: bool = False,
+    local_inputs: LocalInputs = False,
 ) -> VescalePlan:
     """A plan for ``DiTTransformer2DModel`` (see the module doc). ``tp`` / ``dp`` name the mesh
     dimensions; a name that is ``None`` or absent from ``mesh`` turns that parallelism off.
-    ``config`` (the model's) is checked: the TP size must divide the number of heads."""
+    ``config`` (the model's) is checked: the TP size must divide the number of heads.
+    ``local_inputs=True``: each DP rank passes only its share of the batch (its rows of
+    ``hidden_states``, ``timestep`` and ``class_labels``; a list of argument names says which)."""
     use_tp, use_dp = _mesh_has(mesh, tp), _mesh_has(mesh, dp)
     if zero3 and not use_dp:
         raise ValueError(f"dit_plan: zero3=True shards parameters over the DP dimension, but {dp!r} is not in the mesh")
@@ -100,8 +104,8 @@ def dit_plan(
         # ops stay on DTensors; its projections and the feed-forward run static.
         plan.eager(rf"{_BLOCK}\.attn1")
     if use_dp:
-        for name in ("hidden_states", "timestep", "class_labels"):
-            plan.shard(rf"<in>[{name}]", Shard(0), mesh=dp)
+        keys, local = batch_keys(local_inputs, [rf"<in>[{n}]" for n in ("hidden_states", "timestep", "class_labels")], "dit_plan")
+        split_batch(plan, keys, dp, local)
         if zero3:
             plan.shard(r".*\.(weight|bias)", Shard(0), mesh=dp, phase=INIT)
             plan.shard(r".*\.(weight|bias)", Replicate(), mesh=dp, phase=RUN)

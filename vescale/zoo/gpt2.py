@@ -12,7 +12,9 @@ GPT-2 differs from LLaMA where a plan notices:
 * the token embedding ``wte`` is tied to ``lm_head``. The plan keeps the tied pair replicated on TP
   (one tensor, one placement; it stays tied): a vocabulary-parallel lookup without sequence
   parallelism hits DTensor's masked-partial gradient limit (see docs/architecture.md), and
-  replicating costs no communication, only the head's matmul on every TP rank.
+  replicating costs no communication, only the head's matmul on every TP rank With ``zero3`` it
+  is stored ``Shard(0)`` on DP like every other weight (often the largest tensor): gathered once per
+  step for both of its modules, its two gradient contributions reduce-scattered once.
 
 The builder uses GPT-2's default config (dropouts 0.1, tied embeddings, gelu_new, KV cache on, SDPA
 attention) at tiny sizes. Training (dropout > 0) takes PyTorch's decomposed math attention, whose
@@ -27,7 +29,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from ..placement import InterleavedShard
 from ..plan import INIT, RUN, VescalePlan
-from .plans import _mesh_has
+from .plans import LocalInputs, _mesh_has, batch_keys, split_batch
 from .hf import _transformers
 
 __all__ = ["TINY_GPT2_SIZES", "tiny_hf_gpt2_config", "tiny_hf_gpt2", "gpt2_plan"]
@@ -55,13 +57,15 @@ def gpt2_plan(
     tp: str | None = "TP",
     dp: str | None = "DP",
     zero3: bool = False,
+    local_inputs: LocalInputs = False,
 ) -> VescalePlan:
     """A plan for ``GPT2LMHeadModel``: head-parallel attention through the fused ``c_attn``
     (``InterleavedShard``), Megatron-style split MLP, replicated tied embeddings (TP); the batch
-    split over DP; with ``zero3``, every block weight, ``wpe`` and ``ln_f`` stored ``Shard(0)`` on
-    DP and gathered while its module runs (the tied ``wte``/``lm_head`` and the biases stay
-    replicated on DP). A name that is ``None`` or not in ``mesh`` turns that parallelism off.
+    split over DP; with ``zero3``, every weight (the block weights, ``wpe``, ``ln_f`` and the tied
+    ``wte``/``lm_head``) stored ``Shard(0)`` on DP and gathered while its modules run (the biases
+    stay replicated on DP). A name that is ``None`` or not in ``mesh`` turns that parallelism off.
     ``config`` (the model's GPT2Config) lets the plan check that TP divides the head count.
+    ``local_inputs`` (as in ``llama_plan``): each DP rank passes only its share of the batch.
     """
     use_tp, use_dp = _mesh_has(mesh, tp), _mesh_has(mesh, dp)
     if zero3 and not use_dp:
@@ -90,11 +94,14 @@ def gpt2_plan(
         # Static Eager: GPT2Model expands its plain position ids to the batch size it reads from the
         # input, which DP splits; static steps give that call the global size back
         # (vescale.static.local_sizes.GlobalSizes), so its body runs static too.
-        plan.shard(r"<in>[(input_ids|labels)]", Shard(0), mesh=dp)  # keys are regexes too
+        keys, local = batch_keys(local_inputs, [r"<in>[(input_ids|labels)]"], "gpt2_plan")  # keys are regexes too
+        split_batch(plan, keys, dp, local)
         if zero3:
-            # Not the tied wte/lm_head (a shared tensor keeps one placement) and not the biases
-            # (c_attn's is interleaved on its only dim).
-            weights = rf"({_BLOCK}\..*|transformer\.(wpe|ln_f))\.weight"
+            # Every weight, the tied wte/lm_head included (one statement names both: a shared
+            # tensor gets the same statements under every name; it is gathered once per step and
+            # its two gradient contributions reduce-scattered once). Not the biases (c_attn's is
+            # interleaved on its only dim, which cannot be sharded on DP too).
+            weights = rf"({_BLOCK}\..*|transformer\.(wte|wpe|ln_f)|lm_head)\.weight"
             plan.shard(weights, Shard(0), mesh=dp, phase=INIT)
             plan.shard(weights, Replicate(), mesh=dp, phase=RUN)
     return plan

@@ -37,7 +37,7 @@ from torch.distributed.tensor import Replicate, Shard
 from ..placement import InterleavedShard
 from ..plan import INIT, RUN, PlanError, VescalePlan
 from .hf import _transformers
-from .plans import _mesh_has, llama_plan
+from .plans import LocalInputs, _mesh_has, batch_keys, llama_plan, split_batch
 
 __all__ = ["moe_plan", "TINY_MOE_SIZES", "tiny_hf_mixtral", "tiny_hf_qwen3_moe"]
 
@@ -86,6 +86,7 @@ def moe_plan(
     ep: str | None = "EP",
     sequence_parallel: bool = False,
     zero3: bool = False,
+    local_inputs: LocalInputs = False,
 ) -> VescalePlan:
     """A plan for HF MoE causal LMs (Mixtral, Qwen3-MoE): ``llama_plan`` for attention, embeddings,
     DP and ZeRO-3, plus tensor-parallel experts on ``tp`` and expert parallelism on ``ep``.
@@ -93,9 +94,13 @@ def moe_plan(
     A mesh dim name that is ``None`` (or absent from ``mesh``) turns that parallelism off. Experts are
     either tensor-parallel or expert-parallel, never both: with ``ep`` in the mesh the experts are
     whole on each EP rank and replicated on ``tp``.
+
+    ``local_inputs`` (as in ``llama_plan``): each rank passes only its share of the batch, split over
+    ``dp`` and ``ep`` (both split the batch): ``vescale.data.GlobalBatchSampler(..., dims=(dp, ep))``.
     """
     use_tp, use_dp, use_ep = _mesh_has(mesh, tp), _mesh_has(mesh, dp), _mesh_has(mesh, ep)
-    plan = llama_plan(mesh, config, tp=tp, dp=dp, sequence_parallel=sequence_parallel, zero3=zero3, mlp=False)
+    plan = llama_plan(mesh, config, tp=tp, dp=dp, sequence_parallel=sequence_parallel, zero3=zero3, mlp=False,
+                      local_inputs=local_inputs)
     if use_tp:
         between = Shard(1) if sequence_parallel else Replicate()
         plan.shard(r"model\.layers\.\d+\.mlp\.<in>", Replicate(), mesh=tp)
@@ -109,8 +114,8 @@ def moe_plan(
             # the gradients of the router's top-k and of the experts' token gather go into autograd's
             # own zeros (local: vescale.static.runtime._zeros_made_partial).
     if use_ep:
-        plan.shard(r"<in>\[input_ids\]", Shard(0), mesh=ep)  # EP ranks split the batch ...
-        plan.shard(r"<in>\[labels\]", Shard(0), mesh=ep)
+        keys, local = batch_keys(local_inputs, [r"<in>\[input_ids\]", r"<in>\[labels\]"], "moe_plan")
+        split_batch(plan, keys, ep, local)  # EP ranks split the batch ...
         plan.experts(_EXPERTS, mesh=ep)  # ... and own experts/EP experts each
     if use_dp and not use_ep and (mesh is None or mesh[dp].size() > 1):
         if getattr(config, "output_router_logits", False):
