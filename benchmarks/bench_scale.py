@@ -42,8 +42,13 @@ the same config, measured in the same run. Run:
 ``--repeat N`` runs every world N times, the worlds interleaved in alternating order, and prints
 medians (steady step: median and range over the runs).
 
-``--profile DIR`` writes a cProfile of ``parallelize`` + the first step per run (``DIR/<run>.prof``) and
-one of the steady steps (``DIR/<run>-steady.prof``; the times printed then include the profiler's).
+``--profile DIR`` writes a cProfile of ``parallelize`` + the first step per run (``DIR/<run>.prof``; the
+``parallelize`` and first-step times printed then include the profiler's) and one of an extra steady
+step (``DIR/<run>-steady.prof``; the steady times printed are of the unprofiled steps), and prints
+the Python function calls counted in each (``calls first``: ``parallelize`` + first step, in
+thousands; ``calls steady``: one steady step) with their ratios to the smallest world. Unlike
+times, call counts do not depend on the machine's load: a count that does not grow with the world
+says the rank's Python work does not.
 Targets (issue 28, world 1,024 against world 8): first step <= 1.5x, steady step <= 1.2x,
 ``parallelize`` <= 1.5x, peak memory <= 1.1x.
 """
@@ -152,6 +157,7 @@ def _model_and_plan(cfg: Config, mesh, local_inputs: bool, static: bool):
 
 def child(run: dict) -> dict:
     import cProfile
+    import pstats
 
     import torch
     import torch.distributed as dist
@@ -200,18 +206,17 @@ def child(run: dict) -> dict:
         if profile:
             profile.disable()
             profile.dump_stats(run["profile"])
-        steady_profile = cProfile.Profile() if run.get("profile") else None
+            out["calls_first"] = pstats.Stats(profile).total_calls
         steps = []
         for _ in range(run["steps"]):
-            if steady_profile:
-                steady_profile.enable()
             t0 = clock()
             step()
             steps.append(clock() - t0)
-            if steady_profile:
-                steady_profile.disable()
-        if steady_profile:
+        if profile:  # one more steady step, profiled: the timed ones ran without the profiler
+            steady_profile = cProfile.Profile()
+            steady_profile.runcall(step)
             steady_profile.dump_stats(run["profile"].replace(".prof", "-steady.prof"))
+            out["calls_steady"] = pstats.Stats(steady_profile).total_calls
         out["steady_s"] = statistics.median(steps)
         out["steady_spread"] = (min(steps), max(steps))
         out["peak_mb"] = _peak_rss_mb() - rss0
@@ -286,6 +291,8 @@ def main(argv=None) -> None:
     trees = args.trees.split(",") if args.trees else [None]
     header = ("tree", "config", "mode", "world", "mesh", "mesh s", "parallelize s", "first s", "steady ms", "peak MB",
               "groups (mesh+par)", "member of", "x par", "x first", "x steady", "x peak")
+    if args.profile:
+        header += ("calls first (K)", "calls steady", "x calls first", "x calls steady")
     print(" | ".join(header), flush=True)
     for config in args.configs.split(","):
         for mode in args.modes.split(","):
@@ -325,6 +332,10 @@ def _print_rows(tree: str, config: str, mode: str, worlds: list, runs: dict) -> 
             _fmt_ratio(r["steady_s"], base["steady_s"], "steady"),
             _fmt_ratio(r["peak_mb"], base["peak_mb"], "peak_mb"),
         )
+        if "calls_first" in r:
+            row += (f"{r['calls_first'] / 1e3:.0f}", f"{r['calls_steady']:.0f}",
+                    _fmt_ratio(r["calls_first"], base.get("calls_first"), "calls"),
+                    _fmt_ratio(r["calls_steady"], base.get("calls_steady"), "calls"))
         print(" | ".join(row), flush=True)
 
 
