@@ -32,7 +32,7 @@ def gather(param: DTensor, mesh: DeviceMesh, placements, stats: collections.Coun
             # No collective of ours: DTensor does it (size-1 dims alias the parameter's storage).
             return param.detach().redistribute(mesh, placements)
         row = pack_gather(param._local_tensor, plan)
-        out = row.new_empty(len(plan.members) * plan.row)
+        out = row.new_empty(plan.member_count * plan.row)
         direct.all_gather(out, row, group_of(mesh, plan.dims))
         if stats is not None:
             stats["all_gather"] += 1
@@ -85,7 +85,7 @@ class _Program:
         self.idx, self.plans, self.group = idx, plans, group
         self.rows = [t.row for t in plans]
         self.width = sum(self.rows)
-        self.members = len(plans[0].members)
+        self.members = plans[0].member_count
         # Even rows that are the output block itself (nested ZeRO shards): the gathered (members,
         # row) table is the parameter's RUN shard as it is, so it can be copied straight into place.
         self.in_place = [t.even and t.out == t.base for t in plans]

@@ -80,7 +80,7 @@ class _Bucket:
 
     def add(self, e: _Entry) -> None:
         self.entries.append(e)
-        rows = len(e.plan.members) * e.plan.row if self.kind == "reduce_scatter" else e.local.numel()
+        rows = e.plan.member_count * e.plan.row if self.kind == "reduce_scatter" else e.local.numel()
         self.nbytes += rows * e.local.element_size()
 
     def launch(self, mesh: DeviceMesh, stats: collections.Counter) -> None:

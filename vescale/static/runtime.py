@@ -45,7 +45,6 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -54,6 +53,7 @@ from ..parallel.faults import _first_line
 from ..parallel.hooks import IO_PLACED, _register_once_on_grads, _tensors_in, release_gathered
 from ..plan.ir import PlanError
 from ..parallel.placing import grad_layout
+from ..placement.blocks import local_shape_and_offset
 from . import averaged, relabel, resize
 from .boundary import HandOvers, Move, ParamShadow, dtensor_of, grad_spec, local_of, settled_on_unit_dims
 from .random_gate import CallTracker, RandomGate
@@ -1650,8 +1650,8 @@ def _laid(c: Crossing) -> bool:
     spec = c.spec
     if spec is None or c.grad_placements is None or tuple(c.grad_placements) == tuple(spec.placements):
         return True
-    local = compute_local_shape_and_global_offset(spec.shape, spec.mesh, spec.placements, skip_offset=True)[0]
-    laid = compute_local_shape_and_global_offset(spec.shape, spec.mesh, tuple(c.grad_placements), skip_offset=True)[0]
+    local = local_shape_and_offset(spec.shape, spec.mesh, spec.placements, skip_offset=True)[0]
+    laid = local_shape_and_offset(spec.shape, spec.mesh, tuple(c.grad_placements), skip_offset=True)[0]
     return tuple(local) == tuple(laid)
 
 
