@@ -37,6 +37,7 @@ import math
 import os
 import statistics
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -55,6 +56,8 @@ from vescale.zoo.hf import _transformers
 # PyTorch warns, once per rank, that a redistribution over two mesh dims takes two collectives
 # (ZeRO-3 + vocabulary-parallel embedding); fusing them is vescale.comm's job, and the warning is noise here.
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+# DCP warns that a single-device run (no process group) saves from one process, which is the intent.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 BYTE_VOCAB = 256  # one token per byte value
 ZOO_CONFIGS = {
@@ -224,7 +227,7 @@ def as_float(loss: torch.Tensor) -> float:
 def run_settings(args, config, text_sha256: str) -> dict:
     """What a resumed run must share with the saved one (RUN_KEYS)."""
     settings = {k: v for k, v in vars(args).items() if k in RUN_KEYS}
-    settings["config"] = {k: v for k, v in config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
+    settings["config"] = {k: v for k, v in config.to_diff_dict().items() if k not in ("_name_or_path", "transformers_version")}
     settings["model"] = args.model or config.model_type
     settings["text_sha256"] = text_sha256
     return settings
