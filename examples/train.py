@@ -293,6 +293,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     check_flags(args, world_size())
     dims = [(name, size) for name, size in (("DP", args.dp), ("TP", args.tp)) if size > 1]
+    owns_group = not dist.is_initialized()  # a caller's process group (a test harness's) is left to it
     mesh = vescale.init_mesh([s for _, s in dims], [n for n, _ in dims]) if dims else None
     rank = dist.get_rank() if mesh is not None else 0
     out, ckpt = Path(args.out), Path(args.out) / "checkpoints"
@@ -372,7 +373,7 @@ def main(argv=None) -> None:
         print(f"wrote {out / 'losses.json'}")
         if losses and not math.isnan(losses[-1]):
             plot_losses(out / "loss.png", losses, resumed_at, f"{settings['model']}: {args.text}")
-    if mesh is not None:
+    if mesh is not None and owns_group:
         dist.destroy_process_group()
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -97,6 +98,10 @@ def _train(*argv: str) -> str:
 
 
 def _run_train(world: int, out, *argv: str) -> dict:
+    # Imported here once, before run_on_ranks forks: each rank would otherwise import them itself.
+    import matplotlib.pyplot  # noqa: F401
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM  # noqa: F401
+
     run_on_ranks(_train, world, *TRAIN_ARGS, "--out", str(out), *argv)
     return json.loads((out / "losses.json").read_text())
 
@@ -108,17 +113,19 @@ def _split_of(shapes: dict) -> dict[str, tuple[int, ...]]:
 
 @pytest.mark.multiproc
 def test_train_resumes_bit_for_bit_and_splits(tmp_path):
-    """DP=2 x TP=2 + SP + ZeRO-3, 4 steps in one go against 2 steps, a new launch that resumes from the
-    step-2 checkpoint, and 2 more steps: every loss and the final weights are equal bit for bit. They
-    must be: the checkpoint holds the exact fp32 parameters and AdamW state (DCP, same mesh and plan),
-    vescale's and torch's RNG state (dropout), the LR schedule and the data loader's position (the
-    next global batch of the same shuffled epoch), so the resumed run repeats the same local ops on
-    the same values with the same collectives in the same order; a lost piece of state (any of them)
-    moves the step-3 loss. The single-device run of the same command agrees within 1e-5 (float32
-    reduction order: TP partial sums and the DP mean sum in another order; measured ~1e-6), so
-    each DP rank did load its own rows. Rank 0's local shapes show the split (TP x ZeRO-3)."""
+    """DP=2 x TP=2 + SP + ZeRO-3: 4 steps in one go (checkpoints at steps 2 and 4), and a new launch
+    given only the step-2 checkpoint, which resumes and trains steps 3-4: its losses and final weights
+    equal the uninterrupted run's bit for bit. They must: the checkpoint holds the exact fp32
+    parameters and AdamW state (DCP, same mesh and plan), vescale's and torch's RNG state (dropout),
+    the LR schedule and the data loader's position (the next global batch of the same shuffled
+    epoch), so the resumed run repeats the same local ops on the same values with the same
+    collectives in the same order; losing any of them moves the step-3 loss. (The step-2 checkpoint
+    is the one an interrupted run saves: the first two steps are the same command's.) The single-device
+    run of the same command agrees within 1e-5 (float32 reduction order: TP partial sums and the DP
+    mean add in another order; measured 5e-7), so each DP rank did load its own rows of each batch.
+    Rank 0's local shapes show the split (TP x ZeRO-3)."""
     whole = _run_train(4, tmp_path / "whole", *MESH_ARGS, "--steps", "4")
-    _run_train(4, tmp_path / "resumed", *MESH_ARGS, "--steps", "2")
+    shutil.copytree(tmp_path / "whole" / "checkpoints" / "step_00000002", tmp_path / "resumed" / "checkpoints" / "step_00000002")
     resumed = _run_train(4, tmp_path / "resumed", *MESH_ARGS, "--steps", "4")
     assert len(whole["losses"]) == 4 and resumed["resumed_at"] == [2] and resumed["steps_this_run"] == 2, resumed
     assert resumed["losses"] == whole["losses"], (resumed["losses"], whole["losses"])
