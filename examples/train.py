@@ -252,14 +252,19 @@ def warmup_schedule(optimizer, warmup: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
 
 
-def describe(args, config, model, rows: torch.Tensor, loader) -> str:
+def mode_of(args) -> str:
+    """The mesh and plan options in words, e.g. ``DP=2 x TP=2 (SP, ZeRO-3)``."""
     mesh = " x ".join(f"{n}={s}" for n, s in (("DP", args.dp), ("TP", args.tp)) if s > 1) or "single device"
     extras = [name for name, on in (("SP", args.sp), ("ZeRO-3", args.zero3), ("Static Eager", args.static)) if on]
+    return mesh + (f" ({', '.join(extras)})" if extras else "")
+
+
+def describe(args, config, model, rows: torch.Tensor, loader) -> str:
     total = sum(p.numel() for p in model.parameters())
     local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
     return (
         f"model: {args.model or args.config} ({type(model).__name__}), {total / 1e6:.2f}M parameters; "
-        f"{mesh}{' (' + ', '.join(extras) + ')' if extras else ''}; rank 0 holds {local / 1e6:.2f}M "
+        f"{mode_of(args)}; rank 0 holds {local / 1e6:.2f}M "
         f"({100 * local / total:.0f}%)\ndata: {args.text}, {rows.numel():,} tokens = {len(rows)} rows of {args.seq_len}, "
         f"{len(loader)} global batches of {args.batch_size} per epoch"
     )
@@ -361,6 +366,7 @@ def main(argv=None) -> None:
         # The first step of a run builds caches (and records, in Static Eager mode): leave it out of the rate.
         steady = rates[1:] or rates
         summary = {
+            "mode": mode_of(args),  # examples/compare_losses.py shows it
             "settings": settings | {"dp": args.dp, "tp": args.tp, "zero3": args.zero3, "sp": args.sp, "static": args.static},
             "losses": losses, "resumed_at": resumed_at, "steps_this_run": len(rates),
             "tokens_per_s": statistics.median(steady) if steady else None,
