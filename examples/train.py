@@ -194,6 +194,20 @@ def text_rows(path: str, seq_len: int, batch_size: int) -> tuple[torch.Tensor, s
     return ids.view(rows, seq_len), hashlib.sha256(data).hexdigest()
 
 
+def check_same_text(text_sha256: str, path: str, mesh) -> None:
+    """Every rank read the same bytes (a file edited while the ranks start, or a different file on
+    another node, would feed TP peers different rows): two one-number all-reduces, at any world size."""
+    if mesh is None:
+        return
+    digest = torch.tensor([int(text_sha256[:15], 16)], device=mesh.device_type)  # 60 bits of the hash
+    low, high = digest.clone(), digest.clone()
+    dist.all_reduce(low, dist.ReduceOp.MIN)
+    dist.all_reduce(high, dist.ReduceOp.MAX)
+    if not torch.equal(low, high):
+        raise SystemExit(f"train.py: the ranks read different contents from --text {path}: it changed while the run "
+                         "started, or it differs between nodes; give every rank the same file and start again")
+
+
 def build_model(config, mesh, args):
     """The unchanged HF model, parallelised on ``mesh``; on one device built under vescale's RNG.
 
@@ -305,6 +319,7 @@ def main(argv=None) -> None:
 
     config = model_config(args)
     rows, text_sha256 = text_rows(args.text, args.seq_len, args.batch_size)
+    check_same_text(text_sha256, args.text, mesh)
     model = build_model(config, mesh, args)
     device = next(model.parameters()).device
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)

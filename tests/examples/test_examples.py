@@ -7,6 +7,10 @@
 * ``examples/train_moe.py`` on one device and on DP=2 x TP=2 + ZeRO-3 and EP=2 (forked gloo ranks
   running the script as torchrun would): the per-step losses agree within 1e-5 (its docstring:
   "the single-device ones up to float32 rounding"; printed with 6 decimals).
+* ``examples/train.py``, the README's "Train your model" recipe, on DP=2 x TP=2 + SP + ZeRO-3 (4
+  AdamW steps of the tiny HF LLaMA on the README's bytes): resumed from a checkpoint it continues
+  with the uninterrupted run's losses and weights bit for bit; the single-device run agrees within
+  1e-5; rank 0's local shapes show the split; bad flag combinations are refused, naming the fix.
 * ``examples/record_compare.py`` as docs/debug.md runs it: one device and TP=2 agree (exit 0),
   TP=2 with another dropout seed parts first at ``layers.0.down`` (exit 1), as the page shows.
 
