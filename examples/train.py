@@ -348,32 +348,34 @@ def main(argv=None) -> None:
     tokens_per_step = args.batch_size * args.seq_len
     rates = []
     progress = tqdm(total=args.steps, initial=start, unit="step", disable=rank != 0, dynamic_ncols=True)
-    single_device_rng = vescale.random.consistent() if mesh is None else contextlib.nullcontext()
     step = start
-    with single_device_rng:
-        while step < args.steps:
-            loader.set_epoch(epoch)
-            for (input_ids,) in loader:
-                began = time.perf_counter()
-                input_ids = input_ids.to(device)
+    while step < args.steps:
+        loader.set_epoch(epoch)
+        for (input_ids,) in loader:
+            began = time.perf_counter()
+            input_ids = input_ids.to(device)
+            # One device: the model's random ops (dropout) draw from vescale's generator, as on a mesh.
+            # Only the model's step: torch's DataLoader draws a seed for each new iterator, which
+            # would move that generator on one device and not on a mesh.
+            with vescale.random.consistent() if mesh is None else contextlib.nullcontext():
                 loss = model(input_ids=input_ids, labels=input_ids).loss  # HF shifts the labels
                 loss.backward()
-                if args.grad_clip:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-                optimizer.step()
-                schedule.step()
-                optimizer.zero_grad()
-                losses.append(as_float(loss))
-                rates.append(tokens_per_step / (time.perf_counter() - began))
-                step += 1
-                progress.update()
-                progress.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{rates[-1]:,.0f}", epoch=epoch, refresh=False)
-                if args.ckpt_every and (step % args.ckpt_every == 0 or step == args.steps):
-                    save(step)
-                if step == args.steps:
-                    break
-            else:
-                epoch += 1
+            if args.grad_clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad()
+            losses.append(as_float(loss))
+            rates.append(tokens_per_step / (time.perf_counter() - began))
+            step += 1
+            progress.update()
+            progress.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{rates[-1]:,.0f}", epoch=epoch, refresh=False)
+            if args.ckpt_every and (step % args.ckpt_every == 0 or step == args.steps):
+                save(step)
+            if step == args.steps:
+                break
+        else:
+            epoch += 1
     progress.close()
 
     if rank == 0:
