@@ -91,9 +91,12 @@ def test_record_compare_finds_what_docs_debug_md_shows(tmp_path, capsys):
 
 # examples/train.py: the end-to-end recipe (README, "Train your model").
 TRAIN = EXAMPLES / "train.py"
-# The tiny HF LLaMA (byte vocabulary) on short rows of this repository's README: 4 AdamW steps.
-TRAIN_ARGS = ("--model", "llama", "--text", str(ROOT / "README.md"), "--seq-len", "16", "--batch-size", "4",
-              "--warmup", "2", "--lr", "3e-3", "--ckpt-every", "2")
+# A tiny HF LLaMA config file (byte vocabulary; attention dropout on, so the RNG state must resume
+# too) trained on short rows of this repository's README: 4 AdamW steps.
+TINY_CONFIG = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, attention_dropout=0.1)
+TRAIN_ARGS = ("--text", str(ROOT / "README.md"), "--seq-len", "16", "--batch-size", "4", "--warmup", "2",
+              "--lr", "3e-3", "--ckpt-every", "2")
 MESH_ARGS = ("--dp", "2", "--tp", "2", "--zero3", "--sp")
 
 
@@ -106,7 +109,9 @@ def _run_train(world: int, out, *argv: str) -> dict:
     import matplotlib.pyplot  # noqa: F401
     from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM  # noqa: F401
 
-    run_on_ranks(_train, world, *TRAIN_ARGS, "--out", str(out), *argv)
+    config = out.parent / "config.json"
+    config.write_text(json.dumps(TINY_CONFIG))
+    run_on_ranks(_train, world, "--config", str(config), *TRAIN_ARGS, "--out", str(out), *argv)
     return json.loads((out / "losses.json").read_text())
 
 
@@ -117,7 +122,7 @@ def _split_of(shapes: dict) -> dict[str, tuple[int, ...]]:
 
 @pytest.mark.multiproc
 def test_train_resumes_bit_for_bit_and_splits(tmp_path):
-    """DP=2 x TP=2 + SP + ZeRO-3: 4 steps in one go (checkpoints at steps 2 and 4), and a new launch
+    """A config file's model on DP=2 x TP=2 + SP + ZeRO-3: 4 steps in one go (checkpoints at steps 2 and 4), and a new launch
     given only the step-2 checkpoint, which resumes and trains steps 3-4: its losses and final weights
     equal the uninterrupted run's bit for bit. They must: the checkpoint holds the exact fp32
     parameters and AdamW state (DCP, same mesh and plan), vescale's and torch's RNG state (dropout),
@@ -125,8 +130,9 @@ def test_train_resumes_bit_for_bit_and_splits(tmp_path):
     epoch), so the resumed run repeats the same local ops on the same values with the same
     collectives in the same order; losing any of them moves the step-3 loss. (The step-2 checkpoint
     is the one an interrupted run saves: the first two steps are the same command's.) The single-device
-    run of the same command agrees within 1e-5 (float32 reduction order: TP partial sums and the DP
-    mean add in another order; measured 5e-7), so each DP rank did load its own rows of each batch.
+    run of the same command agrees within 1e-5 (the same dropout masks; float32 reduction order: TP
+    partial sums and the DP mean add in another order: equal here, up to 1e-6 measured on other
+    text), so each DP rank did load its own rows of each batch.
     Rank 0's local shapes show the split (TP x ZeRO-3)."""
     whole = _run_train(4, tmp_path / "whole", *MESH_ARGS, "--steps", "4")
     shutil.copytree(tmp_path / "whole" / "checkpoints" / "step_00000002", tmp_path / "resumed" / "checkpoints" / "step_00000002")
@@ -161,5 +167,5 @@ def test_train_resumes_bit_for_bit_and_splits(tmp_path):
 ])
 def test_train_refuses_bad_flags(tmp_path, argv, message):
     with pytest.raises(RuntimeError, match=re.escape(message)):
-        _train(*TRAIN_ARGS, "--out", str(tmp_path), *argv)
+        _train("--model", "llama", *TRAIN_ARGS, "--out", str(tmp_path), *argv)
     assert not (tmp_path / "checkpoints").exists()
