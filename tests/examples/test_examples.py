@@ -95,7 +95,7 @@ TRAIN = EXAMPLES / "train.py"
 # too) trained on short rows of this repository's README: 4 AdamW steps.
 TINY_CONFIG = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, attention_dropout=0.1)
-TRAIN_ARGS = ("--text", str(ROOT / "README.md"), "--seq-len", "16", "--batch-size", "4", "--warmup", "2",
+TRAIN_ARGS = ("--text", str(ROOT / "README.md"), "--seq-len", "16", "--batch-size", "4", "--warmup", "3",
               "--lr", "3e-3", "--ckpt-every", "2")
 MESH_ARGS = ("--dp", "2", "--tp", "2", "--zero3", "--sp")
 
@@ -126,7 +126,7 @@ def test_train_resumes_bit_for_bit_and_splits(tmp_path):
     given only the step-2 checkpoint, which resumes and trains steps 3-4: its losses and final weights
     equal the uninterrupted run's bit for bit. They must: the checkpoint holds the exact fp32
     parameters and AdamW state (DCP, same mesh and plan), vescale's and torch's RNG state (dropout),
-    the LR schedule and the data loader's position (the next global batch of the same shuffled
+    the LR schedule (mid-warm-up at step 2) and the data loader's position (the next global batch of the same shuffled
     epoch), so the resumed run repeats the same local ops on the same values with the same
     collectives in the same order; losing any of them moves the step-3 loss. (The step-2 checkpoint
     is the one an interrupted run saves: the first two steps are the same command's.) The single-device
