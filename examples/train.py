@@ -395,7 +395,7 @@ def main(argv=None) -> None:
                   f"median {summary['tokens_per_s']:,.0f} tokens/s")
         print(f"wrote {out / 'losses.json'}")
         if losses and not math.isnan(losses[-1]):
-            plot_losses(out / "loss.png", losses, resumed_at, f"{settings['model']}: {args.text}")
+            plot_losses(out / "loss.png", losses, resumed_at, f"{settings['model']} on {args.text}, {mode_of(args)}")
     if mesh is not None and owns_group:
         dist.destroy_process_group()
 
