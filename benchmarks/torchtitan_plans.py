@@ -135,7 +135,7 @@ def vescale_llama() -> "VescalePlan":
     # HF's model body reads the sequence length from the embeddings: whole there, split from the first layer.
     plan.shard(r"model\.embed_tokens\.<out>", Replicate(), mesh="TP")
     plan.shard(r"model\.layers\.0\.<in>[hidden_states]", Shard(1), mesh="TP")
-    plan.shard(r"lm_head\.<out>", Shard(-1), mesh="TP")  # the logits stay split: the loss runs vocabulary-parallel
+    plan.shard(r"lm_head\.<out>", Replicate(), mesh="TP")  # the logits gathered at the head, as the zoo plans do
     plan.shard(r"<in>\[(input_ids|labels)\]", Shard(0), mesh="DP")  # data parallel: split the batch
     plan.shard(r".*weight", Shard(0), mesh="DP", phase=INIT)  # ZeRO-3: stored sharded, gathered to run
     plan.shard(r".*weight", Replicate(), mesh="DP", phase=RUN)
@@ -157,7 +157,7 @@ def vescale_moe() -> "VescalePlan":
     # HF's model body reads the sequence length from the embeddings: whole there, split from the first layer.
     plan.shard(r"model\.embed_tokens\.<out>", Replicate(), mesh="TP")
     plan.shard(r"model\.layers\.0\.<in>[hidden_states]", Shard(1), mesh="TP")
-    plan.shard(r"lm_head\.<out>", Shard(-1), mesh="TP")  # the logits stay split: the loss runs vocabulary-parallel
+    plan.shard(r"lm_head\.<out>", Replicate(), mesh="TP")  # the logits gathered at the head, as the zoo plans do
     plan.shard(r"<in>\[(input_ids|labels)\]", Shard(0), mesh="DP")
     plan.shard(r".*(weight|gate_up_proj|down_proj)", Shard(0), mesh="DP", phase=INIT)
     plan.shard(r".*(weight|gate_up_proj|down_proj)", Replicate(), mesh="DP", phase=RUN)

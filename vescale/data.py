@@ -230,10 +230,10 @@ class DataLoader(torch.utils.data.DataLoader):
         if taken:
             raise TypeError(f"vescale.data.DataLoader: {taken} are set by the global batch sampler; give global_batch_size")
         sampler = GlobalBatchSampler(dataset, global_batch_size, mesh, dims, shuffle=shuffle, seed=seed, drop_last=drop_last)
-        # torch's DataLoader draws a seed for its workers from ``generator`` at every new iterator; with
-        # none it draws from the default generator, which vescale.random.consistent() (a single-device
-        # reference run) routes to vescale's generator: the draw would move the dropout masks there and
-        # not on a mesh. A private generator keeps the loader off both (and the worker seeds reproducible).
+        # torch's loader draws a base seed (for its workers) at every pass, from the default
+        # generator unless given one: on one device under vescale.random.consistent() that draw
+        # would move the generator the model's dropout reads, so the single-device run's masks
+        # would no longer be the distributed run's. A generator of the loader's own draws it.
         kwargs.setdefault("generator", torch.Generator().manual_seed(seed))
         super().__init__(dataset, batch_sampler=sampler, **kwargs)
         self._taken: int | None = None  # batches of the epoch the loop took; None: no pass since the last reposition

@@ -187,18 +187,20 @@ def test_dataloader_with_prefetching_workers_resumes_through_a_checkpoint(tmp_pa
     assert resumed.state_dict()["batch"] == len(resumed) == 6
 
 
-def test_iterating_the_loader_leaves_vescales_generator_alone():
-    """torch's DataLoader draws its workers' seed at every new iterator, from the default generator
-    unless given one; inside vescale.random.consistent() (a single-device reference run) that draw went
-    to vescale's generator and moved every later dropout mask against the mesh run's (the README demo
-    parted at step 0 by 4.9e-3). vescale.data.DataLoader draws it from a private generator."""
-    import vescale.random
-
-    loader = DataLoader(torch.utils.data.TensorDataset(torch.arange(8)), 4)
+def test_a_pass_draws_nothing_from_the_generators_the_model_reads():
+    """torch's loader draws a base seed for its workers at every pass; from the default generator,
+    that draw would move the generator a single-device run's dropout reads under
+    ``vescale.random.consistent()`` (the demo's single-device losses parted from the distributed ones)."""
+    data = torch.utils.data.TensorDataset(torch.arange(16))
+    loader = vescale.data.DataLoader(data, 4)
     vescale.manual_seed(0)
-    before = vescale.random.get_state().clone()
+    before_torch = torch.get_rng_state()
     with vescale.random.consistent():
-        for epoch in range(2):
-            loader.set_epoch(epoch)
-            assert len(list(loader)) == 2
-    assert torch.equal(vescale.random.get_state(), before)
+        expected = torch.rand(8)
+    vescale.manual_seed(0)
+    with vescale.random.consistent():
+        batches = [b for (b,) in loader]
+        drawn = torch.rand(8)
+    assert torch.equal(drawn, expected), "a pass of the loader moved vescale's generator"
+    assert torch.equal(torch.get_rng_state(), before_torch), "a pass of the loader moved torch's default generator"
+    assert torch.equal(torch.cat(batches), torch.arange(16))

@@ -105,12 +105,11 @@ def _llama_report(mode: str):
 
 
 def test_the_zoo_llama_gathers_nothing_inside_its_layers():
-    for report in _llama_report("static"):
-        assert report.counts == {}, str(report)
-    for report in _llama_report("eager"):
-        assert [(g.module, g.phase, g.op, g.mesh_dims) for g in report.counts] == [
-            ("", "forward", "aten._log_softmax.default", ("TP",))], str(report)
-        assert "llama.py" in next(iter(report.counts)).where  # the zoo model's own cross_entropy line
+    # llama_plan gathers the logits where the LM head returns them (a plan move, not an op's gather),
+    # so the loss's log_softmax runs on whole rows and nothing in the model gathers, in either mode.
+    for mode in ("static", "eager"):
+        for report in _llama_report(mode):
+            assert report.counts == {}, f"{mode}: {report}"
 
 
 def test_ops_outside_the_model_are_named_so():
