@@ -10,7 +10,9 @@ Switches:
 
 * ``keep``: ``GatherScheduler.keep_for_backward`` (what forward used last stays gathered for backward);
 * ``pairs``: ``vescale.comm.direct.pairs_exchange`` (a two-member gloo group's all-gathers and
-  reduce-scatters move only the other member's part).
+  reduce-scatters move only the other member's part);
+* ``steps``: the step check (``parallelize(check_steps=)``: one small all-reduce on its own gloo
+  group at the end of every forward, ``vescale.parallel.faults``).
 
     .venv/bin/python benchmarks/bench_gloo_ab.py --switch pairs [--pairs 30] [--config dp2tp2] [--variant static]
 """
@@ -39,7 +41,11 @@ def _pairs(runner, on: bool) -> None:
     direct.pairs_exchange = on
 
 
-SWITCHES = {"keep": _keep, "pairs": _pairs}
+def _steps(runner, on: bool) -> None:
+    runner.model._vescale_step_check.enabled = on
+
+
+SWITCHES = {"keep": _keep, "pairs": _pairs, "steps": _steps}
 
 
 def _on_rank(config: str, variant: str, switch: str, pairs: int) -> dict:

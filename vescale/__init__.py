@@ -19,7 +19,7 @@ from . import checkpoint  # vescale.checkpoint.save / load
 from . import data  # vescale.data.GlobalBatchSampler: per-rank batches
 from .comm.grad import no_grad_sync
 from .mesh import init_mesh
-from .parallel import explain, parallelize
+from .parallel import OutOfStepError, explain, parallelize
 from .placement import InterleavedShard
 from .plan import INIT, RUN, PlanError, VescalePlan
 
@@ -34,5 +34,5 @@ def manual_seed(seed: int) -> None:
 __all__ = [
     "init_mesh", "VescalePlan", "parallelize", "explain", "manual_seed", "no_grad_sync",
     "Shard", "Replicate", "Partial", "INIT", "RUN", "PlanError", "InterleavedShard",
-    "checkpoint", "data",
+    "checkpoint", "data", "OutOfStepError",
 ]

@@ -4,13 +4,20 @@ Initialises the default process group when needed (gloo on CPU, nccl on CUDA) an
 ``DeviceMesh`` with named dimensions, so plans can say ``mesh="TP"`` and code can say ``mesh["DP"]``.
 A plain ``python script.py`` (no torchrun) gets a one-rank group, so a mesh of shape (1, ...) works
 for single-process runs and debugging.
+
+Every group vescale makes gets the run's collective timeout (``apply_run_timeout``), and the run's
+gloo groups are quieted when the interpreter exits normally (``GroupTeardown``): a gloo worker thread
+still releasing a collective's tensors during interpreter finalisation aborts the process.
 """
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import socket
+import sys
+import time
 from datetime import timedelta
 from typing import Sequence
 
@@ -18,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["init_mesh", "DEFAULT_TIMEOUT"]
+__all__ = ["init_mesh", "DEFAULT_TIMEOUT", "run_timeout", "apply_run_timeout", "communicates", "TEARDOWN"]
 
 # How long a collective may wait for its peers before it fails. PyTorch's gloo default is 30 minutes,
 # which turns one crashed or diverged rank into a half-hour hang; 10 minutes (NCCL's default) still
@@ -71,6 +78,7 @@ def init_mesh(
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         _init_default_group(backend, _as_timedelta(timeout) or DEFAULT_TIMEOUT)
+        TEARDOWN.owns_default_group()
     elif timeout is not None:
         dist.distributed_c10d._set_pg_timeout(_as_timedelta(timeout))
     world = dist.get_world_size()
@@ -79,7 +87,140 @@ def init_mesh(
             f"init_mesh: mesh shape {shape} holds {math.prod(shape)} ranks but the run has {world}; "
             f"make the product of the shape equal the number of processes"
         )
-    return init_device_mesh(device_type, shape, mesh_dim_names=names)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    for group in mesh.get_all_groups():
+        apply_run_timeout(group)
+        TEARDOWN.track(group)
+    return mesh
+
+
+class GroupTeardown:
+    """Quiets vescale's gloo process groups when the interpreter exits normally.
+
+    A gloo worker thread (``pt_gloo_runloop``) releases each collective's work object, and with it
+    the collective's tensors, after the collective completes. When that release comes after the
+    program has returned and the interpreter is being torn down, freeing a tensor's Python object
+    makes the thread take the GIL; CPython ends a thread that does so during finalisation with
+    ``pthread_exit``, whose stack unwinding cannot cross the ``noexcept`` entry of the
+    ``std::thread``: ``std::terminate``, "terminate called without an active exception", SIGABRT
+    after a run that succeeded (torchrun then reports it failed, and restarts it under
+    ``--max-restarts``). A core dump shows it: the worker in ``~AsyncAllgatherWork`` ->
+    ``TensorImpl::decref_pyobject`` -> ``PyEval_AcquireThread`` -> ``pthread_exit`` ->
+    ``std::terminate``, the main thread in ``Py_FinalizeEx``. Plain ``torch.distributed`` shows it
+    too (four gloo ranks, ten all-gathers not waited for: 3 aborts in 20 launches); a collective
+    that was waited for can still be released late by a worker the OS has not scheduled yet (the
+    2-in-25 aborts of the issue, on a loaded machine). ``destroy_process_group()`` does not help:
+    the process groups live on while anything refers to them (a DeviceMesh's cached sub-meshes,
+    vescale's compiled moves and gather programs, the model), so their threads are only joined
+    during finalisation, which is the race.
+
+    So an ``atexit`` handler (it runs after Python has joined the program's threads, so a background
+    checkpoint write has finished, and while the interpreter is still whole) waits, through the
+    store, until every rank has reached its own exit (no collective: a rank still training would
+    pair it with its next one), then takes every gloo group of the run through a barrier (gloo's
+    barrier waits for every collective queued before it) and gives the workers a moment to release
+    what they ran. Only after a normal exit with vescale's groups in use, and only when every rank
+    arrives within ``MEET_S``: after an uncaught exception, or once a collective failed
+    (``vescale.parallel.faults``), a group may still wait for a peer that will not come, and the
+    process is failing anyway."""
+
+    GRACE_S = 0.05  # for a worker to release the work it just finished, once the barrier has passed
+    MEET_S = 30.0  # how long a rank at exit waits for the others to reach theirs
+
+    def __init__(self):
+        self.active = False
+        self._registered = False
+
+    def owns_default_group(self) -> None:
+        self.track(None)
+
+    def track(self, group) -> None:
+        """vescale made or uses ``group``: quiet the run's groups at exit."""
+        self.active = True
+        if not self._registered:
+            atexit.register(self.at_exit)
+            self._registered = True
+
+    def at_exit(self) -> None:
+        if not self.active or not (dist.is_available() and dist.is_initialized()):
+            return
+        if getattr(sys, "last_value", None) is not None:  # an uncaught exception ends the process
+            return
+        from .parallel.faults import PROGRESS
+
+        if PROGRESS.stopped is not None:
+            return
+        if not self._every_rank_is_exiting():
+            return
+        from torch._C._distributed_c10d import BarrierOptions
+
+        options = BarrierOptions()
+        options.timeout = min(run_timeout() or DEFAULT_TIMEOUT, timedelta(seconds=60))
+        try:
+            # Every rank's groups, in the order they were made (the same on every rank).
+            for group in list(dist.distributed_c10d._world.pg_map):
+                if "gloo" in str(dist.get_backend(group)):
+                    group._get_backend(torch.device("cpu")).barrier(options).wait()
+        except Exception:  # a peer already gone: nothing more to do; the process is ending
+            return
+        time.sleep(self.GRACE_S)
+
+    def _every_rank_is_exiting(self) -> bool:
+        if not communicates():
+            return dist.get_world_size() == 1
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            if store.add("vescale/exit/arrived", 1) == dist.get_world_size():
+                store.set("vescale/exit/all", "1")
+            store.wait(["vescale/exit/all"], min(run_timeout() or DEFAULT_TIMEOUT, timedelta(seconds=self.MEET_S)))
+            return True
+        except Exception:  # a rank did not come (it failed, or is still running): leave the groups alone
+            return False
+
+
+TEARDOWN = GroupTeardown()
+
+
+def communicates() -> bool:
+    """Whether the default process group talks to other processes (gloo, nccl, mpi, ...): False
+    without one and for PyTorch's ``fake`` backend, whose one process plays a rank of a world whose
+    other ranks do not exist (collectives return at once, the store holds only this process's keys)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return False
+    return "fake" not in str(dist.get_backend())
+
+
+def run_timeout() -> timedelta | None:
+    """The default process group's collective timeout (what ``init_mesh(timeout=)`` set), or None
+    when there is no process group or its backend does not say."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return _timeout_of(dist.distributed_c10d._get_default_group())
+
+
+def apply_run_timeout(group: dist.ProcessGroup, scale: float = 1.0) -> None:
+    """Give ``group`` the run's collective timeout (times ``scale``).
+
+    ``torch.distributed.new_group``, and so every DeviceMesh dimension that is not the whole world,
+    flattened sub-meshes and vescale's own groups, starts with the backend's default timeout (30
+    minutes on gloo) instead of the one the run was started with: a rank waiting there for a peer
+    that stopped would hang for half an hour although ``init_mesh(timeout=30)`` was asked for.
+    Every group vescale makes or takes from a mesh goes through here."""
+    wanted = run_timeout()
+    if wanted is None or group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
+        return
+    wanted = wanted * scale
+    if _timeout_of(group) != wanted:
+        dist.distributed_c10d._set_pg_timeout(wanted, group)
+
+
+def _timeout_of(group: dist.ProcessGroup) -> timedelta | None:
+    for device in (torch.device("cpu"), torch.device("cuda")):
+        try:
+            return group._get_backend(device).options._timeout
+        except (RuntimeError, AttributeError):
+            continue
+    return None
 
 
 def _as_timedelta(timeout: float | timedelta | None) -> timedelta | None:

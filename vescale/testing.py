@@ -3,8 +3,11 @@
 Tests and benchmarks use this to check behaviour that needs real collectives: the parent forks
 ``world_size`` children, each initialises a gloo process group on a private localhost port, calls
 ``fn(*args)`` and sends back its return value (or its traceback). A rank that hangs is killed after
-``timeout`` seconds and the call fails instead of blocking the suite. ``run_script`` runs an
-example script in such a rank as torchrun would.
+``timeout`` seconds and the call fails instead of blocking the suite. As under torchrun (whose agent
+hosts the store), the process group's store lives in a process of its own that outlives every rank:
+a rank that finishes first does not take the store down with it while the others still report
+through it (``vescale.parallel.faults``). ``run_script`` runs an example script in such a rank as
+torchrun would.
 
 Split checks (equal losses cannot show that a plan split anything): ``assert_local_shapes``
 (each parameter's local shard against the test's own statement of the split) and
@@ -19,7 +22,6 @@ import os
 import pickle
 import re
 import runpy
-import socket
 import sys
 import traceback
 from contextlib import contextmanager, redirect_stdout
@@ -32,12 +34,6 @@ __all__ = [
     "run_on_ranks", "fake_world", "forget_dtensor_caches", "train_losses", "sgd_steps", "global_value", "error_of",
     "local_shapes", "assert_local_shapes", "input_shapes", "run_script",
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager
@@ -83,6 +79,16 @@ def forget_dtensor_caches() -> None:
     clear_moves()
 
 
+def _store_host(world_size: int, conn) -> None:
+    """Host the run's TCPStore (sends its port back) until the parent closes the pipe."""
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    conn.send(store.port)
+    try:
+        conn.recv()  # returns (EOFError) when the parent closes its end
+    except EOFError:
+        pass
+
+
 def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, conn) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -98,7 +104,8 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, con
     try:
         if dist.is_initialized():  # the parent's group (a test's fake world), copied by fork: not this rank's
             dist.destroy_process_group()
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         result = fn(*args)
         # Plain pickle copies tensor data; multiprocessing's own pickler would pass storages by
         # file descriptor, which dies with this process.
@@ -119,7 +126,23 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
     traceback, or ``TimeoutError`` if any rank does not finish within ``timeout`` seconds.
     """
     ctx = mp.get_context("fork")  # fork: children inherit imports, so start-up costs milliseconds
-    port = _free_port()
+    store_end, host_end = ctx.Pipe()
+    host = ctx.Process(target=_store_host, args=(world_size, host_end), daemon=True)
+    host.start()
+    host_end.close()
+    try:
+        if not store_end.poll(60):
+            raise TimeoutError("run_on_ranks: the store process did not start within 60 s")
+        port = store_end.recv()
+        return _run_children(ctx, port, fn, world_size, args, timeout)
+    finally:
+        store_end.close()  # the store process returns
+        host.join(timeout=5)
+        if host.is_alive():
+            host.kill()
+
+
+def _run_children(ctx, port: int, fn: Callable, world_size: int, args: tuple, timeout: float) -> list:
     pipes, procs = [], []
     for rank in range(world_size):
         parent_end, child_end = ctx.Pipe(duplex=False)

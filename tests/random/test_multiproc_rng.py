@@ -103,6 +103,32 @@ def test_ranks_that_disagree_are_told_so(kind, message):
     assert all(error is not None and message in error for error in errors), errors
 
 
+def _seed_on_rank_0_only():
+    """Rank 0 seeds, rank 1 goes on to build and parallelise (whose weight check is a collective)."""
+    import vescale
+    from vescale.zoo import llama_plan, tiny_llama
+
+    mesh = vescale.init_mesh((2,), ("TP",), timeout=5)
+    try:
+        if dist.get_rank() == 0:
+            vr.manual_seed(0)
+        torch.manual_seed(0)
+        model = tiny_llama()
+        vescale.parallelize(model, llama_plan(mesh, model.config), mesh)
+    except RuntimeError as error:
+        return " ".join([str(error), *getattr(error, "__notes__", [])])
+    return None
+
+
+def test_seeding_on_some_ranks_only_is_an_error_on_every_rank():
+    """No gloo abort (before: rank 0's seed all-reduce paired with rank 1's weight check, whose
+    sizes differ): rank 0 names the rank that did not call manual_seed, and rank 1's timed-out
+    collective carries rank 0's report. The collective timeout is 5 s; 120 s bounds a hang."""
+    r0, r1 = run_on_ranks(_seed_on_rank_0_only, 2, timeout=120)
+    assert r0 is not None and "ranks [1] did not call vescale.manual_seed" in r0, r0
+    assert r1 is not None and "rank 0: RuntimeError: vescale.manual_seed: ranks [1] did not call" in r1, r1
+
+
 def _checkpoint_round_trip(path):
     import torch.distributed.checkpoint as dcp
     import torch.distributed.tensor as dtensor_api

@@ -9,7 +9,8 @@ mesh or be a plain single-device model when loading. See docs/checkpoint.md.
 """
 
 from .api import AsyncCheckpoint, load, save, wait
+from .integrity import CheckpointCorruptError
 from .export import consolidated_state_dict, export
 from .layout import latest
 
-__all__ = ["save", "load", "wait", "latest", "export", "consolidated_state_dict", "AsyncCheckpoint"]
+__all__ = ["save", "load", "wait", "latest", "export", "consolidated_state_dict", "AsyncCheckpoint", "CheckpointCorruptError"]

@@ -15,9 +15,12 @@ The folder layout, the atomic publication and keep-last-N are in ``layout.py``.
 
 from __future__ import annotations
 
+import concurrent.futures
+import io
 import os
 import shutil
 import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -35,12 +38,15 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
+from ..mesh import TEARDOWN, apply_run_timeout
+from ..parallel.faults import _first_line
 from ..parallel.state import checkpointable
-from . import layout
+from . import integrity, layout
+from .integrity import CheckpointCorruptError
 
-__all__ = ["save", "load", "wait", "AsyncCheckpoint"]
+__all__ = ["save", "load", "wait", "AsyncCheckpoint", "CheckpointCorruptError"]
 
-_FORMAT = 1
+_FORMAT = 2  # 2: the folder holds checksums.json (every file's CRC-32)
 _pending: list["AsyncCheckpoint"] = []  # at most one async save in flight per process
 _async_group: list = []  # the process group async saves communicate on (made once, lazily)
 
@@ -98,10 +104,8 @@ def _rng_states() -> dict:
 
 
 def _next_step(root: Path) -> int:
-    found = layout.latest(root)
-    if found is None:
-        return 0
-    return torch.load(found / layout.SIDE_FILE, weights_only=False)["step"] + 1
+    steps = layout.complete_steps(root)
+    return steps[-1][0] + 1 if steps else 0
 
 
 def save(
@@ -144,17 +148,42 @@ def save(
     side = {"format": _FORMAT, "step": step, "extra": extra, "rng": _rng_states(),
             "world_size": dist.get_world_size() if _distributed() else 1}
     state = _state(model, optimizer)
-    if _rank() == 0:
-        torch.save(side, temp / layout.SIDE_FILE)  # complete only together with DCP's .metadata
+    side_sum = _write_side_file(side, temp) if _rank() == 0 else None  # complete only with DCP's .metadata
+    writer = integrity.ChecksumWriter(temp)
     if async_save:
-        handle = AsyncCheckpoint(root, step, keep_last, _start_async(state, temp))
+        handle = AsyncCheckpoint(root, step, keep_last, _start_async(state, writer, temp, side_sum))
         _pending.append(handle)
         return handle
-    dcp.save(state, checkpoint_id=temp, no_dist=not _distributed())
+    dcp.save(state, storage_writer=writer, no_dist=not _distributed())
     # DCP's coordinator (rank 0) wrote .metadata only after every rank reported its writes done.
+    _write_manifest(temp, writer, side_sum, group=None)
     final = _finish(root, step, keep_last) if _rank() == 0 else root / layout.step_name(step)
     _barrier()  # when save returns, every rank sees the published checkpoint
     return final
+
+
+def _write_side_file(side: dict, temp: Path) -> dict:
+    buffer = io.BytesIO()
+    torch.save(side, buffer)
+    data = buffer.getvalue()
+    with open(temp / layout.SIDE_FILE, "wb") as f:
+        f.write(data)
+    return integrity.crc32_of_bytes(data)
+
+
+def _write_manifest(temp: Path, writer: integrity.ChecksumWriter, side_sum: dict | None, group) -> None:
+    """Gather the checksums of the files every rank wrote; the coordinator lists them all (with
+    ``vescale.pt``'s) in the manifest, before the folder is published."""
+    mine = writer.sums
+    if _distributed():
+        everyone = [None] * dist.get_world_size(group) if _rank() == 0 else None
+        dist.gather_object(mine, everyone, dst=0, group=group)
+    else:
+        everyone = [mine]
+    if _rank() == 0:
+        sums = {name: value for part in everyone for name, value in part.items()}
+        sums[layout.SIDE_FILE] = side_sum
+        integrity.write_manifest(temp, sums)
 
 
 def _finish(root: Path, step: int, keep_last: int | None) -> Path:
@@ -164,14 +193,34 @@ def _finish(root: Path, step: int, keep_last: int | None) -> Path:
     return final
 
 
-def _start_async(state: dict, temp: Path):
+_manifest_thread: list = []  # one worker thread that writes async saves' manifests (made lazily)
+
+
+def _start_async(state: dict, writer: integrity.ChecksumWriter, temp: Path, side_sum: dict | None):
+    """DCP's async save, then (in a thread of ours, once DCP's write finished) the manifest: the
+    returned future completes when the checkpoint is ready to publish."""
+    group = None
     if not _distributed():
-        return dcp.async_save(state, checkpoint_id=temp, no_dist=True)
-    if not _async_group:
-        # The writer thread runs DCP's collectives while the main thread trains: on the default
-        # group the two streams of collectives would interleave and pair wrongly.
-        _async_group.append(dist.new_group(backend="gloo"))
-    return dcp.async_save(state, checkpoint_id=temp, process_group=_async_group[0])
+        future = dcp.async_save(state, storage_writer=writer, no_dist=True)
+    else:
+        if not _async_group:
+            # The writer thread runs DCP's collectives while the main thread trains: on the default
+            # group the two streams of collectives would interleave and pair wrongly.
+            made = dist.new_group(backend="gloo")
+            apply_run_timeout(made)  # a new group starts with gloo's 30 minutes, not the run's timeout
+            TEARDOWN.track(made)
+            _async_group.append(made)
+        group = _async_group[0]
+        future = dcp.async_save(state, storage_writer=writer, process_group=group)
+    written = getattr(future, "upload_completion", future)
+    if not _manifest_thread:
+        _manifest_thread.append(concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vescale-checkpoint"))
+
+    def manifest() -> None:
+        written.result()
+        _write_manifest(temp, writer, side_sum, group)
+
+    return _manifest_thread[0].submit(manifest)
 
 
 class AsyncCheckpoint:
@@ -211,7 +260,12 @@ def wait() -> Path | None:
 
 
 def load(
-    path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    verify: bool = True,
+    fallback: bool = True,
 ) -> dict[str, Any]:
     """Load the latest complete checkpoint under ``path`` (or the checkpoint folder ``path``) into
     ``model`` (and ``optimizer``), restore vescale's and PyTorch's RNG states, and return
@@ -220,24 +274,96 @@ def load(
     The model may be parallelised with any plan on any mesh, or be a plain single-device model: DCP
     reads the chunks each rank's placements need. PyTorch's per-rank RNG states are restored when the
     world size is the one saved (else rank 0's, which is every rank's under vescale's SPMD contract).
+
+    ``verify=True`` checks every file of the checkpoint against the CRC-32 recorded when it was saved
+    (the ranks share the reading, each file is read once) before loading it. A checkpoint with a
+    corrupt, truncated or missing file, or one the storage layer cannot read, is skipped with a
+    warning naming the files, and the newest older complete checkpoint under ``path`` is loaded
+    instead; every rank makes the same choice. ``fallback=False`` (or ``path`` naming one checkpoint
+    folder) raises ``CheckpointCorruptError`` instead.
     """
     wait()
     root = Path(path)
-    folder = layout.latest(root)
-    if folder is None:
+    candidates = [root] if layout.is_complete(root) else layout.candidates(root)
+    if not candidates:
         raise FileNotFoundError(
             f"checkpoint.load: no complete checkpoint under {str(root)!r} (looked for a 'latest' pointer "
             "and step_* folders holding .metadata and vescale.pt); save one with vescale.checkpoint.save"
         )
-    _check_same_folder(folder)
-    side = torch.load(folder / layout.SIDE_FILE, weights_only=False)
-    if optimizer is not None and not _has_optimizer(folder):
+    _check_same_folder(candidates[0])
+    skipped = []
+    for folder in candidates:
+        problems = _problems(folder, verify)
+        if not problems:
+            try:
+                return _load_folder(folder, model, optimizer)
+            except _Unreadable as e:
+                problems = [str(e)]
+        skipped.append((folder, problems))
+        if not fallback or folder is candidates[-1]:
+            break
+        if _rank() == 0:
+            warnings.warn(
+                f"checkpoint.load: {folder} is corrupt ({'; '.join(problems[:3])}"
+                f"{f'; and {len(problems) - 3} more' if len(problems) > 3 else ''}); loading the newest older "
+                f"checkpoint instead ({candidates[candidates.index(folder) + 1]})",
+                stacklevel=2,
+            )
+    lines = "\n".join(f"  {folder}: " + "; ".join(problems) for folder, problems in skipped)
+    hint = (
+        "no older complete checkpoint is left to fall back to" if fallback
+        else "load(..., fallback=True) would fall back to the newest intact older checkpoint"
+    )
+    raise CheckpointCorruptError(f"checkpoint.load: the checkpoint is corrupt:\n{lines}\n({hint})")
+
+
+class _Unreadable(Exception):
+    """The storage layer failed to read a checkpoint that passed (or had no) checksums."""
+
+
+def _problems(folder: Path, verify: bool) -> list[str]:
+    """Every rank's findings on ``folder`` (the same list on every rank)."""
+    mine: list[str] = []
+    if verify:
+        try:
+            files = integrity.read_manifest(folder)
+        except CheckpointCorruptError as e:
+            mine = [str(e)]
+        else:
+            if files is not None:
+                mine = integrity.verify(folder, files, _rank(), dist.get_world_size() if _distributed() else 1)
+    return _everyone(mine)
+
+
+def _everyone(mine: list[str]) -> list[str]:
+    if not _distributed():
+        return mine
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return sorted({p for part in everyone for p in part})
+
+
+def _load_folder(folder: Path, model: nn.Module, optimizer) -> dict[str, Any]:
+    try:
+        side = torch.load(folder / layout.SIDE_FILE, weights_only=False)
+        has_optimizer = _has_optimizer(folder)
+        error = ""
+    except Exception as e:  # unreadable side file or metadata: every rank reads the same bytes
+        side, has_optimizer, error = None, False, f"{folder}: cannot be read ({type(e).__name__}: {_first_line(e)})"
+    error = _everyone([error] if error else [])
+    if error:
+        raise _Unreadable(error[0])
+    if optimizer is not None and not has_optimizer:
         raise ValueError(
             f"checkpoint.load: {folder} was saved without an optimizer; load it without optimizer= "
             "(the optimiser then starts fresh), or save with save(..., optimizer)"
         )
     state = _state(model, optimizer)
-    dcp.load(state, checkpoint_id=folder, no_dist=not _distributed())
+    try:
+        # DCP gathers every rank's read errors and raises on all ranks alike.
+        dcp.load(state, checkpoint_id=folder, no_dist=not _distributed())
+    except Exception as e:
+        raise _Unreadable(f"{folder}: DCP cannot read it ({type(e).__name__}: {_first_line(e)})") from e
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optim"])

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlan
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from . import layout
+from . import integrity, layout
 
 __all__ = ["consolidated_state_dict", "export"]
 
@@ -37,10 +37,15 @@ def consolidated_state_dict(model: nn.Module, cpu_offload: bool = True) -> dict[
 def export(path: str | os.PathLike, out_file: str | os.PathLike | None = None) -> dict[str, torch.Tensor]:
     """Read the model weights of the latest checkpoint under ``path`` (or the checkpoint folder
     ``path``) into one plain state dict of global tensors; with ``out_file``, also ``torch.save`` it
-    there. Runs in a single process without ``torch.distributed``."""
+    there. Runs in a single process without ``torch.distributed``. The checkpoint's files are checked
+    against their recorded checksums first (``CheckpointCorruptError`` names a corrupt one)."""
     folder = layout.latest(Path(path))
     if folder is None:
         raise FileNotFoundError(f"checkpoint.export: no complete checkpoint under {str(path)!r}")
+    files = integrity.read_manifest(folder)
+    problems = integrity.verify(folder, files) if files is not None else []
+    if problems:
+        raise integrity.CheckpointCorruptError(f"checkpoint.export: {folder} is corrupt: " + "; ".join(problems))
     state: dict = {}
     # What DCP's own dcp_to_torch_save does (the public dcp.load fills a copy of an empty dict):
     # the planner builds the tensors from the checkpoint's metadata; keys= leaves the optimiser out.

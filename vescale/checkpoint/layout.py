@@ -22,7 +22,7 @@ import re
 import shutil
 from pathlib import Path
 
-__all__ = ["step_name", "temp_name", "is_complete", "latest", "publish", "prune", "SIDE_FILE"]
+__all__ = ["step_name", "temp_name", "is_complete", "latest", "candidates", "complete_steps", "publish", "prune", "SIDE_FILE"]
 
 SIDE_FILE = "vescale.pt"  # step, extras and RNG states; written last by the coordinator
 _STEP_RE = re.compile(r"^step_(\d+)$")
@@ -41,7 +41,8 @@ def is_complete(folder: Path) -> bool:
     return (folder / ".metadata").is_file() and (folder / SIDE_FILE).is_file()
 
 
-def _complete_steps(root: Path) -> list[tuple[int, Path]]:
+def complete_steps(root: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every complete checkpoint under ``root``, oldest first."""
     found = []
     if root.is_dir():
         for child in root.iterdir():
@@ -63,8 +64,20 @@ def latest(root: str | os.PathLike) -> Path | None:
         named = root / pointer.read_text().strip()
         if named.name and is_complete(named):
             return named
-    steps = _complete_steps(root)
+    steps = complete_steps(root)
     return steps[-1][1] if steps else None
+
+
+def candidates(root: str | os.PathLike) -> list[Path]:
+    """The complete checkpoints under ``root``, in the order a load tries them: the one ``latest``
+    names (if complete), then the others from the highest step down (the fallbacks of a load that
+    finds the first corrupt)."""
+    root = Path(root)
+    first = latest(root)
+    if first is None:
+        return []
+    rest = [p for _, p in reversed(complete_steps(root)) if p.resolve() != first.resolve()]
+    return [first, *rest]
 
 
 def publish(root: Path, step: int) -> Path:
@@ -89,7 +102,7 @@ def publish(root: Path, step: int) -> Path:
 
 def prune(root: Path, keep_last: int) -> list[Path]:
     """Coordinator only: delete all but the newest ``keep_last`` complete checkpoints; returns them."""
-    steps = _complete_steps(root)
+    steps = complete_steps(root)
     doomed = [p for _, p in steps[:-keep_last]] if keep_last > 0 else []
     for p in doomed:
         shutil.rmtree(p, ignore_errors=True)

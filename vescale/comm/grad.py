@@ -214,6 +214,18 @@ class GradReducer:
             note_peer_failures(e, "the gradient reduction at the end of backward")
             raise
 
+    def unfinished(self) -> bool:
+        """A backward filed gradients here and never reached its end (an exception in backward)."""
+        return self._queued
+
+    def abandon(self) -> None:
+        """Forget what a backward that did not finish left behind (its buckets' collectives, if any
+        were launched, stay unpaired: the caller stops the run, see ``vescale.parallel.faults``)."""
+        self._queued = False
+        self._open.clear()
+        self._launched.clear()
+        self._ready.clear()
+
     def _finish(self) -> None:
         self._queued = False
         if self.sync:
@@ -257,7 +269,13 @@ def _accumulate(param: DTensor, local: torch.Tensor) -> None:
 def _per_tensor_hook(param: DTensor):
     def hook(grad: torch.Tensor) -> torch.Tensor:
         if isinstance(grad, DTensor) and grad.placements != param.placements:
-            return moves.relayout(grad, param.placements)
+            try:
+                return moves.relayout(grad, param.placements)
+            except Exception as e:
+                from ..parallel.faults import note_peer_failures
+
+                note_peer_failures(e, "the per-tensor gradient reduction in backward")
+                raise
         return grad
 
     return hook

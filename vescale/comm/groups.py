@@ -19,6 +19,8 @@ import itertools
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..mesh import TEARDOWN, apply_run_timeout
+
 __all__ = ["prepare_groups", "group_of", "group_size"]
 
 # (id(mesh), dims) -> (mesh, group). Holding the mesh keeps its id from being reused by another.
@@ -45,7 +47,10 @@ def prepare_groups(mesh: DeviceMesh) -> None:
             if key not in _CACHE:
                 names = tuple(mesh.mesh_dim_names[d] for d in dims)
                 sub = mesh[names] if len(dims) < mesh.ndim else mesh
-                _CACHE[key] = (mesh, sub._flatten(_flat_name(mesh, dims)).get_group())
+                group = sub._flatten(_flat_name(mesh, dims)).get_group()
+                apply_run_timeout(group)  # new groups start with the backend's default timeout
+                TEARDOWN.track(group)
+                _CACHE[key] = (mesh, group)
 
 
 def group_of(mesh: DeviceMesh, dims: tuple[int, ...]) -> dist.ProcessGroup:

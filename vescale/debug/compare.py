@@ -1,4 +1,4 @@
-"""Command line: ``python -m vescale.debug.compare run_a/ run_b/ [--rtol R] [--atol A]``.
+"""Command line: ``python -m vescale.debug.compare run_a/ run_b/ [--rtol R] [--atol A] [--stol S]``.
 
 Prints the first tensor, in execution order, where two records of ``vescale.debug.record`` differ
 beyond tolerance (step, module path, max abs/rel difference, worst elements), then a table of the

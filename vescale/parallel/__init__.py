@@ -1,5 +1,6 @@
 """Applying a plan: parallelize() and explain()."""
 
 from .api import explain, parallelize
+from .faults import OutOfStepError
 
-__all__ = ["parallelize", "explain"]
+__all__ = ["parallelize", "explain", "OutOfStepError"]

@@ -18,9 +18,11 @@ from ..comm.grad import DEFAULT_BUCKET_MB, GradReducer, attach_grad_reduction
 from ..comm.groups import prepare_groups
 from .. import dispatch
 from ..init import has_meta, materialize
+from ..mesh import apply_run_timeout
 from ..plan import PlanError, PlanIR, VescalePlan, lower
 from ..plan.lower import forward_arg_names
 from .contract import InputContract, checksum
+from .faults import StepCheck, note_peer_failures, stamp_group
 from .hooks import enable_implicit_replication, gather_only, install_module_hooks, root_hooks
 from .batch_local import install_batch_local
 from .experts import install_expert_parallel
@@ -104,6 +106,7 @@ def parallelize(
     fuse_dims: bool = True,
     prefetch: bool = True,
     check_inputs: str = "auto",
+    check_steps: bool = True,
     strict: bool = False,
 ) -> nn.Module:
     """Parallelise ``model`` in place according to ``plan`` on ``mesh`` and return it.
@@ -140,6 +143,13 @@ def parallelize(
     (``init_weights()``, else every module's ``reset_parameters()``) fills them with the values one
     device would draw from vescale's RNG (``vescale.manual_seed`` first); see ``vescale.init``.
 
+    Step check (``vescale.parallel.faults``): at the start of every forward call, before its first
+    collective, the ranks compare in one small all-reduce on a gloo group of their own whether their
+    previous forward raised, how many optimiser steps they have taken and a fingerprint of the
+    inputs; a rank that fell behind by an optimiser step, was given another batch or raised where the
+    others did not makes every rank raise ``OutOfStepError`` naming it. ``check_steps=False`` turns
+    it off.
+
     ``strict=True``: refuse a plan that does nothing on some mesh dim of size > 1 (no parameter
     sharded and no activation split there; see ``vescale.explain``'s report), e.g. a DP dim whose
     batch statement names no real input.
@@ -149,6 +159,8 @@ def parallelize(
     if getattr(model, "_vescale_ir", None) is not None:
         raise RuntimeError("this model is already parallelized; build a fresh model to apply another plan")
     ir = lower(plan, model, mesh)
+    for group in mesh.get_all_groups():  # a mesh made without init_mesh: its groups get the run's timeout
+        apply_run_timeout(group)
     if strict and ir.idle_mesh_dims():
         raise PlanError(
             f"parallelize(strict=True): the plan does nothing on mesh dim(s) {ir.idle_mesh_dims()}: no parameter "
@@ -157,7 +169,11 @@ def parallelize(
         )
     root_inputs = [e for e in ir.hooks().get(("", "forward_pre"), []) if e.tensor == "<in>"]
     contract = InputContract(root_inputs, forward_arg_names(model)[0], mesh, check_inputs)
-    _check_same_weights(model, mesh)
+    try:
+        _check_same_weights(model, mesh)
+    except Exception as e:  # a collective no other rank joined: name what they reported
+        note_peer_failures(e, "parallelize's check that every rank holds the same initial weights")
+        raise
     if has_meta(model):  # built on the meta device: allocate shards, replay the model's init code
         dispatch.install()  # DTensor ops of the init code (interleaved splits, ...) as in training
         materialize(model, mesh, _init_placements(ir))
@@ -174,7 +190,12 @@ def parallelize(
     vescale_random.install()
     # loss.item() of a Partial loss is the global loss; cheap sharding-propagation misses.
     dispatch.install()
-    handles = root_hooks(model, scheduler, contract)
+    step_check = None
+    if check_steps:
+        group = stamp_group()  # collective the first time: every rank makes it, here
+        if group is not None:
+            step_check = StepCheck(group, contract.fingerprint)
+    handles = root_hooks(model, scheduler, contract, reducer, step_check)
     modules = dict(model.named_modules(remove_duplicate=False))
     per_module: dict[str, dict[str, list]] = {}
     for (mpath, hook), entries in ir.hooks().items():
@@ -200,5 +221,6 @@ def parallelize(
     model._vescale_mesh = mesh
     model._vescale_handles = handles
     model._vescale_reducer = reducer
+    model._vescale_step_check = step_check
     model._vescale_gathers = scheduler
     return model

@@ -40,11 +40,12 @@ from torch.distributed.tensor.placement_types import _is_shard_like
 from ..plan.ir import Entry
 from ..plan.lower import KeyPattern
 
-__all__ = ["InputContract", "DataContractError", "checksum", "FIRST_STEPS", "MODES"]
+__all__ = ["InputContract", "DataContractError", "checksum", "fingerprint_parts", "fingerprint_of", "FIRST_STEPS", "MODES"]
 
 FIRST_STEPS = 2
 MODES = ("auto", "always", "off")
 _SLOTS = 16  # inputs compared one by one; more are folded into the last slot
+_SAMPLED_WORDS = 4096  # the step check's fingerprint reads at most this many 32-bit words of a tensor
 
 # How to choose between the two modes: ends every contract error about what the ranks passed.
 _TWO_MODES = (
@@ -73,6 +74,35 @@ def checksum(tensors: list[torch.Tensor]) -> torch.Tensor:
         # int64 sums of 32-bit words cannot overflow below 2**31 words per tensor.
         sums += [words.sum(dtype=torch.int64), (words * weights).sum()]
     return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int64)
+
+
+def fingerprint_parts(tensors: list[torch.Tensor]) -> tuple[int, list[torch.Tensor]]:
+    """The step check's fingerprint of the tensors' shapes, dtypes and bits, in two parts: an int
+    for the shapes and dtypes, and per tensor a pair of int64 sums (on the tensor's device) over at
+    most ``_SAMPLED_WORDS`` evenly spaced 32-bit words of it, so that the cost does not grow with the
+    batch. ``fingerprint`` folds them into one int. Equal tensors give equal fingerprints; another
+    batch almost surely another (not a proof of equality: ``checksum`` reads every bit)."""
+    sums = []
+    for t in tensors:
+        raw = t.detach().reshape(-1)
+        if raw.numel() == 0:
+            continue
+        if not raw.is_contiguous():
+            raw = raw.contiguous()
+        words = raw.view(torch.int32) if raw.numel() * raw.element_size() % 4 == 0 else raw.view(torch.uint8)
+        if words.numel() > _SAMPLED_WORDS:
+            words = words[:: words.numel() // _SAMPLED_WORDS][:_SAMPLED_WORDS]
+        weights = torch.arange(1, words.numel() + 1, dtype=torch.int64, device=words.device)
+        sums.append(torch.stack([(words * weights).sum(), words.sum(dtype=torch.int64)]))
+    return _crc(repr([(tuple(t.shape), str(t.dtype)) for t in tensors])), sums
+
+
+def fingerprint_of(head: int, sums: list[int]) -> int:
+    """Fold ``fingerprint_parts`` (the sums read back as ints) into one int below 2**62."""
+    total = head
+    for s in sums:
+        total = (total * 1000003 + s) & ((1 << 62) - 1)
+    return total
 
 
 def _plain_inputs(args, kwargs, names: list[str]) -> list[tuple[str, torch.Tensor]]:
@@ -132,6 +162,16 @@ class InputContract:
         # Inputs a plan.annotate takes as this rank's local share: they differ across ranks by design.
         self.local_shards = [e for e in entries if e.action == "annotate" and any(p is not None and not p.is_replicate() for p in e.targets)]
         self.calls, self.signature = 0, None
+        self._deferred = None  # a GPU call's fingerprint in flight: (head, pinned sums, event)
+
+    def _global_inputs(self, args, kwargs) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor) of the plain root inputs that stand for global tensors (not those a
+        ``plan.annotate`` takes as this rank's local shard)."""
+        inputs = _plain_inputs(args, kwargs, self.names)
+        if self.local_shards:
+            local = {n for _, n in self._named(self.local_shards, dict(inputs))}
+            inputs = [(n, t) for n, t in inputs if n not in local]
+        return inputs
 
     def __call__(self, args, kwargs) -> None:
         inputs = _plain_inputs(args, kwargs, self.names)
@@ -145,6 +185,33 @@ class InputContract:
         if due:
             self._check_agreement(inputs, shares, signature)
             self.signature = signature
+
+    def fingerprint(self, args, kwargs) -> int:
+        """The step check's fingerprint (``fingerprint_parts``) of this forward call's global plain
+        inputs; 0 with ``check_inputs="off"``, where the ranks' inputs may differ by design.
+
+        Inputs on a GPU: reading their values now would wait for everything queued on the stream
+        before them (the previous step), so this call's sums are copied out without waiting and the
+        fingerprint returned is the previous call's (a skipped batch is then found one call later)."""
+        if self.mode == "off":
+            return 0
+        head, sums = fingerprint_parts([t for _, t in self._global_inputs(args, kwargs)])
+        if not sums:
+            return head
+        both = torch.cat(sums)
+        if both.device.type == "cpu":
+            return fingerprint_of(head, both.tolist())
+        previous, self._deferred = self._deferred, None
+        host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+        host.copy_(both, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self._deferred = (head, host, done)
+        if previous is None:
+            return 0
+        head, host, done = previous
+        done.synchronize()
+        return fingerprint_of(head, host.tolist())
 
     def _named(self, entries: list[Entry], inputs: dict[str, torch.Tensor]):
         """(entry, input name) for every root input one of ``entries`` names in this call (a key of

@@ -32,7 +32,7 @@ from ..plan.lower import KeyPattern, forward_arg_names
 # already been moved to their planned placements as local tensors: the plan's hooks leave them be.
 IO_PLACED = "_vescale_io_placed"
 from .placing import _fmt, agrees, moves_nothing, place, place_entry, relabel
-from .faults import FaultReporter
+from .faults import FaultReporter, note_peer_failures
 from .zero import GatheredParam, next_forward, per_tensor_gather
 
 __all__ = ["install_module_hooks", "GatheredParam"]
@@ -199,8 +199,9 @@ def _collect_tensors(obj, found: list) -> None:
             _collect_tensors(getattr(obj, f.name), found)
 
 
-def _register_once_on_grads(output, fn: Callable[[], None]) -> None:
-    """Call ``fn`` once, when backward first reaches any tensor of ``output``."""
+def _register_once_on_grads(output, fn: Callable[[], None], where: str | None = None) -> None:
+    """Call ``fn`` once, when backward first reaches any tensor of ``output``. ``where`` names what
+    ``fn`` does for the fault note of a collective failing in it (``note_peer_failures``)."""
     tensors = [output] if isinstance(output, torch.Tensor) else _tensors_in(output)
     tensors = [t for t in tensors if t.requires_grad]
     fired = [False]
@@ -208,7 +209,12 @@ def _register_once_on_grads(output, fn: Callable[[], None]) -> None:
     def hook(grad):
         if not fired[0]:
             fired[0] = True
-            fn()
+            try:
+                fn()
+            except Exception as e:
+                if where is not None:
+                    note_peer_failures(e, where)
+                raise
         return grad
 
     for t in tensors:
@@ -230,10 +236,10 @@ def release_gathered(gathered: list[GatheredParam], output, scheduler, path: str
         if not any(g is h for h in g.param._vescale_gathered):  # a copy several modules share: once
             g.param._vescale_gathered.append(g)
     if scheduler is None:
-        _register_once_on_grads(output, lambda: [g.refill() for g in gathered])
+        _register_once_on_grads(output, lambda: [g.refill() for g in gathered], f"the ZeRO-3 re-gather of {path or '<root>'} in backward")
     else:
         scheduler.release(gathered)  # freed now, or kept for backward if forward used them last
-        _register_once_on_grads(output, lambda: scheduler.refill(path, gathered))
+        _register_once_on_grads(output, lambda: scheduler.refill(path, gathered), f"the ZeRO-3 re-gather of {path or '<root>'} in backward")
 
 
 def gather_only(hook_entries: dict[str, list[Entry]]) -> list[Entry] | None:
@@ -352,13 +358,14 @@ def enable_implicit_replication() -> None:
     torch._C._set_dtensor_allow_implicit_replication(True)
 
 
-def root_hooks(root: nn.Module, scheduler=None, contract=None) -> list:
+def root_hooks(root: nn.Module, scheduler=None, contract=None, reducer=None, step_check=None) -> list:
     """Hooks on the root module: implicit replication for whichever thread runs forward, and Partial
     outputs (a loss reduced over a sharded batch) resolved to Replicate, so that ``loss.item()`` and
     ``loss.backward()`` mean what they mean on one device. With a ZeRO-3 gather scheduler, they also
     mark the start and end of each forward (the unit order it prefetches by). ``contract`` (an
     ``InputContract``) checks the root's inputs before the plan splits them. A failed forward is
-    reported to the other ranks (``FaultReporter``)."""
+    reported to the other ranks, and ``step_check`` (a ``StepCheck``) compares the ranks' progress at
+    the start of every forward call (``FaultReporter``; its pre-hook runs first, before any collective)."""
 
     def pre_hook(mod, args, kwargs):
         enable_implicit_replication()
@@ -373,10 +380,10 @@ def root_hooks(root: nn.Module, scheduler=None, contract=None) -> list:
             scheduler.end_forward()
         return _map_tensors(_resolve_partial, output)
 
-    faults = FaultReporter(root)
+    faults = FaultReporter(root, check=step_check, reducer=reducer)
     return [
+        root.register_forward_pre_hook(faults.pre_hook, with_kwargs=True),
         root.register_forward_pre_hook(pre_hook, with_kwargs=True),
-        root.register_forward_pre_hook(faults.pre_hook),
         root.register_forward_hook(post_hook),
         root.register_forward_hook(faults.hook, always_call=True),
     ]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -76,7 +77,51 @@ def manual_seed(seed: int) -> None:
     _state.seed, _state.offset = seed, 0
 
 
+# (default process group, manual_seed calls made under it): the n-th call's meeting point in the store.
+_calls: list = [None, 0]
+
+
+def _meet_every_rank() -> None:
+    """Wait, through the process group's store, until every rank has entered this (n-th)
+    ``manual_seed``; raise naming the ranks that did not within the collective timeout.
+
+    The seed agreement below is a collective on the default group: entered by some ranks only, it
+    would pair with whatever collective the others run next (gloo then aborts the process on the
+    size mismatch). Here each rank writes one key and adds one to a counter, and the last to arrive
+    releases the others: a constant number of store operations per rank, and no collective until
+    every rank is known to be here."""
+    from ..mesh import communicates, run_timeout
+
+    if not communicates():  # a fake process group: the other ranks do not exist
+        return
+    default = dist.distributed_c10d._get_default_group()
+    if _calls[0] is not default:
+        _calls[:] = [default, 0]
+    _calls[1] += 1
+    store = dist.distributed_c10d._get_default_store()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    prefix = f"vescale/manual_seed/{_calls[1]}"
+    store.set(f"{prefix}/rank{rank}", "1")
+    if store.add(f"{prefix}/arrived", 1) == world:
+        store.set(f"{prefix}/all", "1")
+    timeout = run_timeout() or timedelta(minutes=10)
+    try:
+        store.wait([f"{prefix}/all"], timeout)
+    except Exception:
+        missing = [r for r in range(world) if not store.check([f"{prefix}/rank{r}"])]
+        message = (
+            f"vescale.manual_seed: ranks {missing} did not call vescale.manual_seed (call {_calls[1]} on this rank, "
+            f"{rank}) within {timeout.total_seconds():.0f} s. Every rank must call it, with the same seed, the same "
+            "number of times: it sets the one generator all ranks share, and checks that they agree"
+        )
+        from ..parallel.faults import publish
+
+        publish(f"rank {rank}: RuntimeError: {message}")
+        raise RuntimeError(message) from None
+
+
 def _check_ranks_agree(seed: int, profile: DeviceProfile) -> None:
+    _meet_every_rank()
     # One all-reduce of [x, -x] with MAX gives every rank (max, -min); they agree iff max == min.
     # The seed travels as two 32-bit halves so that no value overflows int64.
     mine = [seed >> 32, seed & 0xFFFFFFFF, profile.sm_count, profile.max_threads_per_sm]
