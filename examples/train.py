@@ -130,8 +130,6 @@ def check_flags(args, world: int) -> None:
         fail("--static is a mode of the parallel runtime; a single-device run is plain PyTorch already: drop --static")
     if args.batch_size % args.dp:
         fail(f"--batch-size {args.batch_size} does not split into --dp {args.dp} equal shares: use a multiple of {args.dp}")
-    if args.bf16:
-        fail("--bf16: mixed precision is not in vescale yet (issue 30, item 1); train in float32 for now (drop --bf16)")
 
 
 def model_config(args):
@@ -215,13 +213,18 @@ def build_model(config, mesh, args):
     single-device build draws from ``vescale.manual_seed(seed)`` under ``vescale.random.consistent()``."""
     transformers = _transformers()
     vescale.manual_seed(args.seed)
+    # --bf16: bf16 compute, fp32 masters and gradient reduction; one device applies the same policy,
+    # so the single-device run is the reference for the mesh's in mixed precision too.
+    policy = vescale.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else None
     if mesh is None:
         with vescale.random.consistent():
             model = transformers.AutoModelForCausalLM.from_config(config)
-        return model.to("cuda" if torch.cuda.is_available() else "cpu")
+        model = model.to("cuda" if torch.cuda.is_available() else "cpu")
+        return vescale.apply_mixed_precision(model, policy) if policy is not None else model
     with torch.device("meta"):  # no memory: parallelize allocates this rank's shards only
         model = transformers.AutoModelForCausalLM.from_config(config)
-    return vescale.parallelize(model, plan_for(config, mesh, args), mesh, mode="static" if args.static else "eager")
+    return vescale.parallelize(model, plan_for(config, mesh, args), mesh, mode="static" if args.static else "eager",
+                               mixed_precision=policy)
 
 
 def parameter_shapes(model) -> dict[str, dict[str, list[int]]]:
