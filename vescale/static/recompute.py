@@ -75,9 +75,11 @@ class RegionState:
     stack: list  # the running bodies at the region's start
     drawn: dict  # module path -> random ops drawn so far this step (the random replay's counters)
     calls: dict  # the local-call mode's counters
+    # (module, [(name, local tensor)]): parameters the running bodies had swapped for local ones
+    swaps: list = field(default_factory=list)
     entered: set = field(default_factory=set)  # modules whose hooks ran in the region's forward
     open: bool = True  # its forward is still running
-    swapped: list = field(default_factory=list)  # quiet modules' parameters swapped for its recomputation
+    swapped: list = field(default_factory=list)  # (store, name, value before) for its recomputation
 
     def forward_done(self) -> None:
         self.open = False

@@ -730,6 +730,8 @@ class StaticRuntime:
         # regions whose forward runs now, the region being recomputed, and what its recomputation
         # put aside (restored at its end).
         self.in_forward = False
+        # (module, swapped) of the static bodies running now whose inside() swapped their parameters
+        self.live_swaps: list = []
         self.recomputations = 0  # checkpointed regions recomputed in static steps' backward
         self.regions: list[RegionState] = []
         self.recompute: RegionState | None = None
@@ -761,6 +763,7 @@ class StaticRuntime:
                 "model): Static Eager mode recomputes regions inside a step; checkpoint the model's layers instead"
             )
         self.regions.clear()  # left over only by a forward that raised inside a region
+        self.live_swaps.clear()
         self.in_forward = True
         self.hand_overs.discard()  # left over only by a backward that failed before its end
         self._begin(args, kwargs)
@@ -1108,6 +1111,7 @@ class StaticRuntime:
         swapped = self._local_parameters(mod, path, steps)
         if swapped:
             mod.__dict__["_vescale_swapped"] = swapped
+            self.live_swaps.append((mod, swapped))  # a region starting in its body finds them (recompute.py)
         if steps.lookups is not None:
             steps.lookups.enter(mod)
         self._body_starts(path)
@@ -1237,6 +1241,11 @@ class StaticRuntime:
         swapped = state.pop("_vescale_swapped", None)
         if swapped:
             _put_back(mod, swapped)
+            live = self.live_swaps
+            for i in range(len(live) - 1, -1, -1):
+                if live[i][1] is swapped:
+                    del live[i]
+                    break
         if self.state is State.STATIC:
             steps = self.record.steps.get(path)
             if steps is not None and steps.lookups is not None and steps.lookups.module is mod:
@@ -1499,9 +1508,14 @@ class StaticRuntime:
         if self.state is None or not (self.in_forward or self.recompute is not None):
             return None
         replay, calls = self.replay, self.local_calls
+        # The local parameters of the bodies running now (a region inside a module's body, or inside a
+        # ZeRO-3 unit whose module swapped its members'), put in place again for the recomputation.
+        swaps = [(mod, [(name, local) for name, _, local in swapped]) for mod, swapped in self.live_swaps]
+        swaps += [(mod, [(name, local) for name, _, local in swapped])
+                  for _, restores in self.unit_state.values() for mod, _, swapped in restores]
         region = RegionState(self, self.state, self.record, list(self.stack),
                              dict(replay.drawn) if replay is not None else {},
-                             dict(calls.calls) if calls is not None else {})
+                             dict(calls.calls) if calls is not None else {}, swaps)
         self.regions.append(region)
         return region
 
@@ -1531,6 +1545,11 @@ class StaticRuntime:
                                               scale=resize.checked_before(rec))
                 self.local_calls.calls = dict(region.calls)
             swapped = self._swap_quiet(region)
+            for mod, entries in region.swaps:
+                for name, local in entries:
+                    store = mod._parameters if name in mod._parameters else mod._buffers
+                    swapped.append((store, name, store.get(name)))
+                    store[name] = local
         if self.watcher is not None:
             self.watcher.paused = True
         region.swapped = swapped
@@ -1543,8 +1562,8 @@ class StaticRuntime:
             self.replay._switch(False)
         if self.local_calls is not None:
             self.local_calls.turn(None)
-        for mod, swapped in region.swapped:
-            _put_back(mod, swapped)
+        for store, name, value in reversed(region.swapped):
+            store[name] = value
         region.swapped = []
         state, record, recompute, stack, replay, local_calls, paused = self._aside.pop()
         self.state, self.record, self.recompute, self.replay, self.local_calls = state, record, recompute, replay, local_calls
@@ -1569,7 +1588,12 @@ class StaticRuntime:
                     caller = self.parent.get(caller)
                 callers.setdefault(caller, []).append((path, mod))
         if region.entered:
-            bodies = set(region.entered) | {self.parent.get(p) for p in region.entered}
+            bodies = set(region.entered)
+            for path in region.entered:  # and the body each is called from
+                caller = self.parent.get(path)
+                while caller in rec.quiet:
+                    caller = self.parent.get(caller)
+                bodies.add(caller)
             quiet = [q for body in bodies for q in callers.get(body, ())]
         else:
             quiet = list(rec.quiet.items())
@@ -1578,9 +1602,8 @@ class StaticRuntime:
         for path, mod in quiet:
             if path in members or path not in self.silenced:
                 continue
-            done = self._local_parameters(mod, path, rec.steps[path])
-            if done:
-                swapped.append((mod, done))
+            for name, p, _ in self._local_parameters(mod, path, rec.steps[path]):
+                swapped.append((mod._parameters if name in mod._parameters else mod._buffers, name, p))
         return swapped
 
     # -- ZeRO-3 units as one -------------------------------------------------------------------
