@@ -21,6 +21,11 @@ called in several regions), the quiet modules under the region's modules given t
 parameters, and, while recording, the op watcher paused and the recording's notes left alone (the
 recomputation is the recorded forward again, not a new one).
 
+Without ``checkpoint_context`` the runtime cannot tell where a region starts (HF's layers checkpoint
+their ``forward``, so a layer's first quiet module, hookless, runs before any hook could notice), so a
+recording step that runs a module inside a checkpointed region nobody noted raises a ``PlanError``
+naming the fix (``unnoted_region``), as does a recomputation that meets a hooked module first.
+
 Reentrant checkpointing (``use_reentrant=True``) cannot be followed: it runs the region's forward
 under ``torch.no_grad()``, so the recording step sees no gradient of the region (no gradient
 placement at its boundaries, none of its parameters'), and it backpropagates through a new graph
@@ -35,7 +40,7 @@ import torch
 
 from ..plan.ir import PlanError
 
-__all__ = ["RegionState", "in_backward", "refuse_outside_region"]
+__all__ = ["RegionState", "in_backward", "refuse_outside_region", "unnoted_region"]
 
 _FIX = ("pass use_reentrant=False and context_fn=vescale.random.checkpoint_context to torch.utils.checkpoint "
         "(HF: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False, "
@@ -48,20 +53,27 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def refuse_outside_region(path: str) -> None:
-    """A module's forward runs during backward with no region recomputing: reentrant checkpointing,
-    or a ``context_fn`` other than vescale's."""
-    node = torch._C._current_autograd_node()
+def unnoted_region() -> bool:
+    """Whether a non-reentrant checkpointed region's forward runs now (``torch.utils.checkpoint``'s
+    saved-tensor hooks are the innermost ones)."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return hooks is not None and "_checkpoint_hook" in getattr(hooks[0], "__qualname__", "")
+
+
+def refuse_outside_region(path: str, recomputed: bool = True) -> None:
+    """A checkpointed region no ``checkpoint_context`` noted runs ``path``: in its forward
+    (``recomputed=False``) or its recomputation (reentrant checkpointing, or another ``context_fn``)."""
+    node = torch._C._current_autograd_node() if recomputed else None
     if node is not None and node.name() == "CheckpointFunctionBackward":
         raise PlanError(
             f"module {path!r} is recomputed by reentrant activation checkpointing (use_reentrant=True), which "
             f"Static Eager mode cannot follow: its forward runs without autograd, so the recording sees no "
             f"gradient there. {_FIX}"
         )
+    when = "is recomputed in backward" if recomputed else "runs in a checkpointed region"
     raise PlanError(
-        f"module {path!r} runs its forward during backward (activation checkpointing recomputes it) outside "
-        f"a region vescale knows: Static Eager mode recomputes a region from the state its forward started "
-        f"in, which vescale.random.checkpoint_context notes; {_FIX}"
+        f"module {path!r} {when} that vescale.random.checkpoint_context did not note: Static Eager mode "
+        f"recomputes a region from the state its forward started in, which that context_fn notes; {_FIX}"
     )
 
 

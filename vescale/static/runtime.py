@@ -57,7 +57,7 @@ from ..parallel.placing import grad_layout
 from . import averaged, relabel, resize
 from .boundary import HandOvers, Move, ParamShadow, dtensor_of, grad_spec, local_of, settled_on_unit_dims
 from .random_gate import CallTracker, RandomGate
-from .recompute import RegionState, in_backward, refuse_outside_region
+from .recompute import RegionState, in_backward, refuse_outside_region, unnoted_region
 from .shares import SUMS, GradientShares
 from .local_calls import CallWatch, LocalCalls, drop_plain_sizes, local_call_paths
 from .local_ops import LocalLookups, check_lookup, grad_placements, is_masked, masked_lookup, unmasked, unmasked_inputs
@@ -1062,9 +1062,7 @@ class StaticRuntime:
         """Before the plan's pre-hook: local inputs become the DTensors they stand for, if the plan
         redistributes them here or this module runs eagerly."""
         if self.recompute is None and self.state is not None and in_backward():
-            # A forward inside backward with no region recomputing: not a recomputation the
-            # runtime can run as its forward ran (recompute.py).
-            refuse_outside_region(path)
+            refuse_outside_region(path)  # a forward inside backward with no region noted (recompute.py)
         for region in self.regions:  # a checkpointed region's forward runs: its modules (recompute.py)
             region.entered.add(path)
         if self._tracking():
@@ -1088,6 +1086,8 @@ class StaticRuntime:
         wraps = self.parent_static(path) and (path in self.planned_pre or not self.is_static(path))
         if self.state is State.RECORD:
             self.record.keys.setdefault((path, "in"), _input_keys(mod, args, kwargs))
+            if not self.regions and unnoted_region():
+                refuse_outside_region(path, recomputed=False)
             if path in self.unit_of_member and self.recompute is None:
                 self._note_member_call(path)
         return self._to_dtensors(path, "in", wraps, lambda fn: _map_io(fn, args, kwargs))
@@ -1579,15 +1579,15 @@ class StaticRuntime:
         rec = region.record
         if rec.quiet is None or not self.silenced:
             return []
-        callers = rec.quiet_callers
-        if callers is None:
-            callers = rec.quiet_callers = {}
-            for path, mod in rec.quiet.items():
-                caller = self.parent.get(path)
-                while caller in rec.quiet:
-                    caller = self.parent.get(caller)
-                callers.setdefault(caller, []).append((path, mod))
         if region.entered:
+            callers = rec.quiet_callers
+            if callers is None:
+                callers = rec.quiet_callers = {}
+                for path, mod in rec.quiet.items():
+                    caller = self.parent.get(path)
+                    while caller in rec.quiet:
+                        caller = self.parent.get(caller)
+                    callers.setdefault(caller, []).append((path, mod))
             bodies = set(region.entered)
             for path in region.entered:  # and the body each is called from
                 caller = self.parent.get(path)
