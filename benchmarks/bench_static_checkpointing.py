@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import bench_dispatch as bd  # noqa: E402
 import vescale  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "tests" / "static"))
+sys.path[:0] = [str(Path(__file__).parent.parent / "tests"), str(Path(__file__).parent.parent / "tests" / "static")]
 from test_static_checkpointing import checkpoint_layers  # noqa: E402
 
 ARMS = {"torch+ckpt": ("torch", True), "eager+ckpt": ("eager", True), "static+ckpt": ("static", True), "static": ("static", False)}
@@ -55,15 +55,19 @@ def saved_bytes(runner: bd.Runner) -> int:
 
     def pack(t):
         local = t._local_tensor if isinstance(t, DTensor) else t
-        storage = local.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
+        try:
+            storage = local.untyped_storage()
+            key, nbytes = storage.data_ptr(), storage.nbytes()  # 0: a freed ZeRO-3 gathered copy
+        except RuntimeError:  # a tensor without a plain storage (an in-flight collective's output)
+            key, nbytes = id(local), local.numel() * local.element_size()
+        storages[key] = max(storages.get(key, 0), nbytes)
         return t
 
     (x, y), = bd.synthetic_batches(1, runner.batch, bd.SEQ, runner.vocab, seed=0)
     context = torch.distributed.tensor.parallel.loss_parallel() if runner.variant == "torch" else contextlib.nullcontext()
-    with context, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = runner.model(input_ids=x, labels=y).loss
     with context:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = runner.model(input_ids=x, labels=y).loss
         loss.backward()
     runner.opt.zero_grad()
     return sum(storages.values())
