@@ -52,7 +52,7 @@ REGRESSIONS: dict[str, Regression] = {
         Case(model=Spec(blocks=("attn", "mlp"), dim=16, heads=4, proj="conv1d", fused="split", tied=True, dropout=0.1),
              mesh=_DPxTP, plan=_tp_sp() + _DP + _ZERO3_BLOCKS, batch=4, seq=8, steps=3, optim="adamw",
              expect=(("", 0, 0, "DP"), ("blocks.0.norm", 0, 1, "TP")), must_run=True),
-        "issue 27 defect 1: Conv1D c_attn.bias Shard(0) on TP under the nested ZeRO-3 layout trains wrong silently",
+        # fixed: vescale.comm.moves.split_steps (one split at a time)
     ),
     # Issue 27 defect 4: a fused q|k|v InterleavedShard(0, 3) cut with x[..., a:b] (Phi-3) or narrow
     # gathers the heads: attention runs replicated on every TP rank (losses still match).
@@ -61,14 +61,14 @@ REGRESSIONS: dict[str, Regression] = {
              plan=(("shard", r"blocks\.0\.body\.qkv\.(weight|bias)", "IS(0,3)", "TP", None),
                    ("shard", r"blocks\.0\.body\.o\.weight", "S(1)", "TP", None)),
              expect=(("blocks.0.body.core", 0, 1, "TP"),), must_run=True),
-        "issue 27 defect 4: qkv[..., a:b] of an InterleavedShard(0, 3) output gathers it (attention runs replicated)",
+        # fixed: vescale.dispatch.interleaved (section-aligned slices stay local)
     ),
     "interleaved_qkv_narrow": Regression(
         Case(model=Spec(blocks=("attn",), fused="narrow"), mesh=(("TP", 2),),
              plan=(("shard", r"blocks\.0\.body\.qkv\.(weight|bias)", "IS(0,3)", "TP", None),
                    ("shard", r"blocks\.0\.body\.o\.weight", "S(1)", "TP", None)),
              expect=(("blocks.0.body.core", 0, 1, "TP"),), must_run=True),
-        "issue 27 defect 4: narrow of an InterleavedShard(0, 3) output gathers it (attention runs replicated)",
+        # fixed: vescale.dispatch.interleaved
     ),
     # The split and chunk of the same layout stay local: the check above is not vacuous.
     "interleaved_qkv_split": Regression(
@@ -84,7 +84,7 @@ REGRESSIONS: dict[str, Regression] = {
              plan=_DP + (("shard", r"(embed|head)\.weight", "S(0)", "DP", "INIT"),
                          ("shard", r"(embed|head)\.weight", "R", "DP", "RUN")),
              expect=(("", 0, 0, "DP"),), must_run=True),
-        "issue 27 defect 5: a tied (shared) parameter cannot take different INIT and RUN placements (ZeRO-3)",
+        # fixed: vescale.parallel.zero (tied parameters gathered before each holder)
     ),
     # Issue 27 defect 3: a vocabulary-parallel embedding without SP in front of an MoE block fails in
     # the first backward with DTensor's raw "P(sum) to MaskP" assertion; it must run, or be a PlanError.
@@ -98,7 +98,7 @@ REGRESSIONS: dict[str, Regression] = {
                    ("shard", r"blocks\.\d+\.body\.<in>", "R", "TP", None),
                    ("shard", r"blocks\.\d+\.body\.<out>", "R", "TP", None)),
              expect=(("blocks.0.body.core", 0, 1, "TP"),)),
-        "issue 27 defect 3: P(sum) -> MaskP redistribution assertion instead of a PlanError",
+        # fixed: vescale.comm.moves (a Partial gradient of another kind handed back as it arrives)
     ),
 }
 
@@ -128,13 +128,12 @@ REGRESSIONS["static_conv1d_view_local_batch_global_width"] = Regression(Case(
     plan=(("shard", r"blocks\.0\.body\.up\.weight", "S(1)", "TP", None), ("shard", r"blocks\.0\.body\.up\.bias", "S(0)", "TP", None),
           ("shard", r"blocks\.0\.body\.down\.weight", "S(0)", "TP", None)) + _DP,
     expect=(("", 0, 0, "DP"),), must_run=True))
-# Found by the fuzzer, open (vescale/dispatch/sized.py, the sized-op rules): the backward of
+# Found by the fuzzer, fixed (slice_backward keyed by what the rules read, vescale/dispatch/cache.py): the backward of
 # ``narrow(-1, ...)`` of a replicated fused gate|up output feeding a row-parallel matmul fails with
 # "The size of tensor a (0) must match the size of tensor b (8)"; the same slice written x[..., a:b] works.
 REGRESSIONS["narrow_backward_into_row_parallel"] = Regression(Case(
     model=Spec(blocks=("mlp",), fused="narrow", gated=True, bias=False), mesh=(("TP", 2),), batch=2, seq=3, steps=1,
-    plan=(("shard", r"blocks\.0\.body\.down\.weight", "S(1)", "TP", None),)),
-    "fuzzer: narrow(-1) backward (slice_backward) on a Shard(-1) gradient replays a wrong sized-op decision")
+    plan=(("shard", r"blocks\.0\.body\.down\.weight", "S(1)", "TP", None),)))
 
 
 def _global_batch_below_tp() -> Case:
@@ -155,17 +154,13 @@ def _global_batch_below_tp() -> Case:
                 expect=(("", 0, 0, "DP"), ("blocks.0.body.core", 0, 1, "TP")), must_run=True)
 
 
-REGRESSIONS["global_batch_below_tp"] = Regression(
-    _global_batch_below_tp(), "issue 27 defect 2: global batch < TP crashes in _unsafe_view (sharding propagation)")
+REGRESSIONS["global_batch_below_tp"] = Regression(_global_batch_below_tp())  # fixed: vescale.dispatch.viewrule
 
 
 # The open defects, and how a random example's verdict shows each: (defect, case predicate, detail regex).
-KNOWN = [
-    ("issue 27 defect 4", lambda c: c.model.fused in ("index", "narrow") and any("IS(" in s[2] for s in c.plan if s[2]),
-     r"split not in effect: blocks\.\d+\.body\.core"),
-    ("issue 27 defect 3", lambda c: True, r"Redistribution from one partial type .* to another \(MaskP"),
-    ("issue 27 defect 2", lambda c: True, r"would remove or reshape sharded dimension"),
-    ("fuzzer: narrow backward", lambda c: c.model.fused == "narrow", r"The size of tensor a \(0\) must match the size of tensor b"),
+KNOWN: list = [
+    # (defect, case predicate, detail regex); none open: issue 27's defects 1-5 and the fuzzer's
+    # narrow-backward find are fixed, their cases above must pass.
 ]
 
 
