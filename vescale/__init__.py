@@ -22,6 +22,7 @@ from .mesh import init_mesh
 from .parallel import OutOfStepError, explain, parallelize
 from .placement import InterleavedShard
 from .plan import INIT, RUN, PlanError, VescalePlan
+from .precision import MixedPrecision, apply_mixed_precision
 
 
 def manual_seed(seed: int) -> None:
@@ -34,5 +35,5 @@ def manual_seed(seed: int) -> None:
 __all__ = [
     "init_mesh", "VescalePlan", "parallelize", "explain", "manual_seed", "no_grad_sync",
     "Shard", "Replicate", "Partial", "INIT", "RUN", "PlanError", "InterleavedShard",
-    "checkpoint", "data", "OutOfStepError",
+    "checkpoint", "data", "OutOfStepError", "MixedPrecision", "apply_mixed_precision",
 ]

@@ -7,6 +7,8 @@ collectives are counted, so a move that silently did nothing (or DTensor's own p
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -102,7 +104,51 @@ def test_a_mesh_of_another_rank_gets_moves_of_its_own():
     with fake_world(4, rank=0):
         mesh = vescale.init_mesh((2, 2), ("DP", "TP"))
         x = DTensor.from_local(torch.arange(8.0).reshape(4, 2), mesh, (Replicate(), Replicate()), run_check=False)
-        assert moves.redistribute(x, (Replicate(), Shard(0))).to_local().tolist() == [[0.0, 1.0], [2.0, 3.0]]
+        y = moves.redistribute(x, (Replicate(), Shard(0)))
+        assert y.to_local().tolist() == [[0.0, 1.0], [2.0, 3.0]]  # a local pick (no collective) ...
+        moves.redistribute(y, (Replicate(), Replicate()))  # ... and a one-collective move
         assert moves._MOVES and moves._SINGLE
         forget_dtensor_caches()
         assert not moves._MOVES and not moves._SINGLE
+
+
+def test_replicate_to_shard_moves_pick_each_rank_its_piece_by_arithmetic():
+    """A move that only shards Replicate mesh dims is a local pick (``moves.local_picks``), not
+    DTensor's cut into one chunk per rank: every rank of random 1- to 3-D meshes gets its piece of
+    the global tensor (index by index, as DTensor lays it out), uneven, empty, nested and
+    ``InterleavedShard`` pieces included. Whether to pick (``picks_everywhere``) is decided alike on
+    every rank: where some rank's piece is not inside what it holds (a nested order DTensor must
+    redistribute), none picks, or the others would wait in DTensor's collectives."""
+    import itertools
+    import random
+
+    from vescale import InterleavedShard
+    from vescale.placement.nested import shard_indices
+
+    def piece(glob, mesh_shape, coord, placements):
+        for d in range(glob.dim()):
+            glob = glob.index_select(d, shard_indices(glob.shape[d], d, mesh_shape, coord, placements))
+        return glob
+
+    rng = random.Random(0)
+    picked = refused = mixed = 0
+    for _ in range(300):
+        mesh_shape = tuple(rng.choice([1, 2, 3, 4]) for _ in range(rng.choice([1, 2, 3])))
+        shape = tuple(rng.choice([1, 2, 4, 5, 6, 8, 12]) for _ in range(rng.choice([1, 2])))
+        choices = [Replicate()] + [Shard(d) for d in range(len(shape))] + [InterleavedShard(d, 2) for d in range(len(shape)) if shape[d] % 2 == 0]
+        src = tuple(rng.choice(choices) for _ in mesh_shape)
+        dst = tuple(rng.choice(choices[1:]) if p == Replicate() and rng.random() < 0.7 else p for p in src)
+        glob = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+        coords = list(itertools.product(*(range(n) for n in mesh_shape)))
+        picks = {c: moves.local_picks(shape, mesh_shape, c, src, dst) for c in coords}
+        if not moves.picks_everywhere(shape, mesh_shape, src, dst):
+            refused += 1
+            mixed += len({picks[c] is None for c in coords}) == 2  # some ranks could pick, others not
+            continue
+        picked += 1
+        for c in coords:
+            assert picks[c] is not None, (shape, mesh_shape, c, src, dst)
+            got = moves.select(piece(glob, mesh_shape, c, src), picks[c])
+            assert torch.equal(got, piece(glob, mesh_shape, c, dst)), (shape, mesh_shape, c, src, dst)
+            assert got.is_contiguous()
+    assert picked > refused and mixed > 0, (picked, refused, mixed)

@@ -19,6 +19,12 @@ def _python_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
 
 
+def _printed_after(block: str) -> str:
+    """The ```text block after "prints" that follows the python block ``block``."""
+    text = DOC.read_text()
+    return re.search(r"```text\n(.*?)```", text[text.index(block):], flags=re.S).group(1)
+
+
 def _run_example() -> dict:
     import logging
 
@@ -29,7 +35,11 @@ def _run_example() -> dict:
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         exec(compile(_python_blocks()[0], str(DOC), "exec"), namespace)
-    return {"printed": printed.getvalue(), "export": vescale.static.export_plan(namespace["model"])}
+    checkpointed = io.StringIO()  # the activation checkpointing section's example
+    with contextlib.redirect_stdout(checkpointed):
+        exec(compile(_python_blocks()[1], str(DOC), "exec"), {"__name__": "docs_static_checkpointing"})
+    return {"printed": printed.getvalue(), "export": vescale.static.export_plan(namespace["model"]),
+            "checkpointed": checkpointed.getvalue()}
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +54,14 @@ def test_static_example_prints_what_the_page_says(example):
 
 
 @pytest.mark.multiproc
+def test_the_checkpointing_example_prints_what_the_page_says(example):
+    assert example["checkpointed"] == _printed_after(_python_blocks()[1])
+
+
+@pytest.mark.multiproc
 def test_the_export_excerpt_is_what_the_example_exports(example):
     blocks = _python_blocks()
-    assert len(blocks) == 2, "docs/static.md: a new python block must be run or checked here"
+    assert len(blocks) == 3, "docs/static.md: a new python block must be run or checked here"
     exported = example["export"].splitlines()
-    for line in blocks[1].splitlines():
+    for line in blocks[2].splitlines():
         assert line in exported, f"docs/static.md's export excerpt line {line!r} is not exported:\n{example['export']}"

@@ -16,6 +16,7 @@ The folder layout, the atomic publication and keep-last-N are in ``layout.py``.
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import io
 import os
 import shutil
@@ -87,20 +88,43 @@ def _relayout_optimizer_state(optimizer) -> None:
 
 
 def _rng_states() -> dict:
-    """This rank's PyTorch generators (they may differ per rank) and vescale's (the same everywhere)."""
+    """This rank's PyTorch generators (they may differ per rank) and vescale's (the same everywhere).
+
+    Under vescale's SPMD contract every rank's PyTorch generators hold the same state (one seed,
+    the same draws), so one copy is kept, after one fixed-size all-reduce that checks it: a
+    checkpoint's cost does not grow with the world. Ranks whose states differ (a program that draws
+    per rank) keep every rank's, gathered (rank 0 writes them)."""
     from .. import random as vescale_random
 
     mine = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         mine["cuda"] = torch.cuda.get_rng_state()
-    everyone = [None] * dist.get_world_size() if _distributed() else [mine]
-    if _distributed():
+    everyone = [mine]
+    if _distributed() and not _same_on_every_rank(_digest(b"".join(v.numpy().tobytes() for v in mine.values()))):
+        everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
     try:
         vescale_state = vescale_random.get_state()
     except RuntimeError:  # never seeded: nothing to restore
         vescale_state = None
     return {"torch": everyone, "vescale": vescale_state}
+
+
+def _digest(data: bytes) -> list[int]:
+    """112 bits of a hash of ``data`` as two non-negative int64 values (safe to negate)."""
+    h = hashlib.blake2b(data, digest_size=14).digest()
+    return [int.from_bytes(h[:7], "little"), int.from_bytes(h[7:], "little")]
+
+
+def _same_on_every_rank(values: list[int]) -> bool:
+    """Whether every rank passed the same ``values`` (one all-reduce of ``[v, -v]`` with MAX gives
+    every rank the maximum and minus the minimum)."""
+    both = torch.tensor(values + [-v for v in values], dtype=torch.int64)
+    if dist.get_backend() == "nccl":
+        both = both.cuda()
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    high, neg_low = both.cpu().tolist()[: len(values)], both.cpu().tolist()[len(values):]
+    return high == [-v for v in neg_low]
 
 
 def _next_step(root: Path) -> int:
@@ -272,8 +296,9 @@ def load(
     ``{"step": step, **extra}``. Call on every rank.
 
     The model may be parallelised with any plan on any mesh, or be a plain single-device model: DCP
-    reads the chunks each rank's placements need. PyTorch's per-rank RNG states are restored when the
-    world size is the one saved (else rank 0's, which is every rank's under vescale's SPMD contract).
+    reads the chunks each rank's placements need. PyTorch's RNG states are restored: the one state every
+    rank had when saved, or each rank's own where they differed and the world size is the one saved
+    (else rank 0's).
 
     ``verify=True`` checks every file of the checkpoint against the CRC-32 recorded when it was saved
     (the ranks share the reading, each file is read once) before loading it. A checkpoint with a
@@ -378,16 +403,20 @@ def _has_optimizer(folder: Path) -> bool:
 
 
 def _check_same_folder(folder: Path) -> None:
-    """Every rank must read the same checkpoint (a root that is not one shared file system would not)."""
+    """Every rank must read the same checkpoint (a root that is not one shared file system would not).
+    One fixed-size all-reduce of the path's checksum; the names are gathered only to explain a
+    mismatch."""
     if not _distributed():
         return
+    name = str(folder.resolve())
+    if _same_on_every_rank(_digest(name.encode())):
+        return
     names = [None] * dist.get_world_size()
-    dist.all_gather_object(names, str(folder.resolve()))
-    if len(set(names)) != 1:
-        raise RuntimeError(
-            f"checkpoint.load: ranks found different latest checkpoints ({sorted(set(names))}); the "
-            "checkpoint folder must be one file system shared by all ranks"
-        )
+    dist.all_gather_object(names, name)
+    raise RuntimeError(
+        f"checkpoint.load: ranks found different latest checkpoints ({sorted(set(names))}); the "
+        "checkpoint folder must be one file system shared by all ranks"
+    )
 
 
 def _restore_rng(rng: dict) -> None:

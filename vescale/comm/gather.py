@@ -24,20 +24,28 @@ from .layout import NOTHING, gather_plan, pack_gather, unpack_gather
 __all__ = ["gather", "GroupGather", "GatherProgram"]
 
 
-def gather(param: DTensor, mesh: DeviceMesh, placements, stats: collections.Counter | None = None) -> DTensor:
-    """``param`` (detached) laid out as ``placements``; one all-gather where one is needed."""
+def gather(param: DTensor, mesh: DeviceMesh, placements, stats: collections.Counter | None = None,
+           dtype: torch.dtype | None = None) -> DTensor:
+    """``param`` (detached) laid out as ``placements``; one all-gather where one is needed.
+    ``dtype``: gathered in that dtype (mixed precision: the shard is cast first, so the collective
+    moves the compute dtype's bytes)."""
     plan = gather_plan(param.shape, mesh, param.placements, placements)
     with torch.no_grad():
         if plan is None or plan is NOTHING or group_size(mesh, plan.dims) == 1:
             # No collective of ours: DTensor does it (size-1 dims alias the parameter's storage).
-            return param.detach().redistribute(mesh, placements)
-        row = pack_gather(param._local_tensor, plan)
-        out = row.new_empty(len(plan.members) * plan.row)
+            source = param.detach() if dtype is None or dtype == param.dtype else param.detach().to(dtype)
+            return source.redistribute(mesh, placements)
+        row = pack_gather(_in(param._local_tensor, dtype), plan)
+        out = row.new_empty(plan.member_count * plan.row)
         direct.all_gather(out, row, group_of(mesh, plan.dims))
         if stats is not None:
             stats["all_gather"] += 1
         local = unpack_gather(out, plan)
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=param.shape, stride=param.stride())
+
+
+def _in(local: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return local if dtype is None or local.dtype == dtype else local.to(dtype)
 
 
 class GatherProgram:
@@ -54,19 +62,23 @@ class GatherProgram:
     one by one, when waited for.
     """
 
-    def __init__(self, items: list[tuple[DTensor, tuple]], mesh: DeviceMesh):
+    def __init__(self, items: list[tuple[DTensor, tuple]], mesh: DeviceMesh, dtype_of=None):
         self.mesh = mesh
         self.params = [p for p, _ in items]
         self.specs = [p._spec for p in self.params]
         self.runs = [run for _, run in items]
+        # The dtype each parameter is gathered in (mixed precision: the compute dtype, cast before
+        # the collective); one collective per group of mesh dims and dtype.
+        self.dtypes = [p.dtype if dtype_of is None else dtype_of(p) for p in self.params]
         plans: dict[int, object] = {}
-        by_dims: dict[tuple[int, ...], list[int]] = {}
+        by_dims: dict[tuple, list[int]] = {}
         for i, (p, run) in enumerate(items):
             t = gather_plan(p.shape, mesh, p.placements, run)
             if t is not None and t is not NOTHING and group_size(mesh, t.dims) > 1:
                 plans[i] = t
-                by_dims.setdefault(t.dims, []).append(i)
-        self.collectives = [_Program(idx, [plans[i] for i in idx], group_of(mesh, dims)) for dims, idx in by_dims.items()]
+                by_dims.setdefault((t.dims, self.dtypes[i]), []).append(i)
+        self.collectives = [_Program(idx, [plans[i] for i in idx], group_of(mesh, dims), dtype)
+                            for (dims, dtype), idx in by_dims.items()]
         self.alone = [i for i in range(len(items)) if i not in plans]
 
     def matches(self, items: list[tuple[DTensor, tuple]]) -> bool:
@@ -81,11 +93,11 @@ class GatherProgram:
 class _Program:
     """One all-gather of the rows of parameters ``idx`` (their plans ``plans``) over ``group``."""
 
-    def __init__(self, idx: list[int], plans: list, group):
-        self.idx, self.plans, self.group = idx, plans, group
+    def __init__(self, idx: list[int], plans: list, group, dtype: torch.dtype):
+        self.idx, self.plans, self.group, self.dtype = idx, plans, group, dtype
         self.rows = [t.row for t in plans]
         self.width = sum(self.rows)
-        self.members = len(plans[0].members)
+        self.members = plans[0].member_count
         # Even rows that are the output block itself (nested ZeRO shards): the gathered (members,
         # row) table is the parameter's RUN shard as it is, so it can be copied straight into place.
         self.in_place = [t.even and t.out == t.base for t in plans]
@@ -114,7 +126,7 @@ class GroupGather:
 
     def _alone(self, i: int) -> torch.Tensor:
         p, run = self.items[i]
-        return gather(p, self.mesh, run, self.stats)._local_tensor
+        return gather(p, self.mesh, run, self.stats, self.program.dtypes[i])._local_tensor
 
     def wait(self) -> list[torch.Tensor]:
         return self.wait_into([None] * len(self.items))
@@ -140,7 +152,7 @@ class _Collective:
 
     def __init__(self, items, program: _Program, stats):
         self.program = program
-        locals_ = [items[i][0]._local_tensor.detach() for i in program.idx]
+        locals_ = [_in(items[i][0]._local_tensor.detach(), program.dtype) for i in program.idx]
         packed = [pack_gather(t, plan) for t, plan in zip(locals_, program.plans)]
         rows = packed[0] if len(packed) == 1 else torch.cat(packed)  # one parameter: sent as it is
         self.out = rows.new_empty(program.members * program.width)

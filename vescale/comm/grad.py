@@ -40,6 +40,7 @@ from ..dispatch.metas import spec_of
 from . import direct, moves
 from .groups import group_of
 from .layout import NOTHING, Transfer, pack_rows, reduce_plan, unpack_row
+from ..precision import reduce_dtype_of
 
 __all__ = ["GradReducer", "Route", "attach_grad_reduction", "no_grad_sync", "DEFAULT_BUCKET_MB"]
 
@@ -80,7 +81,7 @@ class _Bucket:
 
     def add(self, e: _Entry) -> None:
         self.entries.append(e)
-        rows = len(e.plan.members) * e.plan.row if self.kind == "reduce_scatter" else e.local.numel()
+        rows = e.plan.member_count * e.plan.row if self.kind == "reduce_scatter" else e.local.numel()
         self.nbytes += rows * e.local.element_size()
 
     def launch(self, mesh: DeviceMesh, stats: collections.Counter) -> None:
@@ -116,10 +117,13 @@ class _Bucket:
 class GradReducer:
     """Bucketed, fused, overlapped reduction of the gradients of one parallelised model."""
 
-    def __init__(self, mesh: DeviceMesh, bucket_mb: float = DEFAULT_BUCKET_MB, fuse: bool = True):
+    def __init__(self, mesh: DeviceMesh, bucket_mb: float = DEFAULT_BUCKET_MB, fuse: bool = True, policy=None):
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be positive (or None for per-tensor reduction), got {bucket_mb}")
         self.mesh, self.bucket_bytes, self.fuse = mesh, int(bucket_mb * 2**20), fuse
+        # A vescale.MixedPrecision (or None): gradients are reduced in its reduce dtype, and land
+        # in param.grad in the parameter's own dtype.
+        self.policy = policy
         self.sync = True
         self.stats: collections.Counter = collections.Counter()  # collectives launched, by kind
         self.launched_during_backward = 0  # buckets that filled up and left before backward ended
@@ -154,7 +158,8 @@ class GradReducer:
     def reduce_alone(self, param: DTensor, grad: DTensor) -> DTensor:
         """A gradient with no bucketed form (``plan_of`` is None) laid out like ``param`` now, per
         tensor (``vescale.comm.moves.relayout``: DTensor's redistribute where it is right)."""
-        return moves.relayout(grad, param.placements)
+        dtype = reduce_dtype_of(self.policy, param)
+        return _in_dtype(moves.relayout(_in_dtype(grad, dtype), param.placements), param.dtype)
 
     def add(self, param: DTensor, grad: DTensor, plan: Transfer) -> None:
         """File a gradient of ``param`` (called from backward hooks)."""
@@ -186,6 +191,9 @@ class GradReducer:
         if e.plan is NOTHING:
             self._ready.append((e.param, e.local))
             return
+        dtype = reduce_dtype_of(self.policy, e.param)
+        if e.local.dtype != dtype:  # mixed precision: reduced in the policy's dtype (buckets are per dtype)
+            e = _Entry(e.param, e.local.to(dtype), e.plan)
         key = (e.plan.kind, e.plan.dims, e.plan.then_all_reduce, e.local.dtype, e.local.device)
         bucket = self._open.setdefault(key, _Bucket(e.plan.kind, e.plan.dims, self.fuse, e.plan.then_all_reduce))
         bucket.add(e)
@@ -258,7 +266,10 @@ def _route(grad, param) -> Route | None:
 
 
 def _accumulate(param: DTensor, local: torch.Tensor) -> None:
-    """``param.grad += reduced`` where ``reduced`` is already laid out like ``param``."""
+    """``param.grad += reduced`` where ``reduced`` is already laid out like ``param`` (in the
+    parameter's own dtype: mixed precision reduces in another, or computes a gathered copy's in another)."""
+    if local.dtype != param.dtype:
+        local = local.to(param.dtype)
     if param.grad is None:
         # The parameter's own spec: the reduced gradient is laid out exactly like it.
         param.grad = DTensor(local, param._spec, requires_grad=False)
@@ -266,11 +277,13 @@ def _accumulate(param: DTensor, local: torch.Tensor) -> None:
         param.grad._local_tensor.add_(local)
 
 
-def _per_tensor_hook(param: DTensor):
+def _per_tensor_hook(param: DTensor, policy=None):
+    dtype = reduce_dtype_of(policy, param)
+
     def hook(grad: torch.Tensor) -> torch.Tensor:
         if isinstance(grad, DTensor) and grad.placements != param.placements:
             try:
-                return moves.relayout(grad, param.placements)
+                return _in_dtype(moves.relayout(_in_dtype(grad, dtype), param.placements), param.dtype)
             except Exception as e:
                 from ..parallel.faults import note_peer_failures
 
@@ -310,13 +323,23 @@ def _bucketed_hooks(param: DTensor, reducer: GradReducer) -> list:
     return [param.register_hook(pre), param.register_post_accumulate_grad_hook(post)]
 
 
-def attach_grad_reduction(params, reducer: GradReducer | None = None) -> list:
+def _in_dtype(d: DTensor, dtype: torch.dtype) -> DTensor:
+    """A gradient DTensor (no autograd) in ``dtype``: the local tensor cast, the layout kept (a
+    Partial gradient's cast is taken before its sum, which is what reducing in ``dtype`` means)."""
+    if d.dtype == dtype:
+        return d
+    local = d._local_tensor.to(dtype)
+    return DTensor.from_local(local, d.device_mesh, d.placements, run_check=False, shape=d.shape, stride=d.stride())
+
+
+def attach_grad_reduction(params, reducer: GradReducer | None = None, policy=None) -> list:
     """Register the reduction on every DTensor parameter that requires grad: bucketed through
-    ``reducer``, or per tensor when it is None. Returns the hook handles."""
+    ``reducer``, or per tensor when it is None (in ``policy``'s reduce dtype, a
+    ``vescale.MixedPrecision`` or None). Returns the hook handles."""
     handles = []
     for p in params:
         if isinstance(p, DTensor) and p.requires_grad:
-            handles += [p.register_hook(_per_tensor_hook(p))] if reducer is None else _bucketed_hooks(p, reducer)
+            handles += [p.register_hook(_per_tensor_hook(p, policy))] if reducer is None else _bucketed_hooks(p, reducer)
     return handles
 
 

@@ -25,21 +25,28 @@ its local extent (``_fold_kept``): every member holds the same part of it, so it
 a block (a fused gate|up expert weight's ``InterleavedShard`` on TP beside its ZeRO shard on DP).
 Anything else (other placement types, layouts whose shards are not blocks, Partial targets) is
 ``None``: the caller falls back to DTensor's per-tensor ``redistribute``.
+
+Nothing here looks at every rank of the mesh: blocks are worked out for this rank's coordinate by
+arithmetic on the placements (``vescale.placement.blocks``, DTensor's exact layout), and what must
+hold for every rank (the group serves every coordinate, so all ranks pick the same collective; the
+members' rows are equal slices) is decided at a few representative coordinates. The member list a
+collective needs is made only for uneven rows, once per plan. Plans are cached per (shape, mesh
+shape, coordinate, placements): parameters of one shape share them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import math
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _is_shard_like, _StridedShard
 
+from ..placement import blockwise
+from ..placement.blocks import local_block, representative_coords
 from ..placement import blockwise, splits
 
 __all__ = [
@@ -58,16 +65,46 @@ class Transfer:
     base: Block = ((), ())  # the region the group shares, at this rank's coordinates
     src: Block = ((), ())  # this rank's input block
     out: Block = ((), ())  # this rank's output block
-    members: tuple[Block, ...] = ()  # per member (flattened order): its target (RS) or source (AG) block
+    member_count: int = 0  # members of the group (the product of the sizes of ``dims``)
     row: int = 0  # padded numel of one member's row
     contributes: bool = True  # False where the input is Replicate on a group dim and coord != 0
     even: bool = False  # members' rows are the base block's dim-0 chunks, in order: no copies needed
     held: Block = ((), ())  # the input's block where it is wider than src (sliced locally first)
     then_all_reduce: tuple[int, ...] = ()  # reduce_scatter: mesh dims the output is all-reduced over next
+    # (global shape, mesh shape, this rank's coordinate, the members' placements): what ``members``
+    # is worked out from, only where a caller needs every member's block (uneven rows).
+    where: tuple = dataclasses.field(default=(), compare=False, repr=False)
 
     @property
     def out_shape(self) -> tuple[int, ...]:
         return self.out[0]
+
+    @functools.cached_property
+    def members(self) -> tuple[Block, ...]:
+        """Per member (flattened order): its target (RS) or source (AG) block. A list as long as the
+        group, made on first use: only uneven rows (``even`` False) are packed member by member."""
+        shape, mesh_shape, coord, placements = self.where
+        return tuple(_block(shape, mesh_shape, c, placements) for c in _member_coords(coord, mesh_shape, self.dims))
+
+    @functools.cached_property
+    def row_lengths(self) -> torch.Tensor | None:
+        """Uneven rows that are still consecutive dim-0 slices of the base block, in member order
+        (a plain ``Shard`` over the group of a dim that does not divide): each member's numel, so
+        that rows are packed and unpacked with one masked copy (``_row_mask``) instead of one copy
+        per member. None for other layouts (slices along other dims)."""
+        (bs, bo) = self.base
+        if not bs:
+            return None
+        at, lengths = bo[0], []
+        for s, o in self.members:
+            if s[0] == 0:
+                lengths.append(0)
+                continue
+            if tuple(s[1:]) != tuple(bs[1:]) or tuple(o[1:]) != tuple(bo[1:]) or o[0] != at:
+                return None
+            at += s[0]
+            lengths.append(math.prod(s))
+        return torch.tensor(lengths) if at == bo[0] + bs[0] else None
 
 
 NOTHING = Transfer("none", ())  # layouts already equal
@@ -89,20 +126,32 @@ def _blocks_only(shape, mesh_shape, *layouts) -> bool:
 
 
 def _block(shape, mesh_shape, coord, placements) -> Block:
-    s, o = _compute_local_shape_and_global_offset(shape, mesh_shape, list(coord), placements)
-    return tuple(s), tuple(o)
+    """(local shape, global offset) at ``coord``: DTensor's ``_compute_local_shape_and_global_offset``,
+    by arithmetic (``vescale.placement.blocks``)."""
+    return local_block(shape, mesh_shape, coord, placements)
 
 
-def _member_coords(coord, mesh_shape, dims):
-    """Coordinates of the group's members (row-major over ``dims``), others equal to ``coord``."""
-    out = []
-    for r in range(math.prod(mesh_shape[d] for d in dims)):
+def _member_coords(coord, mesh_shape, dims, index: int | None = None):
+    """Coordinates of the group's members (row-major over ``dims``), others equal to ``coord``; with
+    ``index``, that member's only."""
+    def at(r):
         c = list(coord)
         for d in reversed(dims):
             c[d] = r % mesh_shape[d]
             r //= mesh_shape[d]
-        out.append(tuple(c))
-    return out
+        return tuple(c)
+
+    if index is not None:
+        return at(index)
+    return [at(r) for r in range(math.prod(mesh_shape[d] for d in dims))]
+
+
+def _member_index(coord, mesh_shape, dims) -> int:
+    """The row-major index of ``coord`` over ``dims`` (its place in the flattened group)."""
+    r = 0
+    for d in dims:
+        r = r * mesh_shape[d] + coord[d]
+    return r
 
 
 def _inside(inner: Block, outer: Block) -> bool:
@@ -116,51 +165,74 @@ def _grow(dims: set[int], src, dst) -> set[int]:
     return dims | {j for j, p in enumerate(src) if _is_shard_like(p) and p.dim in tensor_dims}
 
 
-def _fits(kind, shape, mesh_shape, coord, src, dst, dims) -> Transfer | None:
-    """The transfer for this coordinate over group ``dims``, if every block it needs is inside the
-    group's base block."""
-    base_pl = [Replicate() if i in dims else src[i] for i in range(len(src))]
-    base = _block(shape, mesh_shape, coord, base_pl)
-    coords = _member_coords(coord, mesh_shape, dims)
+def _replicated_on(placements, dims) -> tuple:
+    return tuple(Replicate() if i in dims else p for i, p in enumerate(placements))
+
+
+@functools.lru_cache(maxsize=4096)
+def _fits_everywhere(shape, mesh_shape, src, dst, dims) -> bool:
+    """Whether group ``dims`` serves every coordinate: each member's source and target blocks lie
+    inside the block the group shares (the base: ``src`` with ``dims`` replicated).
+
+    The base is the same for all members of a group, and every coordinate is a member of its own
+    group, so "for every coordinate, every member's blocks are inside its base" is "at every
+    coordinate, the src and dst blocks are inside the base". Containment is a set of affine
+    inequalities between offsets and sizes, so representative coordinates decide it
+    (``vescale.placement.blocks``): the cost does not grow with the mesh."""
+    base_pl = _replicated_on(src, dims)
+    for c in representative_coords(shape, mesh_shape, (src, dst, base_pl)):
+        base = _block(shape, mesh_shape, c, base_pl)
+        if not (_inside(_block(shape, mesh_shape, c, src), base) and _inside(_block(shape, mesh_shape, c, dst), base)):
+            return False
+    return True
+
+
+def _transfer(kind, shape, mesh_shape, coord, src, dst, dims) -> Transfer:
+    """The transfer at this rank's coordinate over group ``dims`` (one that ``_fits_everywhere``)."""
+    base = _block(shape, mesh_shape, coord, _replicated_on(src, dims))
     own = _block(shape, mesh_shape, coord, src)
     out = _block(shape, mesh_shape, coord, dst)
-    members = tuple(_block(shape, mesh_shape, c, dst if kind == "reduce_scatter" else src) for c in coords)
-    if not (all(_inside(m, base) for m in members) and _inside(out, base) and _inside(own, base)):
-        return None
-    row = max(math.prod(m[0]) for m in members)
+    member_pl = dst if kind == "reduce_scatter" else src
+    count = math.prod(mesh_shape[d] for d in dims)
+    reps = representative_coords(shape, mesh_shape, (member_pl,), dims=dims, fixed=coord)
+    blocks = [(c, _block(shape, mesh_shape, c, member_pl)) for c in reps]
+    row = max(math.prod(b[0]) for _, b in blocks)  # sizes are alike between representatives
     contributes = all(coord[i] == 0 for i in dims if isinstance(src[i], Replicate))
-    return Transfer(kind, dims, base, own, out, members, row, contributes, _even(base, members))
+    first = _block(shape, mesh_shape, _member_coords(coord, mesh_shape, dims, 0), member_pl)
+    even = _even(base, first, count, ((_member_index(c, mesh_shape, dims), b) for c, b in blocks))
+    return Transfer(kind, dims, base, own, out, count, row, contributes, even,
+                    where=(shape, mesh_shape, tuple(coord), member_pl))
 
 
 @functools.lru_cache(maxsize=4096)
 def _group_dims(kind, shape, mesh_shape, src, dst, forced) -> tuple[int, ...] | None:
-    """The group of the collective: the same on every rank (checked at every coordinate), or a
-    rank could pick another collective than its peers."""
+    """The group of the collective: the same on every rank (it serves every coordinate), or a rank
+    could pick another collective than its peers."""
     changed = {i for i in range(len(src)) if src[i] != dst[i]}
     if forced is not None and not changed <= set(forced):
         return None
-    coords = list(itertools.product(*(range(n) for n in mesh_shape)))
     for dims in ((set(forced),) if forced is not None else (changed, _grow(changed, src, dst))):
         dims_t = tuple(sorted(dims))
-        if all(_fits(kind, shape, mesh_shape, c, src, dst, dims_t) is not None for c in coords):
+        if _fits_everywhere(shape, mesh_shape, src, dst, dims_t):
             return dims_t
     return None
 
 
 def _plan(kind, shape, mesh_shape, coord, src, dst, forced=None) -> Transfer | None:
     dims = _group_dims(kind, shape, mesh_shape, src, dst, forced)
-    return None if dims is None else _fits(kind, shape, mesh_shape, coord, src, dst, dims)
+    return None if dims is None else _transfer(kind, shape, mesh_shape, coord, src, dst, dims)
 
 
-def _even(base: Block, members) -> bool:
-    """Members' blocks are equal consecutive dim-0 slices that tile the base block exactly."""
-    (bs, bo) = base
-    at = bo[0] if bs else 0
-    for s, o in members:
-        if tuple(s[1:]) != tuple(bs[1:]) or tuple(o[1:]) != tuple(bo[1:]) or o[0] != at or s != members[0][0]:
-            return False
-        at += s[0]
-    return bool(bs) and at == bo[0] + bs[0]
+def _even(base: Block, first: Block, count: int, indexed_blocks) -> bool:
+    """Members' blocks are equal consecutive dim-0 slices that tile the base block exactly: member
+    ``j`` holds ``first`` moved by ``j`` of its rows along dim 0. ``indexed_blocks``: (member index,
+    block) at representative members; equalities affine in the member index, so they decide it."""
+    (bs, bo), (fs, fo) = base, first
+    if not bs or tuple(fs[1:]) != tuple(bs[1:]) or tuple(fo[1:]) != tuple(bo[1:]) or fo[0] != bo[0]:
+        return False
+    if count * fs[0] != bs[0]:
+        return False
+    return all(s == fs and o[1:] == fo[1:] and o[0] == bo[0] + j * fs[0] for j, (s, o) in indexed_blocks)
 
 
 def _fold_kept(shape, mesh_shape, src, dst, group=None) -> tuple:
@@ -278,13 +350,15 @@ def pack_rows(local: torch.Tensor, t: Transfer) -> torch.Tensor:
     if t.held[0] and t.held != t.src:
         local = local[_slices(t.src, t.held)]
     if t.even and t.contributes and t.src[0] == t.base[0]:
-        return local.reshape(len(t.members), t.row)
+        return local.reshape(t.member_count, t.row)
     base = torch.zeros(t.base[0], dtype=local.dtype, device=local.device)
     if t.contributes:
         base[_slices(t.src, t.base)] = local
     if t.even:
-        return base.reshape(len(t.members), t.row)
-    rows = torch.zeros(len(t.members), t.row, dtype=local.dtype, device=local.device)
+        return base.reshape(t.member_count, t.row)
+    rows = torch.zeros(t.member_count, t.row, dtype=local.dtype, device=local.device)
+    if t.row_lengths is not None:
+        return rows.masked_scatter_(_row_mask(t, rows.device), base.reshape(-1))
     for i, m in enumerate(t.members):
         blk = base[_slices(m, t.base)].reshape(-1)
         rows[i, : blk.numel()] = blk
@@ -309,9 +383,12 @@ def pack_gather(local: torch.Tensor, t: Transfer) -> torch.Tensor:
 def unpack_gather(rows: torch.Tensor, t: Transfer) -> torch.Tensor:
     """This rank's output block from the gathered (members, row) tensor (contiguous). Even rows that
     are the output itself (nested ZeRO shards) are returned as a view: no copy."""
-    rows = rows.view(len(t.members), t.row)
+    rows = rows.view(t.member_count, t.row)
     if t.even:
         base = rows.view(t.base[0])
+        return base if t.out == t.base else base[_slices(t.out, t.base)].contiguous()
+    if t.row_lengths is not None:
+        base = rows[_row_mask(t, rows.device)].view(t.base[0])
         return base if t.out == t.base else base[_slices(t.out, t.base)].contiguous()
     # Only the output block is assembled, from the part of each member's block inside it.
     out = torch.empty(t.out[0], dtype=rows.dtype, device=rows.device)
@@ -320,6 +397,16 @@ def unpack_gather(rows: torch.Tensor, t: Transfer) -> torch.Tensor:
         if common is not None:
             out[_slices(common, t.out)] = rows[i, : math.prod(m[0])].view(m[0])[_slices(common, m)]
     return out
+
+
+def _row_mask(t: Transfer, device) -> torch.Tensor:
+    """(members, row) booleans: the first ``row_lengths[i]`` entries of row ``i`` (the data; the rest
+    is padding). In row-major order they are the base block's elements, in order."""
+    lengths = t.__dict__.setdefault("_lengths_on", {})  # row_lengths per device, copied once
+    on = lengths.get(device)
+    if on is None:
+        on = lengths[device] = t.row_lengths.to(device)[:, None]
+    return torch.arange(t.row, device=device) < on
 
 
 def _intersection(a: Block, b: Block) -> Block | None:

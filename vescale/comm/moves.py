@@ -33,6 +33,7 @@ from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from torch.distributed.tensor.placement_types import _is_shard_like, _StridedShard
 
 from ..dispatch.metas import spec_of
+from ..placement.blocks import dim_ranges, is_blockwise, representative_coords
 from ..placement import splits
 from . import direct
 
@@ -50,7 +51,7 @@ def _single_dim_move(src: DTensorSpec, dst: DTensorSpec, i: int) -> Optional[Loc
     even case (then DTensor's own redistribution runs)."""
     a, b = src.placements[i], dst.placements[i]
     mesh = src.mesh
-    n, rank = mesh.size(i), mesh.get_local_rank(i)
+    n = mesh.size(i)
     group = mesh.get_group(i)
     every = (*src.placements, *dst.placements)
     if any(type(p) not in (Shard, Replicate, Partial) for p in every):
@@ -68,8 +69,6 @@ def _single_dim_move(src: DTensorSpec, dst: DTensorSpec, i: int) -> Optional[Loc
         return lambda t: _all_reduce(t, group)
     if _is_sum(a) and type(b) is Shard:
         return lambda t, d=b.dim: direct.reduce_scatter_dim(t, d, group)
-    if type(a) is Replicate and type(b) is Shard:
-        return lambda t, d=b.dim: t.chunk(n, d)[rank].contiguous()
     return None
 
 
@@ -108,6 +107,10 @@ def compile_move(src: DTensorSpec, dst: DTensorSpec) -> Optional[LocalFn]:
     changed = [i for i, (a, b) in enumerate(zip(src.placements, dst.placements)) if a != b and src.mesh.size(i) > 1]
     if not changed:
         return None
+    if all(src.placements[i].is_replicate() and _is_shard_like(dst.placements[i]) for i in changed):
+        fn = _local_selection(src, dst)
+        if fn is not None:
+            return fn
     if len(changed) == 1:
         fn = _single_dim_move_for(src, dst, changed[0])
         if fn is not None:
@@ -116,6 +119,90 @@ def compile_move(src: DTensorSpec, dst: DTensorSpec) -> Optional[LocalFn]:
     if steps is not None:
         return _chain(src, steps)
     return lambda t: redistribute_local_tensor(t.contiguous(), src, dst)
+
+
+def _default_order(spec: DTensorSpec) -> bool:
+    return spec.use_strided_shard_as_shard_order or spec.shard_order == DTensorSpec.compute_default_shard_order(spec.placements)
+
+
+def _local_selection(src: DTensorSpec, dst: DTensorSpec) -> Optional[LocalFn]:
+    """A move that only shards Replicate mesh dims: this rank's target piece is a part of its source
+    piece, picked by arithmetic on the two layouts (``vescale.placement.blocks``) at this rank's
+    coordinate. DTensor's own ``Replicate -> Shard`` cuts the local tensor into as many chunks as the
+    mesh dim has ranks to keep one (a view per rank: time that grows with the world); this costs a
+    ``narrow`` per sharded tensor dim (a ``cat`` of narrows for an ``InterleavedShard``'s sections).
+    None where the target piece is not inside the source piece (DTensor's path then runs)."""
+    if not (_default_order(src) and _default_order(dst)):
+        return None
+    coord = src.mesh.get_coordinate()
+    shape, mesh_shape = tuple(src.shape), tuple(src.mesh.shape)
+    if coord is None or not picks_everywhere(shape, mesh_shape, tuple(src.placements), tuple(dst.placements)):
+        return None  # the same answer on every rank: none may run DTensor's collectives alone
+    return functools.partial(select, picks=local_picks(shape, mesh_shape, coord, src.placements, dst.placements))
+
+
+@functools.lru_cache(maxsize=4096)
+def picks_everywhere(shape, mesh_shape, src, dst) -> bool:
+    """Whether every coordinate's ``dst`` piece is inside its ``src`` piece (``local_picks`` finds
+    it at each), decided without looking at every rank: a tensor dim ``src`` does not split is
+    whole on every rank; one it splits must be one block in both layouts, and block containment is
+    decided at representative coordinates (``vescale.placement.blocks``)."""
+    split = {p.dim for p in src if _is_shard_like(p)} & {p.dim for p in dst if _is_shard_like(p)}
+    if not split:
+        return True
+    if not (is_blockwise(shape, mesh_shape, src) and is_blockwise(shape, mesh_shape, dst)):
+        return False
+    for c in representative_coords(shape, mesh_shape, (src, dst)):
+        for d in split:
+            (s, n), = dim_ranges(shape[d], d, mesh_shape, c, src) or ((shape[d], 0),)
+            want = dim_ranges(shape[d], d, mesh_shape, c, dst)
+            if want and not (s <= want[0][0] and want[0][0] + want[0][1] <= s + n):
+                return False
+    return True
+
+
+def local_picks(shape, mesh_shape, coord, src, dst) -> tuple | None:
+    """Per tensor dim that changes, the position ranges of the local tensor laid out as ``src`` at
+    ``coord`` that hold its piece under ``dst``; None if that piece is not inside it."""
+    picks = []
+    for d in sorted({p.dim for p in dst if _is_shard_like(p)}):
+        have = dim_ranges(shape[d], d, mesh_shape, coord, src)
+        want = dim_ranges(shape[d], d, mesh_shape, coord, dst)
+        if have == want:
+            continue
+        positions = _positions(have, want)
+        if positions is None:
+            return None
+        picks.append((d, tuple(positions)))
+    return tuple(picks)
+
+
+def _positions(have, want):
+    """Where the global index ranges ``want`` sit in a local tensor holding ``have`` (both in local
+    order), as position ranges; None if some index of ``want`` is not held."""
+    out = []
+    for g, n in want:
+        at = 0
+        for s, m in have:
+            if s <= g and g + n <= s + m:
+                out.append((at + g - s, n))
+                break
+            at += m
+        else:
+            return None
+    return out
+
+
+def select(t: torch.Tensor, picks) -> torch.Tensor:
+    """The part of ``t`` that ``local_picks`` names (contiguous)."""
+    for d, positions in picks:
+        if len(positions) == 1:
+            t = t.narrow(d, *positions[0])
+        elif not positions:
+            t = t.narrow(d, 0, 0)
+        else:
+            t = torch.cat([t.narrow(d, s, n) for s, n in positions], dim=d)
+    return t.contiguous()
 
 
 @functools.lru_cache(maxsize=4096)

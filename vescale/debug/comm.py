@@ -37,6 +37,11 @@ _KINDS = {
 }
 
 
+def _dtype(tree) -> torch.dtype | None:
+    """The dtype of the first tensor in ``tree`` (the data a collective moves)."""
+    return next((t.dtype for t in tree_leaves(tree) if isinstance(t, torch.Tensor)), None)
+
+
 def _nbytes(tree) -> int:
     """Bytes of the largest tensor in ``tree`` (args or results of one collective): the gathered
     output of an all-gather, the input of a reduce-scatter, the buffer of an all-reduce."""
@@ -45,12 +50,15 @@ def _nbytes(tree) -> int:
 
 class CollectiveCounter(TorchDispatchMode):
     """``with CollectiveCounter() as c: ...`` then ``c.counts`` ({kind: n}), ``c.total`` and
-    ``c.nbytes`` ({kind: bytes}; per collective, its largest buffer: see ``_nbytes``)."""
+    ``c.nbytes`` ({kind: bytes}; per collective, its largest buffer: see ``_nbytes``) and
+    ``c.dtypes`` ({(kind, dtype): n}: the dtype of the data each collective moves, e.g. to check a
+    mixed-precision policy's gather and reduction dtypes)."""
 
     def __init__(self):
         super().__init__()
         self.counts: collections.Counter = collections.Counter()
         self.nbytes: collections.Counter = collections.Counter()
+        self.dtypes: collections.Counter = collections.Counter()
 
     @property
     def total(self) -> int:
@@ -72,6 +80,7 @@ class CollectiveCounter(TorchDispatchMode):
             if kind is not None:
                 out = func(*args, **(kwargs or {}))
                 self.counts[kind] += 1
+                self.dtypes[(kind, _dtype((args, kwargs)))] += 1
                 self.nbytes[kind] += max(_nbytes((args, kwargs)), _nbytes(out), direct.meant_nbytes() if meant else 0)
                 return out
         return func(*args, **(kwargs or {}))

@@ -29,9 +29,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from .. import random as vescale_random
+from ..placement.blocks import local_shape_and_offset
 from .build import DrawAtRecordedOffsets, rebuildable, record_build
 
 __all__ = ["DeferredInitError", "has_meta", "init_entry_point", "materialize", "empty_shard"]
@@ -56,7 +56,7 @@ def init_entry_point(model: nn.Module) -> str | None:
 
 def empty_shard(shape, dtype, mesh: DeviceMesh, placements, fill=float("nan")) -> DTensor:
     """A DTensor of global ``shape`` whose local tensor is this rank's shard only, filled with ``fill``."""
-    local_shape, _ = compute_local_shape_and_global_offset(shape, mesh, placements, skip_offset=True)
+    local_shape, _ = local_shape_and_offset(shape, mesh, placements, skip_offset=True)
     local = torch.full(local_shape, fill, dtype=dtype, device=mesh.device_type)
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)

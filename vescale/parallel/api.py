@@ -29,6 +29,7 @@ from .experts import install_expert_parallel
 from .zero import GatherScheduler
 from .placing import place
 from .state import attach_state_dict_hooks
+from ..precision import MixedPrecision, PolicyHooks
 
 __all__ = ["parallelize", "explain"]
 
@@ -108,6 +109,7 @@ def parallelize(
     check_inputs: str = "auto",
     check_steps: bool = True,
     strict: bool = False,
+    mixed_precision: MixedPrecision | None = None,
 ) -> nn.Module:
     """Parallelise ``model`` in place according to ``plan`` on ``mesh`` and return it.
 
@@ -150,10 +152,26 @@ def parallelize(
     others did not makes every rank raise ``OutOfStepError`` naming it. ``check_steps=False`` turns
     it off.
 
+    ``mixed_precision=vescale.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``:
+    modules compute with their parameters cast to ``param_dtype`` (ZeRO-3 gathers the cast shard:
+    half the bytes of fp32), gradients are reduced in ``reduce_dtype``, and the parameters (fp32
+    masters), ``param.grad``, optimizer state and checkpoints keep the parameters' dtype. The
+    single-device reference is ``vescale.apply_mixed_precision(model, policy)``; see ``vescale.precision``.
+
     ``strict=True``: refuse a plan that does nothing on some mesh dim of size > 1 (no parameter
     sharded and no activation split there; see ``vescale.explain``'s report), e.g. a DP dim whose
     batch statement names no real input.
     """
+    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+        raise TypeError(
+            f"parallelize: mixed_precision must be a vescale.MixedPrecision, got {type(mixed_precision).__name__}; "
+            "e.g. vescale.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)"
+        )
+    if getattr(model, "_vescale_ir", None) is None and getattr(model, "_vescale_mixed_precision", None) is not None:
+        raise ValueError(
+            "parallelize: the model has a policy from vescale.apply_mixed_precision (the single-device "
+            "reference); build a fresh model and pass the policy as parallelize(..., mixed_precision=...)"
+        )
     if mode not in ("eager", "static"):
         raise ValueError(f"parallelize: mode must be 'eager' or 'static', got {mode!r}")
     if getattr(model, "_vescale_ir", None) is not None:
@@ -182,8 +200,8 @@ def parallelize(
     reducer = scheduler = None
     if bucket_mb is not None:
         prepare_groups(mesh)  # collective: every rank makes the flattened groups, in one order
-        reducer = GradReducer(mesh, bucket_mb, fuse_dims)
-        scheduler = GatherScheduler(mesh, reducer, prefetch)
+        reducer = GradReducer(mesh, bucket_mb, fuse_dims, mixed_precision)
+        scheduler = GatherScheduler(mesh, reducer, prefetch, mixed_precision)
     enable_implicit_replication()
     # Random ops on the model's DTensors draw single-device numbers (and refuse to run, with a
     # message, until vescale.manual_seed is called) instead of the same numbers on every rank.
@@ -202,7 +220,7 @@ def parallelize(
         per_module.setdefault(mpath, {})[hook] = entries
     gathered_modules = {}  # path -> (gather entries, hook ids) of modules whose plan hooks only gather
     for mpath, hook_entries in per_module.items():
-        installed = install_module_hooks(modules[mpath], mpath, hook_entries, mesh, scheduler)
+        installed = install_module_hooks(modules[mpath], mpath, hook_entries, mesh, scheduler, mixed_precision)
         handles += installed
         gathers = gather_only(hook_entries) if scheduler is not None else None
         if gathers is not None:
@@ -210,12 +228,18 @@ def parallelize(
     handles += install_expert_parallel(model, plan, mesh)  # after the gathers: it sees RUN params
     local_handles, scopes = install_batch_local(model, plan, mesh)  # after the gathers too
     handles += local_handles
-    handles += attach_grad_reduction(model.parameters(), reducer)
+    handles += attach_grad_reduction(model.parameters(), reducer, mixed_precision)
     handles += attach_state_dict_hooks(model)  # DCP-describable layouts for InterleavedShard tensors
+    plan_hooks = frozenset(h.id for h in handles)
+    policy_hooks = None if mixed_precision is None else PolicyHooks(model, mixed_precision)
+    if policy_hooks is not None:  # after the plan's hooks: the casts see what they left (ZeRO-3 copies)
+        handles += policy_hooks.install_casts()
     if mode == "static":
         from ..static import install_static
 
-        handles += install_static(model, plan, ir, frozenset(h.id for h in handles), scheduler, gathered_modules, scopes)
+        handles += install_static(model, plan, ir, plan_hooks, scheduler, gathered_modules, scopes)
+    if policy_hooks is not None:  # last: the masters go back after every other hook is done
+        handles += policy_hooks.install_restores()
 
     model._vescale_ir = ir
     model._vescale_mesh = mesh
@@ -223,4 +247,5 @@ def parallelize(
     model._vescale_reducer = reducer
     model._vescale_step_check = step_check
     model._vescale_gathers = scheduler
+    model._vescale_mixed_precision = mixed_precision
     return model

@@ -252,11 +252,12 @@ def gather_only(hook_entries: dict[str, list[Entry]]) -> list[Entry] | None:
 
 
 def install_module_hooks(
-    module: nn.Module, path: str, hook_entries: dict[str, list[Entry]], mesh: DeviceMesh, scheduler=None
+    module: nn.Module, path: str, hook_entries: dict[str, list[Entry]], mesh: DeviceMesh, scheduler=None, policy=None
 ) -> list:
     """Install the fused hooks of one module; returns the handles. ``scheduler``: the model's
     ``GatherScheduler`` (bucketed mode: unit gathers with prefetch, gradients to the reducer), or
-    None for the per-tensor path."""
+    None for the per-tensor path. ``policy``: a ``vescale.MixedPrecision`` (per-tensor gathers in
+    its compute dtype; the scheduler has its own), or None."""
     gathers = [e for e in hook_entries.get("forward_pre", []) if e.action == "gather"]
     inputs = [e for e in hook_entries.get("forward_pre", []) if e.action in ("redist", "annotate")]
     outputs = hook_entries.get("forward", [])
@@ -274,7 +275,7 @@ def install_module_hooks(
         else:
             for e in gathers:
                 store = mod._parameters if e.tensor in mod._parameters else mod._buffers
-                live.append(per_tensor_gather(store[e.tensor], mesh, e.targets))
+                live.append(per_tensor_gather(store[e.tensor], mesh, e.targets, policy))
         for e, g in zip(gathers, live):
             store = mod._parameters if e.tensor in mod._parameters else mod._buffers
             store[e.tensor] = g.value  # the forward sees the gathered tensor

@@ -54,7 +54,9 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ..comm import moves
 from ..comm.gather import GatherProgram, GroupGather, gather
+from ..comm.grad import _in_dtype
 from ..comm.layout import NOTHING
+from ..precision import compute_dtype_of, reduce_dtype_of
 
 __all__ = ["GatheredParam", "GatherScheduler", "unit_of", "per_tensor_gather", "next_forward"]
 
@@ -78,18 +80,22 @@ class GatheredParam:
     the end of backward.
     """
 
-    def __init__(self, param: DTensor, mesh: DeviceMesh, run_placements, reducer=None, local=None):
+    def __init__(self, param: DTensor, mesh: DeviceMesh, run_placements, reducer=None, local=None, policy=None):
         self.param, self.mesh, self.run_placements = param, mesh, tuple(run_placements)
         self.reducer = reducer
         self.forward = _forward[0]  # the root forward it was gathered in (per-tensor sharing)
+        # Mixed precision (a vescale.MixedPrecision): gathered in the compute dtype, the shard cast
+        # before the collective; its gradient is reduced in the policy's reduce dtype.
+        self.policy = policy
+        self.dtype = compute_dtype_of(policy, param)
         if reducer is None:
-            self.value: DTensor = _redistributed(param, mesh, self.run_placements)
+            self.value: DTensor = _redistributed(param, mesh, self.run_placements, self.dtype, reduce_dtype_of(policy, param))
         else:
             if local is None:
-                local = gather(param, mesh, self.run_placements, reducer.stats)._local_tensor
+                local = gather(param, mesh, self.run_placements, reducer.stats, self.dtype)._local_tensor
             # A leaf DTensor over the gathered local tensor, with the spec made once per parameter
             # (from_local would build and hash a new spec and an autograd node on every call).
-            self.value = DTensor(local, _run_spec(param, mesh, self.run_placements), requires_grad=False)
+            self.value = DTensor(local, _run_spec(param, mesh, self.run_placements, self.dtype), requires_grad=False)
             if param.requires_grad:
                 self.value.requires_grad_(True)
                 self.value.register_post_accumulate_grad_hook(self._grad_hook())
@@ -100,11 +106,12 @@ class GatheredParam:
         self.owns_storage = storage.data_ptr() != param._local_tensor.untyped_storage().data_ptr()
 
     @classmethod
-    def slot(cls, param: DTensor, mesh: DeviceMesh, run_placements, reducer, shape) -> "GatheredParam":
+    def slot(cls, param: DTensor, mesh: DeviceMesh, run_placements, reducer, shape, policy=None) -> "GatheredParam":
         """A gathered parameter kept from step to step (bucketed mode): its leaf, hook and spec are
         made once, its storage is allocated only while gathered (``refill_target``) and freed as
         any gathered copy's is, and a static step's plain leaf over it is made once too."""
-        g = cls(param, mesh, run_placements, reducer, param._local_tensor.new_empty(shape))
+        local = param._local_tensor.new_empty(shape, dtype=compute_dtype_of(policy, param))
+        g = cls(param, mesh, run_placements, reducer, local, policy)
         g.free()
         return g
 
@@ -124,9 +131,9 @@ class GatheredParam:
         if fresh is None:
             with torch.no_grad():
                 if self.reducer is None:
-                    fresh = self.param.redistribute(self.mesh, self.run_placements)._local_tensor
+                    fresh = _cast(self.param, self.dtype).redistribute(self.mesh, self.run_placements)._local_tensor
                 else:
-                    fresh = gather(self.param, self.mesh, self.run_placements, self.reducer.stats)._local_tensor
+                    fresh = gather(self.param, self.mesh, self.run_placements, self.reducer.stats, self.dtype)._local_tensor
         self.refill_target().copy_(fresh)
 
     def refill_target(self) -> torch.Tensor:
@@ -167,17 +174,42 @@ class GatheredParam:
             gathered.remove(self)
 
 
-def _redistributed(param: DTensor, mesh: DeviceMesh, placements: tuple) -> DTensor:
+def _redistributed(param: DTensor, mesh: DeviceMesh, placements: tuple, dtype=None, reduce_dtype=None) -> DTensor:
     """Per-tensor mode: ``param`` redistributed to its RUN placements, autograd-tracked, with
     ``vescale.comm.moves``' backward, which takes the gradient to the at-rest layout one split at a
     time where DTensor's own backward would get it wrong (a fused bias's interleaved gradient into
-    its nested ZeRO shard). Over mesh dims of one rank DTensor's redistribute aliases the shard."""
+    its nested ZeRO shard). Over mesh dims of one rank DTensor's redistribute aliases the shard.
+    Mixed precision (``dtype`` other than the parameter's): ``_CastGather``."""
+    if dtype is not None and dtype != param.dtype:
+        return _CastGather.apply(param, placements, dtype, reduce_dtype or dtype)
     if all(a == b or mesh.size(i) == 1 for i, (a, b) in enumerate(zip(param.placements, placements))):
         return param.redistribute(mesh, placements)
     return moves.redistribute(param, placements)
 
 
-def per_tensor_gather(param: DTensor, mesh: DeviceMesh, run_placements) -> GatheredParam:
+def _cast(param: DTensor, dtype: torch.dtype) -> DTensor:
+    return param if dtype == param.dtype else param.to(dtype)
+
+
+class _CastGather(torch.autograd.Function):
+    """Per-tensor mode under mixed precision: the shard cast to the compute dtype, then gathered
+    (the collective moves the compute dtype's bytes); backward casts the gradient to the reduce
+    dtype before it is reduced to the shard's layout (``moves.relayout``) and hands it back in the
+    parameter's dtype. (Autograd would hand a redistribution's backward the gradient in its
+    forward's dtype: reducing in another dtype needs one node for the whole gather.)"""
+
+    @staticmethod
+    def forward(ctx, param: DTensor, placements: tuple, dtype: torch.dtype, reduce_dtype: torch.dtype):
+        ctx.placements, ctx.dtype, ctx.reduce_dtype = tuple(param.placements), param.dtype, reduce_dtype
+        return _redistributed(_cast(param.detach(), dtype), param.device_mesh, placements)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):
+        grad = moves.relayout(_in_dtype(grad, ctx.reduce_dtype), ctx.placements)
+        return _in_dtype(grad, ctx.dtype), None, None, None
+
+
+def per_tensor_gather(param: DTensor, mesh: DeviceMesh, run_placements, policy=None) -> GatheredParam:
     """Per-tensor mode: ``param``'s gathered copy for this use. Uses within one training forward
     (a tied parameter's modules, a module called twice) share one copy, gathered again in place
     if it was freed in between: one autograd node, so the contributions are summed before its one
@@ -187,18 +219,18 @@ def per_tensor_gather(param: DTensor, mesh: DeviceMesh, run_placements) -> Gathe
     if g is not None and g.forward == _forward[0] and g.run_placements == run and torch.is_grad_enabled():
         g.refill()
         return g
-    g = GatheredParam(param, mesh, run)
+    g = GatheredParam(param, mesh, run, policy=policy)
     if torch.is_grad_enabled():
         param.__dict__["_vescale_shared_gather"] = g
     return g
 
 
-def _run_spec(param: DTensor, mesh: DeviceMesh, placements: tuple) -> DTensorSpec:
+def _run_spec(param: DTensor, mesh: DeviceMesh, placements: tuple, dtype: torch.dtype) -> DTensorSpec:
     cached = getattr(param, "_vescale_run_spec", None)
     if cached is None or (cached.placements is not placements and cached.placements != placements) or (
         cached.mesh is not mesh and cached.mesh != mesh
-    ):
-        meta = TensorMeta(param.shape, param.stride(), param.dtype)
+    ) or cached.tensor_meta.dtype != dtype:
+        meta = TensorMeta(param.shape, param.stride(), dtype)
         cached = param._vescale_run_spec = DTensorSpec(mesh, placements, tensor_meta=meta)
     return cached
 
@@ -213,8 +245,9 @@ def unit_of(path: str) -> str:
 class GatherScheduler:
     """Unit gathers with one-unit-ahead prefetch, in forward and backward (bucketed mode)."""
 
-    def __init__(self, mesh: DeviceMesh, reducer, prefetch: bool = True):
+    def __init__(self, mesh: DeviceMesh, reducer, prefetch: bool = True, policy=None):
         self.mesh, self.reducer, self.prefetch = mesh, reducer, prefetch
+        self.policy = policy  # mixed precision: units gathered in the compute dtype
         self.units: dict[str, list[tuple[nn.Module, str, tuple]]] = {}
         self.order: list[str] = []  # units in first-use order of the last forward
         self.bwd_order: list[str] = []  # units in refill order of the last backward
@@ -295,13 +328,13 @@ class GatherScheduler:
         """The unit's slots: one per parameter of its collectives that takes a gradient (a frozen
         one is gathered afresh each time, dropped after its last use as before)."""
         held = self._slots.get(unit)
-        if held is None or held[0] is not gg.program or not _slots_fit(held[1], gg.items):
+        if held is None or held[0] is not gg.program or not _slots_fit(held[1], gg.items, gg.program.dtypes):
             slots: list = [None] * len(gg.items)
             for c in gg.program.collectives:
                 for i, t in zip(c.idx, c.plans):
                     p, run = gg.items[i]
                     if p.requires_grad:
-                        slots[i] = GatheredParam.slot(p, self.mesh, run, self.reducer, t.out[0])
+                        slots[i] = GatheredParam.slot(p, self.mesh, run, self.reducer, t.out[0], self.policy)
             held = self._slots[unit] = (gg.program, slots)
         return held[1]
 
@@ -321,7 +354,8 @@ class GatherScheduler:
     def _gather(self, unit: str, direction: str, items: list) -> GroupGather:
         program = self._programs.get((unit, direction))
         if program is None or not program.matches(items):
-            program = self._programs[(unit, direction)] = GatherProgram(items, self.mesh)
+            dtype_of = None if self.policy is None else self.policy.compute_dtype
+            program = self._programs[(unit, direction)] = GatherProgram(items, self.mesh, dtype_of)
         return GroupGather(items, self.mesh, self.reducer.stats, program)
 
     def take(self, module: nn.Module, path: str, entries) -> list[GatheredParam]:
@@ -352,7 +386,7 @@ class GatherScheduler:
         for e in entries:
             got = ready.pop((id(module), e.tensor), None)  # None: called again; gathered alone
             if not isinstance(got, GatheredParam):
-                raw, got = got, GatheredParam(_stored(module, e.tensor), self.mesh, e.targets, self.reducer, got)
+                raw, got = got, GatheredParam(_stored(module, e.tensor), self.mesh, e.targets, self.reducer, got, self.policy)
                 if raw is not None:  # other modules holding the parameter take this copy too
                     for k, x in ready.items():
                         if x is raw:
@@ -427,11 +461,12 @@ def _awaited(g: GatheredParam) -> bool:
     return not g.resident and g in getattr(g.param, "_vescale_gathered", ())
 
 
-def _slots_fit(slots: list, items: list) -> bool:
-    """The slots still stand for the parameters: same dtype, and none for a parameter frozen since
-    they were made (a parameter unfrozen since gets one when they are made again: a new program)."""
-    for g, (p, _) in zip(slots, items):
-        if g is not None and (not p.requires_grad or g.value.dtype != p.dtype):
+def _slots_fit(slots: list, items: list, dtypes: list) -> bool:
+    """The slots still stand for the parameters: the dtype they are gathered in, and none for a
+    parameter frozen since they were made (a parameter unfrozen since gets one when they are made
+    again: a new program)."""
+    for g, (p, _), dtype in zip(slots, items, dtypes):
+        if g is not None and (not p.requires_grad or g.value.dtype != dtype):
             return False
     return True
 

@@ -34,14 +34,13 @@ take such moves one split at a time, each of them one DTensor gets right.
 
 from __future__ import annotations
 
-import functools
-import itertools
 import math
 
 import torch
 from torch.distributed.tensor import Placement, Shard
 from torch.distributed.tensor.placement_types import _is_shard_like
 
+from .blocks import is_blockwise
 from .interleaved import InterleavedShard
 
 __all__ = ["nest_zero_shards", "blockwise", "shard_indices", "splits"]
@@ -84,21 +83,14 @@ def shard_indices(size: int, dim: int, mesh_shape, coord, placements) -> torch.T
     return index.reshape(-1)
 
 
-@functools.lru_cache(maxsize=4096)
 def blockwise(shape: tuple, mesh_shape: tuple, placements: tuple[Placement, ...]) -> bool:
     """Whether every rank's shard is one contiguous block of the global tensor (consecutive global
     indices along every dim). True for Shard/Replicate/Partial layouts and for ``nest_zero_shards``'
-    layouts; False for an ``InterleavedShard`` of fused sections."""
+    layouts; False for an ``InterleavedShard`` of fused sections. Decided by arithmetic at a few
+    representative coordinates (``vescale.placement.blocks``), not rank by rank."""
     if not any(_is_shard_like(p) and type(p) is not Shard for p in placements):
         return True  # plain Shard splits are always blocks
-    dims = {p.dim for p in placements if _is_shard_like(p)}
-    for coord in itertools.product(*(range(n) for n in mesh_shape)):
-        for d in dims:
-            idx = shard_indices(shape[d], d, mesh_shape, coord, placements)
-            if idx.numel() > 1 and not bool((idx.diff() == 1).all()):
-                return False
-    return True
-
+    return is_blockwise(tuple(shape), tuple(mesh_shape), tuple(placements))
 
 
 def splits(placements: tuple, mesh_shape: tuple) -> tuple | None:

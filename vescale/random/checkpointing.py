@@ -13,16 +13,34 @@ where the generator stands and whether ``consistent()`` is on; around the recomp
 the generator there (and back afterwards) and turns ``consistent()`` on again if it was. A random
 op that runs during backward without it raises (``generator.reserve``) rather than drawing other
 numbers.
+
+Other state a recomputation must find as the region's forward left it registers here
+(``listen_to_regions``): Static Eager mode's runtime notes which module body ran the region and where
+its random replay and local calls stood (``vescale.static.recompute``). ``checkpoint_context(policy=...)``
+adds PyTorch's selective checkpointing (``create_selective_checkpoint_contexts``) to the same region.
 """
 
 from __future__ import annotations
+
+import weakref
 
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from vescale.random import generator
 from vescale.random.consistent import _ConsistentMode
 
-__all__ = ["checkpoint_context"]
+__all__ = ["checkpoint_context", "listen_to_regions"]
+
+# Objects with ``region_start()``, called as each checkpointed region's forward begins: it returns
+# None or a ``RegionState`` (``forward_done()`` when the region's forward ends, ``recompute()`` a
+# context manager entered around its recomputation). Weak: a dropped model takes its runtime along.
+_listeners: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def listen_to_regions(listener) -> None:
+    """Have ``listener.region_start()`` called at the start of every checkpointed region's forward
+    run under ``checkpoint_context`` (vescale.static's runtime registers itself)."""
+    _listeners.add(listener)
 
 
 def _consistent_on() -> bool:
@@ -35,13 +53,16 @@ class _RegionStart:
     def __init__(self):
         self.at: tuple | None = None
         self.consistent = False
+        self.states: list = []  # the listeners' RegionStates for this region
 
     def __enter__(self):
         self.at = (generator._state.seed, generator._state.offset)
         self.consistent = _consistent_on()
+        self.states = [s for s in (listener.region_start() for listener in list(_listeners)) if s is not None]
 
     def __exit__(self, *exc) -> None:
-        pass
+        for state in self.states:
+            state.forward_done()
 
 
 class _Replay:
@@ -50,6 +71,7 @@ class _Replay:
 
     def __init__(self, start: _RegionStart):
         self.start, self.saved, self.mode = start, None, None
+        self.recomputes: list = []
 
     def __enter__(self):
         if self.start.at is None:
@@ -61,8 +83,14 @@ class _Replay:
         if self.start.consistent and not _consistent_on():
             self.mode = _ConsistentMode()
             self.mode.__enter__()
+        self.recomputes = [s.recompute() for s in self.start.states]
+        for r in self.recomputes:
+            r.__enter__()
 
     def __exit__(self, *exc) -> None:
+        for r in reversed(self.recomputes):
+            r.__exit__(*exc)
+        self.recomputes = []
         if self.mode is not None:
             self.mode.__exit__(*exc)
             self.mode = None
@@ -71,12 +99,45 @@ class _Replay:
         state.replaying -= 1
 
 
-def checkpoint_context() -> tuple[_RegionStart, _Replay]:
+class _Both:
+    """Two context managers as one: entered in order, exited in reverse."""
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+    def __enter__(self):
+        self.first.__enter__()
+        try:
+            self.second.__enter__()
+        except BaseException:
+            self.first.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.second.__exit__(*exc)
+        finally:
+            self.first.__exit__(*exc)
+
+
+def checkpoint_context(policy=None) -> tuple:
     """``context_fn`` for ``torch.utils.checkpoint`` (``use_reentrant=False``): a checkpointed
-    region's recomputation draws the numbers its forward drew from vescale's generator.
+    region's recomputation draws the numbers its forward drew from vescale's generator (and, in
+    Static Eager mode, runs from the state its forward started in: ``vescale.static.recompute``).
 
     ``torch.utils.checkpoint.checkpoint(fn, x, use_reentrant=False, context_fn=checkpoint_context)``;
     for HuggingFace models ``model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=
-    {"use_reentrant": False, "context_fn": vescale.random.checkpoint_context})``."""
+    {"use_reentrant": False, "context_fn": vescale.random.checkpoint_context})``.
+
+    ``policy``: selective checkpointing, PyTorch's ``create_selective_checkpoint_contexts(policy)``
+    in the same region (a policy function or a list of ops to save):
+    ``context_fn=functools.partial(vescale.random.checkpoint_context, policy=policy_fn)``."""
     start = _RegionStart()
-    return start, _Replay(start)
+    forward, recompute = start, _Replay(start)
+    if policy is not None:
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        sac_forward, sac_recompute = create_selective_checkpoint_contexts(policy)
+        forward, recompute = _Both(forward, sac_forward), _Both(recompute, sac_recompute)
+    return forward, recompute

@@ -29,10 +29,11 @@ import torch
 import torch.distributed.tensor._random as dtensor_random
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor.placement_types import Partial, _is_shard_like
+from torch.distributed.tensor.placement_types import Partial
 
 from vescale.dispatch import install_semantic_handlers
 from vescale.dispatch.metas import contiguous_strides
+from vescale.placement.blocks import dim_ranges
 from vescale.random import kernel, ops
 
 __all__ = ["VescaleRNGTracker", "install", "uninstall", "is_installed", "local_indices", "handle_random_op"]
@@ -55,30 +56,22 @@ def local_indices(spec: DTensorSpec, coordinate: Sequence[int] | None = None) ->
     """Per tensor dimension, the global indices (int64, in local order) of the block held at mesh
     ``coordinate`` (default: this rank's), or None when this rank is not in the mesh.
 
-    Shards an ``arange`` per dimension with each placement's own ``_select_split_tensor``, in the
-    order ``distribute_tensor`` applies placements, so the result is DTensor's layout by construction.
-    """
+    DTensor's layout by arithmetic (``vescale.placement.blocks.dim_ranges``: each placement's own
+    split, in the order ``distribute_tensor`` applies them, checked against DTensor's index tensors),
+    so the cost does not grow with the mesh dims' sizes."""
     coordinate = spec.mesh.get_coordinate() if coordinate is None else coordinate
     if coordinate is None:
         return None
     placements = _placements_in_shard_order(spec)
-    ndim = len(spec.shape)
+    mesh_shape = tuple(spec.mesh.shape)
     indices = []
     for dim, size in enumerate(spec.shape):
-        view_shape = [1] * ndim
-        view_shape[dim] = size
-        index = torch.arange(size, dtype=torch.int64).view(view_shape)
-        for mesh_dim, placement in enumerate(placements):
-            if _is_shard_like(placement) and placement.dim == dim:
-                index = placement._select_split_tensor(
-                    index,
-                    spec.mesh.size(mesh_dim),
-                    coordinate[mesh_dim],
-                    with_padding=False,
-                    contiguous=False,
-                    clone=False,
-                )
-        indices.append(index.reshape(-1))
+        ranges = dim_ranges(size, dim, mesh_shape, coordinate, placements)
+        if len(ranges) == 1:
+            indices.append(torch.arange(ranges[0][0], ranges[0][0] + ranges[0][1], dtype=torch.int64))
+        else:
+            indices.append(torch.cat([torch.arange(s, s + n, dtype=torch.int64) for s, n in ranges])
+                           if ranges else torch.zeros(0, dtype=torch.int64))
     return indices
 
 

@@ -16,6 +16,7 @@ import torch.nn as nn
 from ..plan import PlanIR, VescalePlan
 from ..parallel.zero import unit_of
 from ..plan.lower import runs_forward
+from ..random.checkpointing import listen_to_regions
 from .runtime import StaticRuntime, resolve_eager_paths
 
 __all__ = ["install_static", "static_runtime"]
@@ -56,6 +57,7 @@ def install_static(model: nn.Module, plan: VescalePlan, ir: PlanIR, plan_hooks: 
     grad_dst_spots = {(m, where[h], e.key): e.grad_targets for (m, h), entries in hooks.items() if h in where for e in entries if e.grad_targets}
     rt = StaticRuntime(model, eager, planned_pre, planned_post, annotated, grad_dst_spots, batch_local)
     model._vescale_static = rt
+    listen_to_regions(rt)  # checkpointed regions recompute from their forward's state (recompute.py)
     handles = []
     for path, mod in model.named_modules():
         if runs_forward(mod):

@@ -46,12 +46,12 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..comm import direct
 from ..comm.moves import compile_move
 from ..dispatch.metas import contiguous_strides
 from ..plan.ir import PlanError
+from ..placement.blocks import local_shape_and_offset
 
 __all__ = ["LocalLoss", "loss_kernel", "cross_entropy_args"]
 
@@ -185,6 +185,6 @@ def loss_kernel(call: dict) -> LocalLoss | None:
             return None
     if len(class_dims) > 1 or not (class_dims or row_dims):
         return None  # nothing to do (the ops run locally as they are), or classes split twice
-    shape, offset = compute_local_shape_and_global_offset(logits.shape, mesh, placements)
+    shape, offset = local_shape_and_offset(logits.shape, mesh, placements)
     return LocalLoss(mesh, class_dims[0] if class_dims else None, int(offset[1]), int(shape[1]), int(logits.shape[1]),
                      tuple(row_dims), call["reduction"], int(call["ignore_index"]))

@@ -43,12 +43,12 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _MaskPartial
 from torch.overrides import TorchFunctionMode
 
 from ..dispatch.local import moves_data
 from ..plan.ir import PlanError
+from ..placement.blocks import local_shape_and_offset
 from .random_gate import exit_function_mode
 
 __all__ = ["MaskedLookup", "LocalLookups", "masked_lookup", "grad_placements", "is_masked", "unmasked", "unmasked_inputs", "check_lookup"]
@@ -119,7 +119,7 @@ def masked_lookup(func, args, kwargs, params: dict) -> MaskedLookup | None:
     mesh_dim = _masked_dim(func, args, kwargs, weight, ids)
     if mesh_dim is None:
         return None
-    local_shape, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
+    local_shape, offset = local_shape_and_offset(weight.shape, weight.device_mesh, weight.placements)
     if local_shape[0] != weight._local_tensor.shape[0]:
         return None
     return MaskedLookup(name, mesh_dim, int(offset[0]), int(local_shape[0]), int(weight.shape[0]))

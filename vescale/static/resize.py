@@ -48,10 +48,10 @@ import math
 import torch
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..dispatch.metas import contiguous_strides, with_meta
 from ..plan.ir import PlanError
+from ..placement.blocks import local_shape_and_offset
 
 __all__ = ["ResizeMismatch", "size_factors", "derive", "data_dependent_op", "Pending", "ShapeCandidates", "settle", "finish"]
 
@@ -248,7 +248,7 @@ class Pending:
         """This rank's shard shape of ``spec``, once per spec of this record (many spots share one)."""
         found = self.shared.local_shapes.get(id(spec))
         if found is None or found[0] is not spec:
-            local, _ = compute_local_shape_and_global_offset(spec.shape, spec.mesh, spec.placements, skip_offset=True)
+            local, _ = local_shape_and_offset(spec.shape, spec.mesh, spec.placements, skip_offset=True)
             found = self.shared.local_shapes[id(spec)] = (spec, tuple(local))
         return found[1]
 

@@ -45,7 +45,6 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -54,9 +53,11 @@ from ..parallel.faults import _first_line
 from ..parallel.hooks import IO_PLACED, _register_once_on_grads, _tensors_in, release_gathered
 from ..plan.ir import PlanError
 from ..parallel.placing import grad_layout
+from ..placement.blocks import local_shape_and_offset
 from . import averaged, relabel, resize
 from .boundary import HandOvers, Move, ParamShadow, dtensor_of, grad_spec, local_of, settled_on_unit_dims
 from .random_gate import CallTracker, RandomGate
+from .recompute import RegionState, in_backward, refuse_outside_region, unnoted_region
 from .shares import SUMS, GradientShares
 from .local_calls import CallWatch, LocalCalls, drop_plain_sizes, local_call_paths
 from .local_ops import LocalLookups, check_lookup, grad_placements, is_masked, masked_lookup, unmasked, unmasked_inputs
@@ -145,6 +146,9 @@ class Record:
     # Recording: which gradient each body hands back, read off autograd's nodes (shares.py); dropped
     # once its backward has run.
     shares: GradientShares | None = None
+    # Static steps' recomputations (recompute.py): hooked caller -> its quiet callees (path, module),
+    # made at the first recomputation.
+    quiet_callers: dict | None = None
 
 
 @dataclass
@@ -315,9 +319,14 @@ class _OpWatcher(TorchDispatchMode):
         # recording: the bodies a DTensor reached (an input, a parameter, a child's output) or that
         # ran a DTensor op of their own
         self.dtensor_bodies: set = set()
+        # While a checkpointed region is recomputed in the recording's backward: its ops are the
+        # recorded forward's again, neither judged nor noted twice (recompute.py).
+        self.paused = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.paused:
+            return func(*args, **kwargs)
         module = self.stack[-1] if self.stack else None
         is_dtensor_op = any(issubclass(t, DTensor) for t in types)
         if module is None:
@@ -727,6 +736,16 @@ class StaticRuntime:
         self.scope_of = {inner: path for path, scope in self.scopes.items() for inner, _ in scope.module.named_modules(prefix=path)}
         self.relabels = True
         self.unit_state: dict[str, tuple] = {}  # unit -> (gathered parameters, swaps) while its body runs
+        # Activation checkpointing (recompute.py): whether a root forward runs now, the checkpointed
+        # regions whose forward runs now, the region being recomputed, and what its recomputation
+        # put aside (restored at its end).
+        self.in_forward = False
+        # (module, swapped) of the static bodies running now whose inside() swapped their parameters
+        self.live_swaps: list = []
+        self.recomputations = 0  # checkpointed regions recomputed in static steps' backward
+        self.regions: list[RegionState] = []
+        self.recompute: RegionState | None = None
+        self._aside: list = []
 
     # -- which representation each module uses in the current step ---------------------------
 
@@ -748,6 +767,14 @@ class StaticRuntime:
 
     def begin_step(self, args, kwargs) -> None:
         """Root pre-hook: pick this step's state from the root inputs' shapes."""
+        if in_backward():
+            raise PlanError(
+                "the root module runs its forward during backward (activation checkpointing around the whole "
+                "model): Static Eager mode recomputes regions inside a step; checkpoint the model's layers instead"
+            )
+        self.regions.clear()  # left over only by a forward that raised inside a region
+        self.live_swaps.clear()
+        self.in_forward = True
         self.hand_overs.discard()  # left over only by a backward that failed before its end
         self._begin(args, kwargs)
         relabelled = self.record.relabelled if self.state is State.STATIC else None
@@ -919,6 +946,8 @@ class StaticRuntime:
     def end_forward(self) -> None:
         """Root cleanup hook: the forward is over. A recording keeps watching through backward
         (closed when backward finishes, or at the next step); a check is done."""
+        self.in_forward = False
+        self.regions.clear()
         if self.state is State.RECORD and self.watcher is not None and not self.watcher.checking:
             self.watcher.forget_plain_bodies()
         if self.watcher is not None and (self.state is State.STATIC or not torch.is_grad_enabled()):
@@ -1043,15 +1072,10 @@ class StaticRuntime:
     def enter(self, mod, path: str, args, kwargs):
         """Before the plan's pre-hook: local inputs become the DTensors they stand for, if the plan
         redistributes them here or this module runs eagerly."""
-        if torch._C._current_graph_task_id() != -1:
-            # A forward inside backward: activation checkpointing recomputing the module. The
-            # recorded boundaries, moves and random replay describe the forward pass only.
-            raise PlanError(
-                f"module {path!r} runs its forward during backward: activation checkpointing recomputes "
-                f"it. Static Eager mode does not support recomputation; train a checkpointed model with "
-                f"mode='eager' (with context_fn=vescale.random.checkpoint_context if it draws random "
-                f"numbers), or turn gradient checkpointing off for mode='static'"
-            )
+        if self.recompute is None and self.state is not None and in_backward():
+            refuse_outside_region(path)  # a forward inside backward with no region noted (recompute.py)
+        for region in self.regions:  # a checkpointed region's forward runs: its modules (recompute.py)
+            region.entered.add(path)
         if self._tracking():
             self.stack.append(None)  # this module's hooks run now, not its body
             self._follow_body()
@@ -1073,7 +1097,9 @@ class StaticRuntime:
         wraps = self.parent_static(path) and (path in self.planned_pre or not self.is_static(path))
         if self.state is State.RECORD:
             self.record.keys.setdefault((path, "in"), _input_keys(mod, args, kwargs))
-            if path in self.unit_of_member:
+            if not self.regions and unnoted_region():
+                refuse_outside_region(path, recomputed=False)
+            if path in self.unit_of_member and self.recompute is None:
                 self._note_member_call(path)
         return self._to_dtensors(path, "in", wraps, lambda fn: _map_io(fn, args, kwargs))
 
@@ -1096,6 +1122,7 @@ class StaticRuntime:
         swapped = self._local_parameters(mod, path, steps)
         if swapped:
             mod.__dict__["_vescale_swapped"] = swapped
+            self.live_swaps.append((mod, swapped))  # a region starting in its body finds them (recompute.py)
         if steps.lookups is not None:
             steps.lookups.enter(mod)
         self._body_starts(path)
@@ -1103,6 +1130,9 @@ class StaticRuntime:
 
     def _inside_recording(self, mod, path: str, args, kwargs):
         rec = self.record
+        if self.recompute is not None:  # the recorded forward again: noted already
+            self._body_starts(path)
+            return None
 
         def note(i, t):
             c = _note(rec, self.parent, (path, "body", i), t)
@@ -1206,7 +1236,7 @@ class StaticRuntime:
             self.replay.turn(bool(self.stack) and self.stack[-1] in self.record.random)
         if self.local_calls is not None:
             self.local_calls.turn(self.stack[-1] if self.stack else None)
-        if self.watcher is not None:
+        if self.watcher is not None and self.recompute is None:
             self.watcher.body_changed()
 
     def _tracking(self) -> bool:
@@ -1222,6 +1252,11 @@ class StaticRuntime:
         swapped = state.pop("_vescale_swapped", None)
         if swapped:
             _put_back(mod, swapped)
+            live = self.live_swaps
+            for i in range(len(live) - 1, -1, -1):
+                if live[i][1] is swapped:
+                    del live[i]
+                    break
         if self.state is State.STATIC:
             steps = self.record.steps.get(path)
             if steps is not None and steps.lookups is not None and steps.lookups.module is mod:
@@ -1328,6 +1363,15 @@ class StaticRuntime:
         """While recording, where a local tensor will become a DTensor in static steps (``wraps``):
         record the spec and mirror the wrap's effect on gradients. ``walk(fn)`` applies
         ``fn(index, tensor)`` to the tensors crossing here and returns them."""
+        if self.state is State.RECORD and self.recompute is not None:
+            # The recorded forward again: the same mirrored wraps, nothing noted.
+            crossings = self.record.crossings
+
+            def mirror(i, t):
+                c = crossings.get((path, where, i))
+                return _mirror(t, c.leave_grad if c is not None else None)
+
+            return walk(mirror) if wraps else None
         if self.state is State.RECORD:
             rec = self.record
 
@@ -1361,7 +1405,7 @@ class StaticRuntime:
             if not _any_dtensor(output):
                 return None
             return _map_out(self._unwrapper(path, "result"), output)
-        if self.state is State.RECORD:
+        if self.state is State.RECORD and self.recompute is None:
             rec = self.record
             is_root = path == ""
 
@@ -1467,6 +1511,112 @@ class StaticRuntime:
         for mod, swapped in swaps:
             _put_back(mod, swapped)
 
+    # -- activation checkpointing (recompute.py) -----------------------------------------------
+
+    def region_start(self) -> RegionState | None:
+        """A checkpointed region's forward starts (``vescale.random.checkpoint_context``): note what
+        its recomputation must start from. None outside a training forward of this model."""
+        if self.state is None or not (self.in_forward or self.recompute is not None):
+            return None
+        replay, calls = self.replay, self.local_calls
+        # The local parameters of the bodies running now (a region inside a module's body, or inside a
+        # ZeRO-3 unit whose module swapped its members'), put in place again for the recomputation.
+        swaps = [(mod, [(name, local) for name, _, local in swapped]) for mod, swapped in self.live_swaps]
+        swaps += [(mod, [(name, local) for name, _, local in swapped])
+                  for _, restores in self.unit_state.values() for mod, _, swapped in restores]
+        region = RegionState(self, self.state, self.record, list(self.stack),
+                             dict(replay.drawn) if replay is not None else {},
+                             dict(calls.calls) if calls is not None else {}, swaps)
+        self.regions.append(region)
+        return region
+
+    def _region_done(self, region: RegionState) -> None:
+        if region in self.regions:
+            self.regions.remove(region)
+
+    def _begin_recompute(self, region: RegionState) -> None:
+        """Around a region's recomputation: the step's state as the region's forward started."""
+        self._aside.append((self.state, self.record, self.recompute, list(self.stack), self.replay, self.local_calls,
+                            self.watcher.paused if self.watcher is not None else None))
+        self.state, self.record, self.recompute = region.state, region.record, region
+        self.replay = self.local_calls = None
+        self.stack[:] = region.stack
+        swapped = []
+        if region.state is State.STATIC:
+            self.recomputations += 1
+            rec = region.record
+            if rec.random:
+                self.replay = _RandomReplay(rec, self.stack)
+                self.replay.drawn = dict(region.drawn)
+            local = {p for p in local_call_paths(rec.losses, rec.sizes) if self.is_static(p)}
+            if local:
+                self.local_calls = LocalCalls({p: k for p, k in rec.losses.items() if p in local},
+                                              {p: r for p, r in rec.sizes.items() if p in local},
+                                              self.own_ops_off, derived=rec.resized_from is not None,
+                                              scale=resize.checked_before(rec))
+                self.local_calls.calls = dict(region.calls)
+            swapped = self._swap_quiet(region)
+            for mod, entries in region.swaps:
+                for name, local in entries:
+                    store = mod._parameters if name in mod._parameters else mod._buffers
+                    swapped.append((store, name, store.get(name)))
+                    store[name] = local
+        if self.watcher is not None:
+            self.watcher.paused = True
+        region.swapped = swapped
+        if self.stack:
+            self._follow_body()
+
+    def _end_recompute(self, region: RegionState) -> None:
+        if self.replay is not None:
+            self.replay.turn(False)
+            self.replay._switch(False)
+        if self.local_calls is not None:
+            self.local_calls.turn(None)
+        for store, name, value in reversed(region.swapped):
+            store[name] = value
+        region.swapped = []
+        state, record, recompute, stack, replay, local_calls, paused = self._aside.pop()
+        self.state, self.record, self.recompute, self.replay, self.local_calls = state, record, recompute, replay, local_calls
+        self.stack[:] = stack
+        if self.watcher is not None and paused is not None:
+            self.watcher.paused = paused
+
+    def _swap_quiet(self, region: RegionState) -> list:
+        """The quiet modules a region's recomputation may call get their local parameters (their
+        hooks are off for the step, and the root put their own back at the end of forward): those
+        called by a module whose hooks ran in the region's forward, or by the body that ran it; all
+        of them if no hooked module ran in it (a region of quiet modules only)."""
+        rec = region.record
+        if rec.quiet is None or not self.silenced:
+            return []
+        if region.entered:
+            callers = rec.quiet_callers
+            if callers is None:
+                callers = rec.quiet_callers = {}
+                for path, mod in rec.quiet.items():
+                    caller = self.parent.get(path)
+                    while caller in rec.quiet:
+                        caller = self.parent.get(caller)
+                    callers.setdefault(caller, []).append((path, mod))
+            bodies = set(region.entered)
+            for path in region.entered:  # and the body each is called from
+                caller = self.parent.get(path)
+                while caller in rec.quiet:
+                    caller = self.parent.get(caller)
+                bodies.add(caller)
+            quiet = [q for body in bodies for q in callers.get(body, ())]
+        else:
+            quiet = list(rec.quiet.items())
+        members = {m[0] for ms in self.active_units.values() for m in ms}  # their unit swaps theirs
+        swapped = []
+        for path, mod in quiet:
+            if path in members or path not in self.silenced:
+                continue
+            for name, p, _ in self._local_parameters(mod, path, rec.steps[path]):
+                swapped.append((mod._parameters if name in mod._parameters else mod._buffers, name, p))
+        return swapped
+
     # -- ZeRO-3 units as one -------------------------------------------------------------------
     #
     # Under ZeRO-3 every Linear and norm of a decoder layer has the plan's gather hooks, so none of
@@ -1508,7 +1658,8 @@ class StaticRuntime:
         the gathered ones are freed, and gathered again when backward reaches the unit's output."""
         if self.state is State.RECORD:
             rec = self.record
-            _register_once_on_grads(output, lambda: rec.unit_reached.add(unit))
+            if self.recompute is None:
+                _register_once_on_grads(output, lambda: rec.unit_reached.add(unit))
             return
         state = self.unit_state.pop(unit, None)
         if state is None:
@@ -1519,9 +1670,11 @@ class StaticRuntime:
             mod._parameters.update(own)
         if sys.exc_info()[0] is None:
             release_gathered(taken, output, self.scheduler, unit)
-        else:
+        elif self.recompute is None:
             for g in taken:
                 g.free()
+        # (A recomputation stopped early, once it has saved what backward needs (checkpoint's
+        # early stop), keeps them: the region's backward uses them next, as eager mode's does.)
 
     def _unit_member(self, rec: Record, path: str, hooks: set, own: frozenset):
         """(unit, gather entries) if ``path`` can run as a quiet member of its unit, else None."""
@@ -1661,8 +1814,8 @@ def _laid(c: Crossing) -> bool:
     spec = c.spec
     if spec is None or c.grad_placements is None or tuple(c.grad_placements) == tuple(spec.placements):
         return True
-    local = compute_local_shape_and_global_offset(spec.shape, spec.mesh, spec.placements, skip_offset=True)[0]
-    laid = compute_local_shape_and_global_offset(spec.shape, spec.mesh, tuple(c.grad_placements), skip_offset=True)[0]
+    local = local_shape_and_offset(spec.shape, spec.mesh, spec.placements, skip_offset=True)[0]
+    laid = local_shape_and_offset(spec.shape, spec.mesh, tuple(c.grad_placements), skip_offset=True)[0]
     return tuple(local) == tuple(laid)
 
 

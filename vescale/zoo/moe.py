@@ -39,7 +39,10 @@ from ..plan import INIT, RUN, PlanError, VescalePlan
 from .hf import _transformers
 from .plans import LocalInputs, _mesh_has, batch_keys, llama_plan, split_batch
 
-__all__ = ["moe_plan", "TINY_MOE_SIZES", "tiny_hf_mixtral", "tiny_hf_qwen3_moe"]
+__all__ = [
+    "moe_plan", "TINY_MOE_SIZES", "tiny_hf_mixtral", "tiny_hf_mixtral_config", "tiny_hf_qwen3_moe",
+    "tiny_hf_qwen3_moe_config",
+]
 
 _EXPERTS = r"model\.layers\.\d+\.mlp\.experts"
 
@@ -57,24 +60,32 @@ TINY_MOE_SIZES = dict(
 )
 
 
-def tiny_hf_mixtral(**overrides):
-    """``transformers.MixtralForCausalLM`` at the tiny sizes, 4 experts, the model's default kernels
-    otherwise (``use_cache=False`` only: training needs no KV cache). Overrides use HF's names, e.g.
-    ``experts_implementation="eager"``, ``attn_implementation="eager"``."""
-    t = _transformers()
+def tiny_hf_mixtral_config(**overrides):
+    """``transformers.MixtralConfig`` at the tiny sizes, 4 experts, ``use_cache=False`` (training
+    needs no KV cache); overrides use HF's names."""
     settings = {**TINY_MOE_SIZES, "num_local_experts": 4, "use_cache": False, **overrides}
-    return t.MixtralForCausalLM(t.MixtralConfig(**settings))
+    return _transformers().MixtralConfig(**settings)
 
 
-def tiny_hf_qwen3_moe(**overrides):
-    """``transformers.Qwen3MoeForCausalLM`` at the tiny sizes (4 experts of intermediate 32, head_dim 8),
-    default kernels otherwise (``use_cache=False``)."""
-    t = _transformers()
+def tiny_hf_mixtral(**overrides):
+    """``transformers.MixtralForCausalLM`` from ``tiny_hf_mixtral_config(**overrides)``: the model's
+    default kernels unless overridden, e.g. ``experts_implementation="eager"``, ``attn_implementation="eager"``."""
+    return _transformers().MixtralForCausalLM(tiny_hf_mixtral_config(**overrides))
+
+
+def tiny_hf_qwen3_moe_config(**overrides):
+    """``transformers.Qwen3MoeConfig`` at the tiny sizes (4 experts of intermediate 32, head_dim 8),
+    ``use_cache=False``; overrides use HF's names."""
     settings = {
         **TINY_MOE_SIZES, "num_experts": 4, "moe_intermediate_size": 32, "head_dim": 8, "use_cache": False,
         **overrides,
     }
-    return t.Qwen3MoeForCausalLM(t.Qwen3MoeConfig(**settings))
+    return _transformers().Qwen3MoeConfig(**settings)
+
+
+def tiny_hf_qwen3_moe(**overrides):
+    """``transformers.Qwen3MoeForCausalLM`` from ``tiny_hf_qwen3_moe_config(**overrides)``, default kernels otherwise."""
+    return _transformers().Qwen3MoeForCausalLM(tiny_hf_qwen3_moe_config(**overrides))
 
 
 def moe_plan(
