@@ -61,9 +61,16 @@ def _regression_verdicts(world: int) -> dict:
     return dict(zip(names, (v for _, v in verdicts)))
 
 
+# Open defects whose case runs until the fuzzer's 60-CPU-second watchdog (a hang): outside the
+# default run (``pytest -m slow tests/fuzz``), so CI does not spend minutes waiting on a known hang.
+SLOW = {"seed9_static_dp_ep1_tp1_hang"}
+
+
 def _param(name: str):
     defect = REGRESSIONS[name].defect
     marks = [pytest.mark.xfail(strict=True, reason=defect)] if defect else []
+    if name in SLOW:
+        marks.append(pytest.mark.slow)
     return pytest.param(name, marks=marks, id=name)
 
 
