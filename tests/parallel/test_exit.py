@@ -7,7 +7,8 @@ torchrun again and again and counts the runs that fail. Each run here leaves 10 
 at exit, the worst case: with PyTorch alone (``--plain``) 3 to 9 of 20-30 such launches aborted.
 
 The 50-run check is marked ``slow`` (deselected by default; ``pytest -m slow tests/parallel/test_exit.py``,
-about 50 torchrun launches); CI runs 3 launches (a few seconds each on an idle machine).
+about 50 torchrun launches); CI runs 1 launch (a few seconds on an idle machine; it catches an
+abort only sometimes: the slow check is the evidence).
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ def _exit_loop():
 
 
 @pytest.mark.multiproc
-def test_a_few_runs_exit_cleanly():
-    failures = _exit_loop().run_loop(3, nproc=2, extra=("--steps=2", "--unwaited=10"), verbose=False)
+def test_a_run_exits_cleanly():
+    failures = _exit_loop().run_loop(1, nproc=2, extra=("--steps=2", "--unwaited=10"), verbose=False)
     assert not failures, failures
 
 
