@@ -55,7 +55,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 __all__ = ["FaultReporter", "StepCheck", "OutOfStepError", "note_peer_failures", "publish", "stamp_group"]
 
@@ -170,13 +169,6 @@ def _add_peer_note(e: BaseException, rank: int, where: str, wait_s: float) -> No
     )
 
 
-def _steps_dtensors(optimizer) -> bool:
-    """Whether ``optimizer`` steps a parallelised model's (DTensor) parameters. Only those steps
-    must agree across ranks: an optimizer of a plain model on one rank (a single-device reference
-    trained beside the parallel run, as the fuzzer does on rank 0) is that rank's own business."""
-    return any(isinstance(p, DTensor) for group in optimizer.param_groups for p in group["params"])
-
-
 class _Progress:
     """What this process has done that the step check compares, and whether it may go on.
 
@@ -202,13 +194,11 @@ class _Progress:
         self._installed = True
 
     def _before_step(self, optimizer, args, kwargs) -> None:
-        if _steps_dtensors(optimizer):
-            self.stepping += 1
+        self.stepping += 1
 
     def _after_step(self, optimizer, args, kwargs) -> None:
-        if _steps_dtensors(optimizer):
-            self.stepping -= 1
-            self.optimizer_steps += 1
+        self.stepping -= 1
+        self.optimizer_steps += 1
 
     def stop(self, why: str) -> None:
         if self.stopped is None:
