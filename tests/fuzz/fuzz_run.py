@@ -140,6 +140,18 @@ class _nothing:
 
 
 def reference(case: Case) -> dict:
+    """The single-device run of ``case``, on one rank; its optimizer steps are not counted by
+    vescale's step check (they are this rank's own, not the parallel run's)."""
+    from vescale.parallel.faults import PROGRESS
+
+    taken = PROGRESS.optimizer_steps
+    try:
+        return _reference(case)
+    finally:
+        PROGRESS.optimizer_steps = taken
+
+
+def _reference(case: Case) -> dict:
     """The single-device run (``error`` set if the model itself fails: a generator bug). It may run
     in a rank's process: the generators are seeded as ``vescale.manual_seed`` does, without its
     check across ranks (a collective)."""
