@@ -111,6 +111,10 @@ def _plain_inputs(args, kwargs, names: list[str]) -> list[tuple[str, torch.Tenso
     return [(n, t) for n, t in named if isinstance(t, torch.Tensor) and not isinstance(t, DTensor)]
 
 
+def _signature(inputs: list[tuple[str, torch.Tensor]]) -> tuple:
+    return tuple((n, tuple(t.shape), t.dtype) for n, t in inputs)
+
+
 def _crc(text: str) -> int:
     return zlib.crc32(text.encode())
 
@@ -179,12 +183,16 @@ class InputContract:
         self._check_splittable(dict(inputs), shares)
         if self.mode == "off" or not dist.is_initialized() or dist.get_world_size() == 1:
             return
-        signature = tuple((n, tuple(t.shape), t.dtype) for n, t in inputs)
-        due = self.mode == "always" or self.calls < FIRST_STEPS or signature != self.signature
+        signature = _signature(inputs)
+        due = self._due(signature)
         self.calls += 1
         if due:
             self._check_agreement(inputs, shares, signature)
             self.signature = signature
+
+    def _due(self, signature) -> bool:
+        """Whether this call compares the inputs across ranks (first calls, a shape change, or always)."""
+        return self.mode == "always" or self.calls < FIRST_STEPS or signature != self.signature
 
     def fingerprint(self, args, kwargs) -> int:
         """The step check's fingerprint (``fingerprint_parts``) of this forward call's global plain
@@ -194,6 +202,13 @@ class InputContract:
         before them (the previous step), so this call's sums are copied out without waiting and the
         fingerprint returned is the previous call's (a skipped batch is then found one call later)."""
         if self.mode == "off":
+            return 0
+        if self._due(_signature(_plain_inputs(args, kwargs, self.names))):
+            # The contract compares this call's inputs exactly, right after the step check, and
+            # names the input and the ranks that differ: leave the verdict to it. (A rank not due
+            # sends its fingerprint, not 0: the ranks then differ in shapes, and the step check
+            # stops all of them before the contract's collective, which only some would enter.)
+            self._deferred = None
             return 0
         head, sums = fingerprint_parts([t for _, t in self._global_inputs(args, kwargs)])
         if not sums:
