@@ -323,7 +323,7 @@ def part3(steps: int, rounds: int = 2):
         for kind in STACKS:
             r = run_on_ranks(_llama_steps, 4, kind, steps)[0]
             rows.setdefault(kind, dict(r, times=[]))["times"] += r["times"]
-    for name, r in rows.items():
+    for r in rows.values():
         r["time"] = statistics.median(r["times"])
     for name, r in rows.items():
         c = r["counts"]

@@ -38,7 +38,8 @@ configs in N fresh launches of its own: in one interleaved process the variants 
 find PyTorch's process-wide state warmed (FakeTensor's dispatch cache, op tables, gloo's
 connections). Run:
 
-    .venv/bin/python benchmarks/bench_dispatch.py [--rounds 7] [--configs tp8,dp2tp4] [--gloo tp2,dp2tp2] [--model llama|moe] [--clock wall|cpu|thread] [--gloo-clock wall|cpu] [--lengths 3] [--dropout 0.1] [--cold-first 3]
+    .venv/bin/python benchmarks/bench_dispatch.py [--rounds 7] [--configs tp8,dp2tp4] [--gloo tp2,dp2tp2] [--model llama|moe]
+        [--clock wall|cpu|thread] [--gloo-clock wall|cpu] [--lengths 3] [--dropout 0.1] [--cold-first 3]
 
 ``--model moe``: HF's unchanged ``MixtralForCausalLM`` with many small experts (16 experts of
 intermediate 64, 2 per token) under ``vescale.zoo.moe_plan`` (tensor-parallel experts, SP, ZeRO-3),
@@ -133,8 +134,12 @@ def _sp_stand_ins(model, tp: int, cut=None) -> None:
     the final norm."""
     for layer in model.model.layers:
         for block in (layer.self_attn, layer.mlp):
-            block.register_forward_pre_hook(lambda mod, args, kw: ((torch.cat([args[0] if args else kw.pop("hidden_states")] * tp, 1),) + tuple(args[1:]), kw), with_kwargs=True)
-            block.register_forward_hook(lambda mod, args, out: (out[0].narrow(1, 0, out[0].shape[1] // tp),) + tuple(out[1:]) if isinstance(out, tuple) else out.narrow(1, 0, out.shape[1] // tp))
+            block.register_forward_pre_hook(
+                lambda mod, args, kw: ((torch.cat([args[0] if args else kw.pop("hidden_states")] * tp, 1),) + tuple(args[1:]), kw),
+                with_kwargs=True)
+            block.register_forward_hook(
+                lambda mod, args, out: (out[0].narrow(1, 0, out[0].shape[1] // tp),) + tuple(out[1:]) if isinstance(out, tuple)
+                else out.narrow(1, 0, out.shape[1] // tp))
     if cut is None:
         model.model.embed_tokens.register_forward_hook(lambda mod, args, out: out.narrow(1, 0, out.shape[1] // tp))
     else:

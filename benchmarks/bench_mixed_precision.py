@@ -20,7 +20,6 @@ import argparse
 import logging
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import vescale

@@ -176,7 +176,7 @@ def child(run: dict) -> dict:
         t0 = clock()
         mesh = vescale.init_mesh(shape, cfg.names, "cpu")
         out["mesh_s"] = clock() - t0
-        groups1, member1 = c10d._world.group_count, len(c10d._world.pg_map)
+        groups1 = c10d._world.group_count
         vescale.manual_seed(0)
         model, plan, vocab = _model_and_plan(cfg, mesh, run["inputs"] == "local", run["mode"] == "static")
         rows = LOCAL_BATCH

@@ -17,6 +17,7 @@ Both apply to HF models built by ``vescale.zoo`` (``tiny_hf_llama``, ``tiny_hf_m
 from __future__ import annotations
 
 import inspect
+from typing import TYPE_CHECKING
 
 import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
@@ -31,6 +32,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 from torch.distributed.tensor.placement_types import _StridedShard
+
+if TYPE_CHECKING:
+    from vescale import VescalePlan
 
 
 def torchtitan_llama(model: nn.Module, mesh) -> nn.Module:

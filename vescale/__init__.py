@@ -35,5 +35,5 @@ def manual_seed(seed: int) -> None:
 __all__ = [
     "init_mesh", "VescalePlan", "parallelize", "explain", "manual_seed", "no_grad_sync",
     "Shard", "Replicate", "Partial", "INIT", "RUN", "PlanError", "InterleavedShard",
-    "checkpoint", "data", "OutOfStepError", "MixedPrecision", "apply_mixed_precision",
+    "checkpoint", "data", "dispatch", "static", "OutOfStepError", "MixedPrecision", "apply_mixed_precision",
 ]

@@ -7,7 +7,6 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
 
-import vescale
 from vescale import INIT, RUN, VescalePlan
 
 

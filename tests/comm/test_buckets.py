@@ -12,8 +12,6 @@ from __future__ import annotations
 import functools
 
 import pytest
-import torch
-import torch.distributed as dist
 
 import vescale
 from vescale.debug import CollectiveCounter

@@ -23,7 +23,6 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _is_shard_like
 

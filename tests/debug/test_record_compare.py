@@ -144,7 +144,8 @@ def test_records_that_cannot_be_compared_say_why(records, tmp_path):
     with vescale.debug.record(torch.nn.Linear(8, 8), str(other)) as rec:
         for _ in range(2):
             rec.model(torch.ones(1, 8)).sum().backward()
-    with pytest.raises(RecordMismatch, match=r"records fault_models.Net and .*records torch.nn.modules.linear.Linear, which are not the same model .*parameters only in .*block.o.weight"):
+    with pytest.raises(RecordMismatch, match=r"records fault_models.Net and .*records torch.nn.modules.linear.Linear, "
+                                             r"which are not the same model .*parameters only in .*block.o.weight"):
         compare_runs(_path(records, "single"), str(other))
     with pytest.raises(RecordMismatch, match=r"holds no record"):
         compare_runs(_path(records, "single"), str(tmp_path / "nothing"))

@@ -184,7 +184,7 @@ def _state_written_in_place(step, opt, ref, params, twins):
         return
     for o, ps in ((opt, params), (ref, twins)):
         for p in ps:
-            for key, v in o.state[p].items():
+            for v in o.state[p].values():
                 if isinstance(v, torch.Tensor):
                     _local(v).mul_(3)
         o.state[ps[6]]["step"].add_(1)  # now unlike its neighbour's: it must leave their run

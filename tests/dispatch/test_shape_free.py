@@ -24,7 +24,7 @@ from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 from vescale import dispatch
 from vescale.placement import InterleavedShard
-from vescale.dispatch.cache import _NEVER, _key
+from vescale.dispatch.cache import _key
 from vescale.dispatch.metas import fast_outputs, miss_outputs
 from vescale.testing import forget_dtensor_caches
 
@@ -350,7 +350,8 @@ def _meta_cases(mesh):
                   (aten.index.Tensor, (x, [idx(4, dtype=torch.int32)])), (aten.index.Tensor, (x, [idx(0)])),
                   (aten.index_put.default, (x, [idx(3)], s((3, *n[1:])), True))]
     cl = s((2, 4, 3, 3), (36, 1, 12, 4))  # channels-last
-    for xs, dim in [((q, back), -1), ((half, half), -1), ((q, q), 1), ((s((6, 8)), t.__class__(mesh, t.placements, tensor_meta=TensorMeta(torch.Size((6, 8)), (1, 6), torch.float32))), 0),
+    for xs, dim in [((q, back), -1), ((half, half), -1), ((q, q), 1),
+                    ((s((6, 8)), t.__class__(mesh, t.placements, tensor_meta=TensorMeta(torch.Size((6, 8)), (1, 6), torch.float32))), 0),
                     ((cl, cl), 1), ((cl, s((2, 4, 3, 3))), 0), ((s((2, 4, 3, 3)), cl), 0), ((s((4, 1, 8)), s((4, 3, 8))), 1), ((s((5,)), s((0,))), 0)]:
         cases += [(aten.cat.default, (list(xs), dim))]
     cases += [(aten.histc.default, (s((8,)), 16, 0, 15)), (aten.histc.default, (s((4, 6)), 5)),
@@ -443,7 +444,8 @@ def test_elementwise_metadata_equals_fake_tensor_on_random_layouts(mesh):
         other = tuple(n if rng.random() < 0.7 else 1 for n in shape)[rng.randint(0, len(shape) - 1):]
         op, args = rng.choice([(aten.neg.default, (layout(shape),)), (aten.add.Tensor, (layout(shape), layout(other))),
                                (aten.mul.Tensor, (layout(other), layout(shape))), (aten.add.Tensor, (layout(shape), layout(shape))),
-                               (aten.mul.Tensor, (layout(shape), _spec(mesh, ()))), (aten.where.self, (layout(other, torch.bool), layout(shape), layout(shape)))])
+                               (aten.mul.Tensor, (layout(shape), _spec(mesh, ()))),
+                               (aten.where.self, (layout(other, torch.bool), layout(shape), layout(shape)))])
         schema = OpSchema(op, args, {})
         theirs = type(prop)._propagate_tensor_meta_non_cached(prop, schema)
         ours = fast_outputs(schema, theirs.dtype)

@@ -76,7 +76,8 @@ def _bmm_both_moved(m, n):  # each operand's replicated placement sliced, one pe
     return torch.bmm(_dt(m, (4, n, 16), (Shard(0), R), n), _dt(m, (4, 16, 8), (R, Shard(1)), 1))
 
 
-CASES = {"mm weight grad": _mm_weight_grad, "bmm": _bmm_both_moved, "grouped_mm up": _experts_up, "grouped_mm down": _experts_down, "grouped_mm weight grad": _experts_weight_grad,
+CASES = {"mm weight grad": _mm_weight_grad, "bmm": _bmm_both_moved, "grouped_mm up": _experts_up, "grouped_mm down": _experts_down,
+         "grouped_mm weight grad": _experts_weight_grad,
          "index_put of a Partial": _index_put_partial, "scatter of a Partial": _scatter_partial,
          "Partial + Replicate": _partial_plus_replicate, "Partial * Replicate": _partial_times_replicate}
 

@@ -489,7 +489,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"no regression case {args.case!r}; there are: all, world2/4/8, {', '.join(REGRESSIONS)}")
         for world in sorted({REGRESSIONS[n].case.world for n in names}):
             group = [n for n in names if REGRESSIONS[n].case.world == world]
-            for name, (case, verdict) in zip(group, run_cases([REGRESSIONS[n].case for n in group], world, report=lambda s: None)):
+            for name, (_case, verdict) in zip(group, run_cases([REGRESSIONS[n].case for n in group], world, report=lambda s: None)):
                 print(f"{name} ({REGRESSIONS[name].defect or 'must pass'}): {verdict}", flush=True)
         return 0
     elif args.literal:

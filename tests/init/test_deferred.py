@@ -15,7 +15,6 @@ import logging
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 import vescale

@@ -21,7 +21,7 @@ import logging
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import Shard
 
 import vescale
 from vescale.debug import CollectiveCounter

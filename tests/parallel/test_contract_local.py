@@ -68,7 +68,7 @@ def _mistakes() -> dict:
 
 @pytest.mark.multiproc
 def test_per_rank_mistakes_are_named_on_every_rank():
-    for rank, out in enumerate(run_on_ranks(_mistakes, 4, timeout=300)):
+    for out in run_on_ranks(_mistakes, 4, timeout=300):
         peers = out["peers"]
         assert "root input 'input_ids' is this rank's share (annotated S(0) on 'DP')" in peers, peers
         assert "'TP' peers ranks [0] vs ranks [1] hold different values" in peers, peers
@@ -82,7 +82,8 @@ def test_per_rank_mistakes_are_named_on_every_rank():
         assert "drop_last=True" in uneven
         mask = out["mask"]
         assert "root input 'attention_mask' differs across ranks (ranks [0, 1] vs ranks [2, 3]" in mask, mask
-        assert "annotate it like them (plan.annotate('<in>[attention_mask]', Shard(0), mesh='DP'); zoo plans: local_inputs=['input_ids', 'labels', 'attention_mask'])" in mask, mask
+        assert ("annotate it like them (plan.annotate('<in>[attention_mask]', Shard(0), mesh='DP'); "
+                "zoo plans: local_inputs=['input_ids', 'labels', 'attention_mask'])") in mask, mask
         for msg in (peers, dup, uneven, mask):  # every message says how to choose between the modes
             assert "Global batch (plan.shard(" in msg and "Per-rank share (plan.annotate(" in msg, msg
         assert out["right"] == "no error", out["right"]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from vescale.random import _native, philox
+from vescale.random import philox
 
 KAT_PHILOX4X32_10 = [
     ((0x00000000, 0x00000000, 0x00000000, 0x00000000), (0x00000000, 0x00000000),

@@ -23,7 +23,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import vescale.random as vr
-from vescale.random import _native, dtensor as vr_dtensor, kernel
+from vescale.random import dtensor as vr_dtensor, kernel
 from vescale.testing import forget_dtensor_caches
 from rng_cases import CASES_BY_NAME, Dist, compare, destroy_process_group_if_any, reference, run_distributed
 

@@ -104,7 +104,7 @@ def _train(name: str, mode: str) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     out = {"losses": [], "grads": [], "params": []}
     steps = _losses(name, model)
-    for step in range(STEPS):
+    for _step in range(STEPS):
         ops, collectives = _DTensorOps(), CollectiveCounter()
         with ops, collectives:
             loss = next(steps)

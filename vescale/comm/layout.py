@@ -45,9 +45,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _is_shard_like, _StridedShard
 
-from ..placement import blockwise
-from ..placement.blocks import local_block, representative_coords
 from ..placement import blockwise, splits
+from ..placement.blocks import local_block, representative_coords
 
 __all__ = [
     "Transfer", "NOTHING", "reduce_plan", "gather_plan", "pack_rows", "unpack_row", "pack_gather", "unpack_gather",
@@ -413,6 +412,6 @@ def _intersection(a: Block, b: Block) -> Block | None:
     (sa, oa), (sb, ob) = a, b
     lo = [max(x, y) for x, y in zip(oa, ob)]
     hi = [min(x + n, y + k) for x, n, y, k in zip(oa, sa, ob, sb)]
-    if any(h <= l for l, h in zip(lo, hi)):
+    if any(h <= low for low, h in zip(lo, hi)):
         return None
-    return tuple(h - l for l, h in zip(lo, hi)), tuple(lo)
+    return tuple(h - low for low, h in zip(lo, hi)), tuple(lo)

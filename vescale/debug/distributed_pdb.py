@@ -117,7 +117,7 @@ def resolve(expr: str, frame):
     tree, links = _chain(expr)
     root = links[0].value if links else tree
     value = _lookup(root.id, frame)
-    for i, link in enumerate(links):
+    for link in links:
         if isinstance(link, ast.Subscript) and isinstance(value, torch.Tensor):
             link.value = ast.Name("__vescale_value__", ast.Load())
             return value, lambda global_value, tree=tree: _eval_with(tree, global_value, frame)

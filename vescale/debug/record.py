@@ -206,7 +206,7 @@ class Recorder:
         self._write_index()
         recorded = min(self.step + 1, self.steps)
         if exc[0] is None and recorded < self.steps:
-            warnings.warn(f"record: asked for {self.steps} step(s) but the model ran {recorded}; {self.directory} holds {recorded}")
+            warnings.warn(f"record: asked for {self.steps} step(s) but the model ran {recorded}; {self.directory} holds {recorded}", stacklevel=2)
 
 
 def record(model: nn.Module, directory: str, steps: int = 2, overwrite: bool = False) -> Recorder:

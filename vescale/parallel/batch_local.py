@@ -250,7 +250,10 @@ class Scope:
             guard.__enter__()
             self.guards.append(guard)
         where = iter(range(1 << 30))
-        to_sub = lambda t: self._input(t, next(where))
+
+        def to_sub(t):
+            return self._input(t, next(where))
+
         return tuple(_map_tensors(to_sub, list(args))), {k: _map_tensors(to_sub, v) for k, v in kwargs.items()}
 
     def _input(self, t: torch.Tensor, index: int):

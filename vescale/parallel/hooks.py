@@ -27,15 +27,15 @@ from torch.overrides import TorchFunctionMode
 
 from ..plan.ir import Entry, PlanError
 from ..plan.lower import KeyPattern, forward_arg_names
-
-# Set on a module (in its __dict__) by Static Eager mode while its planned inputs or outputs have
-# already been moved to their planned placements as local tensors: the plan's hooks leave them be.
-IO_PLACED = "_vescale_io_placed"
 from .placing import _fmt, agrees, moves_nothing, place, place_entry, relabel
 from .faults import FaultReporter, note_peer_failures
 from .zero import GatheredParam, next_forward, per_tensor_gather
 
 __all__ = ["install_module_hooks", "GatheredParam"]
+
+# Set on a module (in its __dict__) by Static Eager mode while its planned inputs or outputs have
+# already been moved to their planned placements as local tensors: the plan's hooks leave them be.
+IO_PLACED = "_vescale_io_placed"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,7 +29,6 @@ representatives of that mesh dim, chosen again below each of them for the next m
 from __future__ import annotations
 
 import functools
-import itertools
 from typing import Iterator, Sequence
 
 from torch.distributed.tensor.placement_types import _is_shard_like, _StridedShard

@@ -422,7 +422,8 @@ def derive(source, factors, record_cls, crossing_cls) -> tuple[object | None, st
         crossings=crossings, quiet=quiet, steps=steps, param_grads=dict(source.param_grads), unsafe=dict(source.unsafe), shapes=shapes,
         random=random, assumed_eager=source.assumed_eager, complete=True, checked=False,
         param_grad_specs=dict(source.param_grad_specs), keys=dict(source.keys), lookups=source.lookups,
-        masked=set(source.masked), random_funcs=source.random_funcs, losses=source.losses, sizes=source.sizes, size_sites=source.size_sites, resized_from=source,
+        masked=set(source.masked), random_funcs=source.random_funcs, losses=source.losses, sizes=source.sizes,
+        size_sites=source.size_sites, resized_from=source,
         quiet_units=source.quiet_units, units_off=dict(source.units_off),
     )
     return rec, ""
