@@ -231,7 +231,7 @@ def sgd_steps(model, batches, lr: float) -> dict:
     return {"losses": losses, "grads": grads}
 
 
-def error_of(fn: Callable[..., Any], *args: Any, kind: type = Exception) -> str | None:
+def error_of(fn: Callable[..., Any], *args: Any, kind: type[BaseException] = Exception) -> str | None:
     """The message of the ``kind`` exception ``fn(*args)`` raises, or None if it raises none (a test
     that expects the error then fails with the None, not with a traceback from a rank)."""
     try:

@@ -200,7 +200,7 @@ def _write_manifest(temp: Path, writer: integrity.ChecksumWriter, side_sum: dict
     ``vescale.pt``'s) in the manifest, before the folder is published."""
     mine = writer.sums
     if _distributed():
-        everyone = [None] * dist.get_world_size(group) if _rank() == 0 else None
+        everyone: list | None = [None] * dist.get_world_size(group) if _rank() == 0 else None
         dist.gather_object(mine, everyone, dst=0, group=group)
     else:
         everyone = [mine]
@@ -363,7 +363,7 @@ def _problems(folder: Path, verify: bool) -> list[str]:
 def _everyone(mine: list[str]) -> list[str]:
     if not _distributed():
         return mine
-    everyone = [None] * dist.get_world_size()
+    everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return sorted({p for part in everyone for p in part})
 
@@ -375,9 +375,9 @@ def _load_folder(folder: Path, model: nn.Module, optimizer) -> dict[str, Any]:
         error = ""
     except Exception as e:  # unreadable side file or metadata: every rank reads the same bytes
         side, has_optimizer, error = None, False, f"{folder}: cannot be read ({type(e).__name__}: {_first_line(e)})"
-    error = _everyone([error] if error else [])
-    if error:
-        raise _Unreadable(error[0])
+    errors = _everyone([error] if error else [])
+    if errors:
+        raise _Unreadable(errors[0])
     if optimizer is not None and not has_optimizer:
         raise ValueError(
             f"checkpoint.load: {folder} was saved without an optimizer; load it without optimizer= "

@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import contextlib
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -51,7 +52,7 @@ DEFAULT_BUCKET_MB = 25.0  # as torch DDP: large enough to fill the links, small 
 class _Entry:
     param: torch.Tensor
     local: torch.Tensor
-    plan: "Transfer | Route"
+    plan: Any  # a Transfer; a Route only until GradReducer._file lays the gradient out
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ class Route:
     gradient ``(Partial, InterleavedShard(0, 3))`` goes to ``(Partial, Shard(0))`` over TP, then
     is reduce-scattered over DP into its nested ZeRO shard ``(InterleavedShard(0, 2), Shard(0))``."""
 
-    move: object  # local tensor -> local tensor (compiled once), None where nothing moves
+    move: Callable | None  # local tensor -> local tensor (compiled once), None where nothing moves
     plan: Transfer
 
 
@@ -136,18 +137,18 @@ class GradReducer:
         # static steps hand the same gradient spec over every step, so it is worked out once.
         self._plans: dict[int, tuple] = {}
 
-    def plan(self, param: DTensor, grad: DTensor) -> Transfer | None:
+    def plan(self, param: DTensor, grad: DTensor) -> Transfer | Route | None:
         """The collective for this gradient; ``NOTHING`` if none is needed, ``None`` if it has no
         bucketed form (the caller then redistributes it itself)."""
         return self.plan_of(param, grad._spec)
 
-    def plan_of(self, param: DTensor, spec) -> Transfer | None:
+    def plan_of(self, param: DTensor, spec) -> Transfer | Route | None:
         """``plan`` for a gradient laid out as ``spec`` (a DTensorSpec)."""
         cached = self._plans.get(id(param))
         if cached is not None and cached[0] is param._spec and cached[1] is spec:
             return cached[2]
         if spec.mesh is not self.mesh and spec.mesh != self.mesh:
-            plan = None
+            plan: Transfer | Route | None = None
         else:
             plan = reduce_plan(spec.shape, self.mesh, spec.placements, param.placements)
             if plan is None:
@@ -161,11 +162,11 @@ class GradReducer:
         dtype = reduce_dtype_of(self.policy, param)
         return _in_dtype(moves.relayout(_in_dtype(grad, dtype), param.placements), param.dtype)
 
-    def add(self, param: DTensor, grad: DTensor, plan: Transfer) -> None:
+    def add(self, param: DTensor, grad: DTensor, plan: Transfer | Route) -> None:
         """File a gradient of ``param`` (called from backward hooks)."""
         self.add_local(param, grad._local_tensor, grad.placements, plan)
 
-    def add_local(self, param: DTensor, local: torch.Tensor, placements: tuple, plan: Transfer,
+    def add_local(self, param: DTensor, local: torch.Tensor, placements: tuple, plan: Transfer | Route,
                   more_coming: bool = False) -> None:
         """``add`` for a gradient given as its local tensor and placements. ``more_coming``: another
         gradient of ``param`` arrives later in this backward (a tied parameter's other gathered
@@ -298,7 +299,7 @@ def _bucketed_hooks(param: DTensor, reducer: GradReducer) -> list:
     """A pre-accumulation hook moves ``param.grad`` aside so that autograd stores the raw gradient
     alone (no Partial + Replicate addition, which DTensor would reduce per tensor); the
     post-accumulation hook files that gradient with the reducer and puts the old ``grad`` back."""
-    state = {"taken": False, "kept": None, "plan": None}
+    state: dict[str, Any] = {"taken": False, "kept": None, "plan": None}
 
     def pre(grad: torch.Tensor) -> torch.Tensor:
         plan = reducer.plan(param, grad) if isinstance(grad, DTensor) else NOTHING

@@ -32,7 +32,7 @@ class MissingShardingRule(NotImplementedError):
 def running_module() -> tuple[str | None, nn.Module | None]:
     """(path from the root, module) of the innermost module whose forward is on this thread's
     stack, or (None, None). The root is the outermost module being called."""
-    calls = []
+    calls: list = []
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name in ("_call_impl", "_wrapped_call_impl"):

@@ -114,7 +114,7 @@ class FlatLayout:
         self.param_buf = torch.cat([t.detach().reshape(-1) for t in locals_])
         self.itemsize = self.param_buf.element_size()
         self.param_views = self._views(self.param_buf)
-        self.grad_buf = None  # allocated for a step only: no second copy of the shards at rest
+        self.grad_buf: torch.Tensor | None = None  # allocated for a step only: no second copy of the shards at rest
         self.state: dict[str, torch.Tensor] = {}  # per-element key -> flat buffer
         self.installed: list[dict | None] = [None] * len(params)  # per parameter: key -> its entry
         self.versions: list[dict] = [{} for _ in params]  # scalar tensors' version when installed
@@ -388,7 +388,7 @@ def _overlapping(tensors: list) -> set:
          (t.storage_offset() + t.numel()) * t.element_size(), k)
         for k, t in enumerate(tensors)
     )
-    out = set()
+    out: set = set()
     for (ptr, _, end, k), (ptr2, start2, _, k2) in zip(spans, spans[1:]):
         if ptr == ptr2 and start2 < end:
             out.update((k, k2))

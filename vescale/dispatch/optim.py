@@ -57,11 +57,12 @@ def _uses_local_step(opt: torch.optim.Optimizer) -> bool:
 
 def _to_local(opt: torch.optim.Optimizer) -> None:
     swapped = []  # (group, original params, (param, local) of the per-tensor step) to restore
-    as_dtensors = {}  # local tensor -> its parameter's state as DTensors, reused by _to_dtensor
-    begun = []  # flat layouts with runs in this step
+    as_dtensors: dict = {}  # local tensor -> its parameter's state as DTensors, reused by _to_dtensor
+    begun: list = []  # flat layouts with runs in this step
     for group in opt.param_groups:
         params = group["params"]
-        alone, runs = params, []
+        runs: list = []
+        alone = params
         if flat_allowed(group):
             alone, runs = _flat_runs(opt, group, begun)
         pairs = [(p, _local_entry(opt, p, as_dtensors)) for p in alone]

@@ -124,7 +124,7 @@ def _rank_digits(shape, placements, mesh_sizes) -> list | None:
         picked[m] = [(r, g * place) for r, g in cut[0]]
     merged = []
     for digits in picked:
-        out = []
+        out: list = []
         for r, g in sorted(digits, key=lambda d: -d[1]):
             if out and out[-1][1] == g * r:
                 out[-1] = (out[-1][0] * r, g)

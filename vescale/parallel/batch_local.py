@@ -40,6 +40,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..dispatch.metas import contiguous_strides
+from ..plan.api import Statement
 from ..plan.ir import PlanError
 from ..plan.lower import runs_forward
 from .hooks import _map_tensors
@@ -47,10 +48,10 @@ from .hooks import _map_tensors
 __all__ = ["install_batch_local", "batch_local_paths", "Scope"]
 
 
-def batch_local_paths(plan, model: nn.Module) -> dict[str, object]:
+def batch_local_paths(plan, model: nn.Module) -> dict[str, Statement]:
     """Module path -> its ``plan.batch_local`` statement (each statement must match a module that runs)."""
     modules = [p for p, m in model.named_modules() if runs_forward(m)]
-    found: dict[str, object] = {}
+    found: dict[str, Statement] = {}
     for st in plan.statements:
         if st.kind != "batch_local":
             continue

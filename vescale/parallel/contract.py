@@ -165,8 +165,9 @@ class InputContract:
         self.splits = [e for e in entries if e.action == "redist"]
         # Inputs a plan.annotate takes as this rank's local share: they differ across ranks by design.
         self.local_shards = [e for e in entries if e.action == "annotate" and any(p is not None and not p.is_replicate() for p in e.targets)]
-        self.calls, self.signature = 0, None
-        self._deferred = None  # a GPU call's fingerprint in flight: (head, pinned sums, event)
+        self.calls = 0
+        self.signature: tuple | None = None
+        self._deferred: tuple | None = None  # a GPU call's fingerprint in flight: (head, pinned sums, event)
 
     def _global_inputs(self, args, kwargs) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor) of the plain root inputs that stand for global tensors (not those a

@@ -199,7 +199,7 @@ def _collect_tensors(obj, found: list) -> None:
             _collect_tensors(getattr(obj, f.name), found)
 
 
-def _register_once_on_grads(output, fn: Callable[[], None], where: str | None = None) -> None:
+def _register_once_on_grads(output, fn: Callable[[], object], where: str | None = None) -> None:
     """Call ``fn`` once, when backward first reaches any tensor of ``output``. ``where`` names what
     ``fn`` does for the fault note of a collective failing in it (``note_peer_failures``)."""
     tensors = [output] if isinstance(output, torch.Tensor) else _tensors_in(output)

@@ -340,7 +340,9 @@ class GatherScheduler:
 
     def _launch_unit(self, unit: str) -> GroupGather:
         """The unit's gather: each parameter once, however many of its modules hold it."""
-        items, first, index = [], {}, []
+        items: list = []
+        first: dict = {}
+        index: list = []
         for m, t, run in self.units[unit]:
             p = _stored(m, t)
             key = (id(p), run)

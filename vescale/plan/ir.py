@@ -40,7 +40,7 @@ class RawEntry:
     module: str  # owning module path ("" = root)
     hook: str  # "param" | "factory" | "forward_pre" | "forward"
     tensor: str  # parameter/buffer name, "<in>", "<out>" or "<factory>"
-    key: object  # input/output key (int position or str name); None for parameters
+    key: int | str | None  # input/output key (int position or str name); None for parameters
     mesh_dim: int
     placement: Placement
     phase: Optional[Phase]  # parameters only: INIT / RUN
@@ -67,7 +67,7 @@ class Entry:
     module: str
     hook: str
     tensor: str
-    key: object
+    key: int | str | None
     action: str  # "distribute" | "gather" | "redist" | "factory" | "annotate"
     targets: Targets
     # gather: the INIT placements it gathers from; redist: the placements plan.redistribute says
@@ -123,7 +123,7 @@ class PlanIR:
         """Per mesh dim: ``replicated`` (parameters/buffers the plan leaves Replicate on it in both
         phases), ``sharded`` (those sharded on it in some phase) and ``activations`` (activation and
         factory entries that place something on it, Replicate included)."""
-        out = {n: {"replicated": [], "sharded": [], "activations": []} for n in self.mesh_dim_names}
+        out: dict[str, dict[str, list]] = {n: {"replicated": [], "sharded": [], "activations": []} for n in self.mesh_dim_names}
         placed: dict[str, set] = {}
         for e in self.entries:
             name = f"{e.module}.{e.tensor}" if e.module else e.tensor

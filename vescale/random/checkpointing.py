@@ -70,7 +70,8 @@ class _Replay:
     (and ``consistent()`` is on if it was), so every random op draws the forward's numbers."""
 
     def __init__(self, start: _RegionStart):
-        self.start, self.saved, self.mode = start, None, None
+        self.start, self.mode = start, None
+        self.saved: tuple | None = None  # (seed, offset) while the region replays
         self.recomputes: list = []
 
     def __enter__(self):

@@ -110,7 +110,7 @@ class LocalCalls(SwitchedMode):
         self.losses, self.sizes, self.own_ops_off = losses, sizes, own_ops_off
         self.sites = sites or {}  # path -> the call site of each note in ``sizes`` (CallWatch)
         self.derived, self.scale = derived, scale
-        self.path = None
+        self.path: str | None = None
         self.calls: dict = {}  # (module path, table or call site) -> its calls so far in this step
         self.by_site: dict = {}  # module path -> {call site: indices of its notes}, made at first use
 

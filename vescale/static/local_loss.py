@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
@@ -71,7 +72,7 @@ class LocalLoss:
     """A recorded cross entropy: classes sharded on ``class_dim`` (None: whole), this rank holding
     classes ``offset .. offset + classes`` of ``total``; rows sharded on ``row_dims``."""
 
-    mesh: object
+    mesh: DeviceMesh
     class_dim: int | None
     offset: int
     classes: int

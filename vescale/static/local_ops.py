@@ -212,7 +212,7 @@ class LocalLookups(TorchFunctionMode):
             self.running = False
 
     def _table(self, weight) -> MaskedLookup | None:
-        params = self.module._parameters if self.module is not None else {}
+        params: dict = self.module._parameters if self.module is not None else {}
         for name, lookup in self.lookups.items():
             if params.get(name) is weight:
                 return lookup

@@ -51,6 +51,7 @@ whose layout in static steps the recording does not see.)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -75,7 +76,7 @@ class SizedCall:
 
     tensor: torch.Tensor
     sizes: tuple
-    func: object
+    func: Callable
     split_dim: int | None = None
 
     def local_sizes(self, out) -> tuple | None:
@@ -128,7 +129,7 @@ class SlicedCall:
     tensor: torch.Tensor
     sizes: tuple
     dims: tuple
-    rebuild: object
+    rebuild: Callable
     narrow: bool = False
 
     def run(self, sizes: tuple):
@@ -150,7 +151,8 @@ def _index_dims(index: tuple, ndim: int) -> list | None:
     consumed = [e for e in index if e is not None and e is not Ellipsis]
     if any(isinstance(e, bool) or not isinstance(e, (slice, int)) for e in consumed) or sum(e is Ellipsis for e in index) > 1:
         return None
-    dims, d = [], 0
+    dims: list = []
+    d = 0
     for i, e in enumerate(index):
         if e is Ellipsis:
             d = ndim - sum(x is not None and x is not Ellipsis for x in index[i + 1:])

@@ -35,10 +35,14 @@ built in backward. Static Eager mode refuses it by name (``refuse_reentrant``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..plan.ir import PlanError
+
+if TYPE_CHECKING:
+    from .runtime import Record, State, StaticRuntime
 
 __all__ = ["RegionState", "in_backward", "refuse_outside_region", "unnoted_region"]
 
@@ -81,9 +85,9 @@ def refuse_outside_region(path: str, recomputed: bool = True) -> None:
 class RegionState:
     """What a checkpointed region's forward started from (see the module docstring)."""
 
-    runtime: object  # the StaticRuntime
-    state: object  # its State in the region's step
-    record: object  # that step's Record
+    runtime: StaticRuntime
+    state: State | None  # the runtime's state in the region's step
+    record: Record | None  # that step's Record
     stack: list  # the running bodies at the region's start
     drawn: dict  # module path -> random ops drawn so far this step (the random replay's counters)
     calls: dict  # the local-call mode's counters

@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from typing import Any
 
 import torch
 from torch.distributed.tensor import Shard
@@ -390,7 +391,7 @@ def _open(spec: DTensorSpec, factors, where: str, grad_placements) -> tuple:
     return candidates, counts
 
 
-def derive(source, factors, record_cls, crossing_cls) -> tuple[object | None, str]:
+def derive(source, factors, record_cls, crossing_cls) -> tuple[Any, str]:
     """A record for new input sizes from the verified record ``source`` (see the module docstring):
     ``(record, "")``, or ``(None, why not)``."""
     if source.data_dependent:

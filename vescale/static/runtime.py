@@ -40,6 +40,7 @@ import enum
 import re
 import sys
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -53,6 +54,7 @@ from ..parallel.faults import _first_line
 from ..parallel.hooks import IO_PLACED, _register_once_on_grads, _tensors_in, release_gathered
 from ..plan.ir import PlanError
 from ..parallel.placing import grad_layout
+from ..parallel.zero import GatherScheduler
 from ..placement.blocks import local_shape_and_offset
 from . import averaged, relabel, resize
 from .boundary import HandOvers, Move, ParamShadow, dtensor_of, grad_spec, local_of, settled_on_unit_dims
@@ -74,15 +76,15 @@ class State(enum.Enum):
 class Crossing:
     """What one tensor position at a boundary held in the recording step."""
 
-    spec: object | None = None  # DTensorSpec, or None for a plain (global) tensor
+    spec: DTensorSpec | None = None  # DTensorSpec, or None for a plain (global) tensor
     grad_placements: tuple | None = None  # placements its gradient arrived in
     # Where a plan.redistribute states grad_dst: the placements the gradient leaves here in (full
     # mesh); None: DTensor's default (the forward placements with Partial as Replicate).
     leave_grad: tuple | None = None
     # Gradient specs, made once in the first static step: for a local tensor wrapped here (the
     # default layout, as the recording step's _mirror had it) and for a DTensor unwrapped here.
-    wrap_grad: object | None = None
-    unwrap_grad: object | None = None
+    wrap_grad: DTensorSpec | None = None
+    unwrap_grad: DTensorSpec | None = None
     # What the wrap divides the local gradient by: the ranks an averaged Partial averages over
     # (``vescale.static.averaged``), 1 otherwise; set with wrap_grad.
     wrap_divisor: int = 1
@@ -159,8 +161,8 @@ class _Steps:
     parent_static: bool  # its caller's body does
     wrap_in: bool  # enter: local inputs become the recorded DTensors
     wrap_out: bool  # leave: local outputs do
-    moves_in: object | None  # enter: ``fn(index, tensor)`` running the precompiled moves, if any
-    moves_out: object | None  # leave: the same for outputs
+    moves_in: Callable | None  # enter: ``fn(index, tensor)`` running the precompiled moves, if any
+    moves_out: Callable | None  # leave: the same for outputs
     placed_in: bool = False  # enter: local inputs are as a plan.annotate states: the plan's hook leaves them be
     placed_out: bool = False  # leave: the same for outputs
     grad_specs: dict = field(default_factory=dict)  # parameter name -> spec of its gradient
@@ -168,8 +170,8 @@ class _Steps:
     lookups: LocalLookups | None = None  # entered while its body runs: its masked lookups (local_ops.py)
     # The root only (see StaticRuntime._root_moves): the user's plain inputs straight to the local
     # tensors the plan places them as, and the body's local outputs to the DTensors the user gets.
-    root_in: object | None = None
-    root_out: object | None = None
+    root_in: Callable | None = None
+    root_out: Callable | None = None
 
 
 def _mover(moves: list | None):
@@ -602,7 +604,7 @@ def _name(func) -> str:
     return getattr(func, "__qualname__", None) or str(func)
 
 
-def _spec_of(t) -> object | None:
+def _spec_of(t) -> DTensorSpec | None:
     return t._spec if isinstance(t, DTensor) else None
 
 
@@ -663,7 +665,7 @@ class StaticRuntime:
         eager_paths: set[str],
         planned_pre: set[str],
         planned_post: set[str],
-        annotated: tuple[set[str], set[str]] = (set(), set()),
+        annotated: tuple[set[str], ...] = (set(), set()),
         grad_dst_spots: dict | None = None,
         batch_local: dict | None = None,
     ):
@@ -689,7 +691,7 @@ class StaticRuntime:
         self.record: Record | None = None
         self.stack: list[str] = []
         self.watcher: _OpWatcher | None = None
-        self.remembered = None  # a recording's decisions_remembered() context, open with its watcher
+        self.remembered: contextlib.AbstractContextManager | None = None  # a recording's decisions_remembered() context, open with its watcher
         self.replay: _RandomReplay | None = None
         self.call_watch: CallWatch | None = None  # a recording forward's (local_calls.py)
         self.local_calls: LocalCalls | None = None  # a static forward's, with calls to run locally
@@ -723,7 +725,7 @@ class StaticRuntime:
         # ZeRO-3 units (install_static sets them): the gather scheduler; unit -> {member path: (gather
         # entries, ids of the plan's hooks)} for modules whose plan hooks only gather; member path ->
         # unit; unit -> ids of the unit hooks on its module; the quiet members of this step's units.
-        self.scheduler = None
+        self.scheduler: GatherScheduler | None = None
         self.unit_members: dict[str, dict] = {}
         self.unit_of_member: dict[str, str] = {}
         self.unit_hooks: dict[str, frozenset] = {}
@@ -1331,7 +1333,7 @@ class StaticRuntime:
         if any(spot[0] == "" for spot in self.grad_dst_spots):
             return None, None
         crossings = self.record.crossings
-        root_in = []
+        root_in: list = []
         while ("", "in", len(root_in)) in crossings:
             i = len(root_in)
             src, dst = crossings["", "in", i], crossings.get(("", "body", i))
@@ -1450,7 +1452,8 @@ class StaticRuntime:
         no hooks but install_static's, and leaf parameters (ZeRO-3's gathered ones come from hooks).
         Also the members of ZeRO-3 units whose only other hooks are the plan's gathers: their unit's
         module gathers for them (``rec.quiet_units``, see unit_in)."""
-        quiet, units = {}, {}
+        quiet: dict = {}
+        units: dict = {}
         local_calls = {p for p in local_call_paths(rec.losses, rec.sizes) if self.is_static(p)}  # the mode runs only there
         for path, (mod, own) in self.own_hooks.items():
             scope = self.scope_of.get(path)
@@ -1823,7 +1826,7 @@ def _compile_moves(crossings: dict, path: str, src: str, dst: str, relabelled: t
     """One ``Move`` (or None: a plain tensor passing through) per tensor recorded at ``(path, src)``,
     or None if some tensor there cannot move as local tensors (a plain tensor the plan places).
     ``relabelled``: ``(scope, side)`` of a batch-local module's boundary (relabel.py)."""
-    moves = []
+    moves: list = []
     while (path, src, len(moves)) in crossings:
         i = len(moves)
         a, b = crossings[(path, src, i)], crossings.get((path, dst, i))
@@ -1854,7 +1857,8 @@ class _FromGlobal:
     record's sizes settle from the tensor's global shape)."""
 
     def __init__(self, dst: Crossing):
-        self.dst, self.move = dst, None
+        self.dst = dst
+        self.move: Move | None = None
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         if self.move is None:
