@@ -30,7 +30,7 @@ the batches it delivered and saves that.
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence, Sized, Union
+from typing import Any, Iterator, Sequence, Sized, Union
 
 import torch
 import torch.utils.data
@@ -216,7 +216,7 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def __init__(
         self,
-        dataset,
+        dataset: torch.utils.data.Dataset,
         global_batch_size: int,
         mesh: DeviceMesh | None = None,
         dims: Dims = "DP",
@@ -224,7 +224,7 @@ class DataLoader(torch.utils.data.DataLoader):
         shuffle: bool = False,
         seed: int = 0,
         drop_last: bool = True,
-        **kwargs,
+        **kwargs: Any,
     ) -> None:
         taken = sorted(set(kwargs) & {"batch_size", "sampler", "batch_sampler"})
         if taken:

@@ -250,7 +250,7 @@ def _start_async(state: dict, writer: integrity.ChecksumWriter, temp: Path, side
 class AsyncCheckpoint:
     """A checkpoint being written in the background (``save(..., async_save=True)``)."""
 
-    def __init__(self, root: Path, step: int, keep_last: int | None, future):
+    def __init__(self, root: Path, step: int, keep_last: int | None, future: concurrent.futures.Future) -> None:
         self.root, self.step, self.keep_last = root, step, keep_last
         self._future = getattr(future, "upload_completion", future)
         self._lock = threading.Lock()

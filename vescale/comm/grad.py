@@ -31,7 +31,7 @@ from __future__ import annotations
 import collections
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -345,7 +345,7 @@ def attach_grad_reduction(params, reducer: GradReducer | None = None, policy=Non
 
 
 @contextlib.contextmanager
-def no_grad_sync(model: torch.nn.Module):
+def no_grad_sync(model: torch.nn.Module) -> Iterator[None]:
     """Skip gradient reduction for the backward passes inside (accumulation micro-steps): their
     gradients stay local, and the first backward after the block reduces them with its own, so
     ``param.grad`` then equals what reducing every micro-step would give. A model with per-tensor

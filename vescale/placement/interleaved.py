@@ -37,7 +37,7 @@ class InterleavedShard(_StridedShard):
     ``Shard(dim)``. The size of ``dim`` must divide by ``interleave``.
     """
 
-    def __init__(self, dim: int, interleave: int):
+    def __init__(self, dim: int, interleave: int) -> None:
         if not isinstance(dim, int) or isinstance(dim, bool):
             raise TypeError(f"InterleavedShard: dim must be an int, got {dim!r}")
         if not isinstance(interleave, int) or isinstance(interleave, bool) or interleave < 1:

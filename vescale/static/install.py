@@ -14,7 +14,7 @@ import re
 import torch.nn as nn
 
 from ..plan import PlanIR, VescalePlan
-from ..parallel.zero import unit_of
+from ..parallel.zero import GatherScheduler, unit_of
 from ..plan.lower import runs_forward
 from ..random.checkpointing import listen_to_regions
 from .runtime import StaticRuntime, resolve_eager_paths
@@ -29,7 +29,8 @@ def static_runtime(model: nn.Module) -> StaticRuntime:
     return rt
 
 
-def install_static(model: nn.Module, plan: VescalePlan, ir: PlanIR, plan_hooks: frozenset = frozenset(), scheduler=None,
+def install_static(model: nn.Module, plan: VescalePlan, ir: PlanIR, plan_hooks: frozenset = frozenset(),
+                   scheduler: GatherScheduler | None = None,
                    gathered_modules: dict | None = None, batch_local: dict | None = None) -> list:
     """Create the runtime (``model._vescale_static``) and install its hooks; returns the handles.
     ``plan_hooks``: the ids of the hooks parallelize installed before (the plan's and the root's);
