@@ -132,3 +132,18 @@ def test_attention_scores_on_dp2_tp4_with_one_sequence_per_dp_rank():
         scores = torch.matmul(q, k.transpose(2, 3))
         assert isinstance(scores, DTensor) and scores.placements == (Shard(0), Shard(1))
         assert scores.to_local().shape == (1, 2, 64, 64)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_shard_on_a_mesh_dim_of_one_rank_reshapes_like_a_replicated_dim(strict):
+    """A dim "split" over one rank is whole on that rank: PyTorch's strict rule refuses to merge it
+    to drop (the fuzzer's DP=4 x TP=1 conv patch output of width 1, ``Shard(3)`` on TP, viewed without
+    that dim: "would remove or reshape sharded dimension 3"); the decision takes the input as it is
+    and replicates the output."""
+    shape, sizes, mesh_shape = (4, 8, 1, 1), (4, 8, 1), (4, 1)
+    placements = (Shard(0), Shard(3))
+    with pytest.raises(RuntimeError, match="sharded dimension"):
+        propagate_shape_and_sharding(placements, shape, view_groups(shape, sizes), mesh_shape, True)
+    decision = propagate_view(placements, shape, view_groups(shape, sizes), mesh_shape, strict)
+    assert tuple(decision[0]) == placements and tuple(decision[1]) == (Shard(0), Replicate())
+    _check(shape, placements, sizes, mesh_shape, decision)

@@ -37,7 +37,7 @@ def _raise_mid_step(skip: bool) -> dict:
 
     model.model.layers[1].register_forward_pre_hook(bad_sample)
     try:
-        for _step, (ids, labels) in enumerate(synthetic_batches(4, 4, 16, 128, seed=1)):
+        for step, (ids, labels) in enumerate(synthetic_batches(4, 4, 16, 128, seed=1)):
             try:
                 model(input_ids=ids, labels=labels).loss.backward()
                 opt.step()
@@ -80,7 +80,7 @@ def _raise_in_backward_under_dp() -> dict:
 
     model.model.layers[1].register_full_backward_hook(bad_gradient)
     try:
-        for _step, (ids, labels) in enumerate(synthetic_batches(4, 4, 16, 128, seed=1)):
+        for step, (ids, labels) in enumerate(synthetic_batches(4, 4, 16, 128, seed=1)):
             model(input_ids=ids, labels=labels).loss.backward()
             model.zero_grad()
     except Exception as e:
@@ -233,7 +233,7 @@ def _skip_backward_on_rank_1() -> dict:
 
     model.model.layers[1].register_full_backward_hook(bad_gradient)
     try:
-        for _step, (ids, labels) in enumerate(synthetic_batches(4, 4, 16, 128, seed=1)):
+        for step, (ids, labels) in enumerate(synthetic_batches(4, 4, 16, 128, seed=1)):
             try:
                 model(input_ids=ids, labels=labels).loss.backward()
             except ValueError:
@@ -303,7 +303,7 @@ def _raise_mid_forward_dp_tp_zero3() -> dict:
     model.layers[1].register_forward_pre_hook(bad)
     data = torch.Generator().manual_seed(1)
     try:
-        for _step in range(4):
+        for step in range(4):
             try:
                 model(torch.randn(8, 16, generator=data)).backward()
                 opt.step()

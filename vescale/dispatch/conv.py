@@ -45,7 +45,8 @@ aten = torch.ops.aten
 def _as_dtensors(args, weight_index: int):
     mesh = next(a.device_mesh for a in args if isinstance(a, DTensor))
     weight = args[weight_index]
-    if isinstance(weight, DTensor) and any(not p.is_replicate() for p in weight.placements):
+    # A shard on a mesh dim of one rank holds the whole weight: as good as replicated.
+    if isinstance(weight, DTensor) and any(not p.is_replicate() and n > 1 for p, n in zip(weight.placements, weight.device_mesh.shape)):
         path, _ = running_module()
         name = (re.escape(path) + r"\.weight") if path else r"<conv path>\.weight"
         raise MissingShardingRule(

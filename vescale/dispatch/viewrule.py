@@ -168,7 +168,16 @@ def propagate_view(placements, shape, rule, mesh_sizes, strict: bool):
     decision whose output layout is not the input's viewed (PyTorch keeps a ``_StridedShard`` on an
     output dim whose size does not fit it, or several mesh dims on a first split dim too short for
     them) gathers those mesh dims first instead (a strict view raises, as PyTorch does for a view
-    it cannot make local). Inputs cut unevenly are PyTorch's alone (the check needs even cuts)."""
+    it cannot make local). Inputs cut unevenly are PyTorch's alone (the check needs even cuts).
+
+    A shard on a mesh dim of one rank holds the whole dim: it is decided as ``Replicate`` (PyTorch's
+    strict rule refuses to reshape a dim "sharded" over one rank), the input taken as it is and the
+    output replicated on that mesh dim."""
+    unit = [m for m, (p, n) in enumerate(zip(placements, mesh_sizes)) if n == 1 and isinstance(p, (Shard, _StridedShard))]
+    if unit:
+        whole = [Replicate() if m in unit else p for m, p in enumerate(placements)]
+        target, out = propagate_view(whole, shape, rule, mesh_sizes, strict)
+        return [placements[m] if m in unit else t for m, t in enumerate(target)], out
     if _has_strided(placements):
         propagator = _Propagator(placements, shape, rule, mesh_sizes, strict)
         target, to_output = propagator.analyze()
