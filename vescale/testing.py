@@ -84,7 +84,7 @@ def _store_host(world_size: int, conn) -> None:
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     conn.send(store.port)
     try:
-        conn.recv()  # returns (EOFError) when the parent closes its end
+        conn.recv()  # the parent's "stop", or EOFError if the parent died
     except EOFError:
         pass
 
@@ -136,7 +136,14 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
         port = store_end.recv()
         return _run_children(ctx, port, fn, world_size, args, timeout)
     finally:
-        store_end.close()  # the store process returns
+        # Tell the store process to return. Waiting for it to see the pipe closed is not enough:
+        # it holds a copy of this end itself (fork), so it never would, and each run paid the 5 s
+        # join timeout below before the kill.
+        try:
+            store_end.send("stop")
+        except OSError:
+            pass
+        store_end.close()
         host.join(timeout=5)
         if host.is_alive():
             host.kill()
