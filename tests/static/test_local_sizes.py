@@ -34,6 +34,16 @@ def test_another_size_is_refused_naming_the_module_and_the_fix():
         VOCAB.local((4, -1, 512), "lm", VIEW, derived=False)  # another rank of sizes
 
 
+def test_a_whole_share_of_the_global_size_gets_the_local_size():
+    # HF Mixtral's MoE block under DP=2 x EP=2: reshape(batch, 4, 16) of an output split over DP x EP
+    # (global batch 4, 1 a rank), with the batch read from its input, split over DP only (2 a rank).
+    batch = SizeRewrite(3, (0,), (4,), (1,))
+    assert batch.local((2, 4, 16), "moe", torch.Tensor.reshape, derived=False) == (1, 4, 16)
+    assert batch.local((4, 4, 16), "moe", torch.Tensor.reshape, derived=False) == (1, 4, 16)
+    with pytest.raises(PlanError, match=r"reshape\(3, 4, 16\)"):
+        batch.local((3, 4, 16), "moe", torch.Tensor.reshape, derived=False)  # no share of 4
+
+
 def test_a_derived_record_splits_a_global_size_that_follows_the_inputs():
     length = SizeRewrite(4, (1,), (16,), (8,))  # view(b, 16, 2, 4) of a sequence split 2 ways
     # Derived from a record whose first static step kept the rewrite: the new global length is split.

@@ -28,7 +28,9 @@ The recorded facts fix it, as they fix the vocabulary-parallel lookup (``local_o
   ``repeat_kv`` reshapes by ``x.shape``) was global while recording, on the DTensor, and is local
   in static steps already: a call that passes the local sizes runs as it is, and its note is
   dropped for good (``SizeRewrite.local`` returns None), so a body with nothing left to rewrite runs
-  without the mode from the next step on. Any other size at a rewritten position is another tensor
+  without the mode from the next step on. A whole share of the global size (read from another
+  tensor's shard, split over fewer ranks: HF Mixtral's MoE block reshapes its DP x EP split output
+  by the batch of its DP-split input) gets the local size too. Any other size at a rewritten position is another tensor
   than the recorded one, except in a record derived for new input sizes (``resize.py``) from one
   whose first static step kept the rewrite (so the call passes a global size): there a global size
   that follows the inputs (a sequence length the model reads from an unsplit tensor) is split as
@@ -220,6 +222,15 @@ def _local_slice_bounds(call: SlicedCall) -> tuple | None:
     return tuple(out) if changed else None
 
 
+def _whole_share(size: int, global_size: int) -> bool:
+    """Whether ``size`` is a whole share of ``global_size`` (``global_size`` split evenly over some
+    ranks): a size read from the local shard of another tensor, split over fewer ranks than the one
+    sized by it. HF Mixtral's MoE block reads its batch from its DP-split input and reshapes by it an
+    output that expert parallelism split over DP x EP. The inputs' global sizes are the recording's
+    (else the step records or derives a record), so the model meant the global size there."""
+    return 0 < size < global_size and global_size % size == 0
+
+
 @dataclass(frozen=True)
 class SizeRewrite:
     """A recorded call's sizes: at ``positions`` the model passes ``global_sizes``; the local shards
@@ -242,7 +253,8 @@ class SizeRewrite:
             scaled = self._scaled(sizes)
             if scaled is not None:
                 return scaled
-        if len(sizes) != self.ndim or any(sizes[i] != g for i, g in zip(self.positions, self.global_sizes)):
+        if len(sizes) != self.ndim or not all(sizes[i] == g or (not derived and _whole_share(sizes[i], g))
+                                              for i, g in zip(self.positions, self.global_sizes)):
             want = ["*"] * self.ndim
             for i, g in zip(self.positions, self.global_sizes):
                 want[i] = g
@@ -339,7 +351,7 @@ class GlobalSizes:
 
     def _learn(self, sizes: tuple) -> None:
         positions = tuple(i for i, (s, g) in enumerate(zip(sizes, self.sizes)) if s != g)
-        if all(0 < sizes[i] < self.sizes[i] and self.sizes[i] % sizes[i] == 0 for i in positions):
+        if all(_whole_share(sizes[i], self.sizes[i]) for i in positions):
             self.positions, self.local_sizes = positions, tuple(sizes[i] for i in positions)
 
     def _global(self, sizes: tuple, scale: bool) -> tuple | None:
