@@ -37,9 +37,20 @@ import torch.utils.data
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-__all__ = ["data_shard", "as_global", "GlobalBatchSampler", "DataLoader"]
+__all__ = ["data_shard", "as_global", "GlobalBatchSampler", "DataLoader", "shares_drawn"]
 
 Dims = Union[str, Sequence[str]]
+
+# Per-rank shares handed out by this process's samplers over a mesh. The step check
+# (vescale.parallel.faults) compares it across ranks: per-rank shares differ by design, so the
+# input fingerprint cannot tell a rank that skipped a batch; the count of batches drawn can.
+_SHARES_DRAWN = [0]
+
+
+def shares_drawn() -> int:
+    """How many per-rank shares (batches of ``GlobalBatchSampler`` with a mesh, in any loader) this
+    process has drawn: equal on every rank of a run that skips no batch."""
+    return _SHARES_DRAWN[0]
 
 
 def data_shard(mesh: DeviceMesh | None, dims: Dims = "DP") -> tuple[int, int]:
@@ -112,6 +123,7 @@ class GlobalBatchSampler(torch.utils.data.Sampler[list[int]]):
         if not isinstance(global_batch_size, int) or global_batch_size < 1:
             raise ValueError(f"GlobalBatchSampler: global_batch_size must be a positive int, got {global_batch_size!r}")
         self.index, self.count = data_shard(mesh, dims)
+        self.per_rank = mesh is not None  # its batches are shares: counted in shares_drawn()
         self.size, self.global_batch_size = size, global_batch_size
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         where = f"{self.count} shares (mesh dims {dims!r})"
@@ -172,6 +184,7 @@ class GlobalBatchSampler(torch.utils.data.Sampler[list[int]]):
         batch = self.global_batch_size
         for i in range(start, len(self)):
             self._next = i + 1
+            _SHARES_DRAWN[0] += self.per_rank
             yield self.share(order[i * batch: (i + 1) * batch])
 
     def state_dict(self, taken: int | None = None) -> dict:

@@ -101,7 +101,7 @@ def test_a_failure_met_in_backward_is_named_and_ends_within_the_timeout():
 
 def _skip_on_rank_1(where: str, catch_everywhere: bool = False) -> dict:
     """DP=2 zoo LLaMA; rank 1 raises at step 2 ``where`` ("outside" the model, at the end of its
-    "forward", in the "optimizer" step) and skips the batch; with ``catch_everywhere`` every rank
+    "forward", in the "optimizer" step) and skips the batch (or, "side", raises nothing); with ``catch_everywhere`` every rank
     catches vescale's OutOfStepError too and goes on."""
     torch.manual_seed(0)
     model = tiny_llama()
@@ -110,6 +110,8 @@ def _skip_on_rank_1(where: str, catch_everywhere: bool = False) -> dict:
     vescale.parallelize(model, llama_plan(mesh, model.config), mesh)
     opt = torch.optim.AdamW(model.parameters())
     rank, step, losses, steps_taken = dist.get_rank(), 0, {}, 0
+    # "side": rank 0 also steps a plain optimiser (an EMA copy, a probe) that no other rank has
+    side = torch.optim.SGD(torch.nn.Linear(2, 2).parameters()) if where == "side" and rank == 0 else None
 
     def bad(*args):
         if rank == 1 and step == 2:
@@ -128,6 +130,8 @@ def _skip_on_rank_1(where: str, catch_everywhere: bool = False) -> dict:
                 if where == "optimizer":
                     bad()
                 opt.step()
+                if side is not None:
+                    side.step()
                 steps_taken += 1
                 losses[step] = loss.item()
             except ValueError:
@@ -161,6 +165,49 @@ def test_a_rank_that_skips_an_optimizer_step_is_named_with_how_far_behind():
     for r in (r0, r1):
         assert r["error"] is not None and "rank 1 has taken 2, rank 0 3, so rank 1 is 1 step behind" in r["error"], r
     assert r0["steps"] == 3 and r1["steps"] == 2
+
+
+def _skip_a_share_on_rank_1() -> dict:
+    """DP=2 zoo LLaMA fed per-rank shares by vescale.data (``local_inputs=True``); rank 1 draws its
+    share of batch 2 and skips it. The shares differ by design, so only the count of shares drawn
+    can tell."""
+    torch.manual_seed(0)
+    model = tiny_llama()
+    vescale.manual_seed(0)
+    mesh = vescale.init_mesh((2,), ("DP",), timeout=TIMEOUT_S)
+    vescale.parallelize(model, llama_plan(mesh, model.config, local_inputs=True), mesh)
+    opt = torch.optim.AdamW(model.parameters())
+    ids = torch.randint(0, 128, (20, 16), generator=torch.Generator().manual_seed(1))
+    loader = vescale.data.DataLoader(torch.utils.data.TensorDataset(ids, ids), 4, mesh, "DP")
+    trained = []
+    try:
+        for step, (x, labels) in enumerate(loader):
+            if dist.get_rank() == 1 and step == 2:
+                continue
+            model(input_ids=x, labels=labels).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            trained.append(step)
+    except vescale.OutOfStepError as e:
+        return {"error": str(e), "trained": trained}
+    return {"error": None, "trained": trained}
+
+
+@pytest.mark.multiproc
+def test_a_rank_that_skips_its_share_of_a_batch_is_named():
+    r0, r1 = run_on_ranks(_skip_a_share_on_rank_1, 2, timeout=120)
+    for r in (r0, r1):
+        assert r["error"] is not None and "drawn different numbers of batches from vescale.data at forward call 3" in r["error"], r
+        assert "rank 0 has drawn 3, rank 1 4" in r["error"], r
+    assert r0["trained"] == [0, 1] and r1["trained"] == [0, 1], (r0, r1)  # nothing trained on mismatched shares
+
+
+@pytest.mark.multiproc
+def test_a_plain_optimizer_stepped_on_one_rank_is_not_counted():
+    # Only optimisers holding a parallelised model's parameters are compared across ranks.
+    r0, r1 = run_on_ranks(_skip_on_rank_1, 2, "side", timeout=120)
+    for r in (r0, r1):
+        assert r["error"] is None and r["steps"] == 5, r
 
 
 @pytest.mark.multiproc

@@ -20,13 +20,17 @@ of backward, ZeRO-3 re-gathers in backward, the per-tensor reduction, the step c
 call of the root module, before the call's first collective, each rank contributes a few integers
 to one all-reduce (MAX of values and their negations: every rank learns each field's largest and
 smallest value, and a rank holding each): whether its previous forward call raised, whether it can
-go on at all, how many optimiser steps it has taken, and a fingerprint of the call's plain inputs
-(``InputContract.fingerprint``). The stamps go over a gloo process group of their own, so they pair
+go on at all, how many optimiser steps it has taken (of optimisers holding a parallelised model's
+parameters), a fingerprint of the call's plain inputs (``InputContract.fingerprint``), and how many
+per-rank shares it has drawn from ``vescale.data`` (shares differ by design, so their bits are not
+in the fingerprint; their count is the same on every rank in step). The stamps go over a gloo process group of their own, so they pair
 up by forward call whatever happened to the training collectives, and every rank raises
 ``OutOfStepError`` where they differ:
 
-* the ranks were given different inputs: one rank skipped or repeated a batch outside the model
-  (found before the call's first collective: nothing is trained on mismatched batches);
+* the ranks were given different inputs, or drew different numbers of per-rank shares: one rank
+  skipped or repeated a batch outside the model (found before the call's first collective: nothing
+  is trained on mismatched batches). Per-rank shares loaded by other means than ``vescale.data``
+  are not covered;
 * the ranks have taken different numbers of optimiser steps: the error names the rank that is
   behind and by how many steps (its weights no longer match the others');
 * a rank's previous forward call raised where the others' completed (found at the next call: in
@@ -50,11 +54,15 @@ import contextlib
 import sys
 import time
 import traceback
+import weakref
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from ..data import shares_drawn
 
 __all__ = ["FaultReporter", "StepCheck", "OutOfStepError", "note_peer_failures", "publish", "stamp_group"]
 
@@ -198,7 +206,8 @@ class _Progress:
 
     def _after_step(self, optimizer, args, kwargs) -> None:
         self.stepping -= 1
-        self.optimizer_steps += 1
+        if _steps_parallel_parameters(optimizer):
+            self.optimizer_steps += 1
 
     def stop(self, why: str) -> None:
         if self.stopped is None:
@@ -220,6 +229,21 @@ class _Progress:
 
 
 PROGRESS = _Progress()
+# optimizer -> (parameters it held when last asked, whether one of them is a DTensor)
+_HOLDS_DTENSORS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _steps_parallel_parameters(optimizer) -> bool:
+    """Whether ``optimizer`` updates a parallelised model's parameters (DTensors). Only those steps
+    are compared across ranks: a plain optimiser that one rank steps beside the parallel model (an
+    EMA copy, a local probe) changes nothing the ranks must agree on. Cached per optimiser, asked
+    again when its parameter count changes (``add_param_group``)."""
+    count = sum(len(group["params"]) for group in optimizer.param_groups)
+    known = _HOLDS_DTENSORS.get(optimizer)
+    if known is None or known[0] != count:
+        holds = any(isinstance(p, DTensor) for group in optimizer.param_groups for p in group["params"])
+        known = _HOLDS_DTENSORS[optimizer] = (count, holds)
+    return known[1]
 
 # The stamp group: (default process group it was made under, gloo group over every rank).
 _STAMP_GROUP: list = []
@@ -263,6 +287,7 @@ class StepCheck:
         0 highest rank whose previous forward call raised (-1: none)   1 -(lowest such rank)
         2 highest rank whose previous forward call completed (-1)      3 highest rank that cannot go on (-1)
         4 x of optimiser steps taken   5 -x of them                    6 x of the input fingerprint   7 -x of it
+        8 x of per-rank shares drawn from vescale.data (``shares_drawn``)   9 -x of it
     """
 
     SLOW_S = 2.0  # a stamp wait longer than this is recorded in the store (see ``_wait``)
@@ -283,9 +308,10 @@ class StepCheck:
         r, world = self.rank, self.world
         steps = (PROGRESS.optimizer_steps << _RANK_BITS) | r
         fp = (_fold(inputs) << _RANK_BITS) | r
+        shares = (_fold(shares_drawn()) << _RANK_BITS) | r
         stamp = torch.tensor(
             [r if last_failed else -1, -(r if last_failed else world), -1 if last_failed else r,
-             r if stopped else -1, steps, -steps, fp, -fp],
+             r if stopped else -1, steps, -steps, fp, -fp, shares, -shares],
             dtype=torch.int64,
         )
         # On the backend itself: not a c10d dispatcher op, so the step check's stamp is not one of
@@ -352,6 +378,7 @@ class StepCheck:
         failed_hi, failed_lo, done_hi, stopped_hi = s[0], -s[1], s[2], s[3]
         steps_hi, steps_lo = s[4], -s[5]
         fp_hi, fp_lo = s[6], -s[7]
+        shares_hi, shares_lo = s[8], -s[9]
         if stopped_hi >= 0:  # another rank cannot go on: nor can the run
             PROGRESS.stop(f"rank {stopped_hi} cannot go on{self._reported([stopped_hi])}")
             return
@@ -359,6 +386,8 @@ class StepCheck:
             raise self._error(self._failed_message(call, failed_lo, failed_hi, done_hi))
         if steps_hi >> _RANK_BITS != steps_lo >> _RANK_BITS:
             raise self._error(self._steps_message(call, steps_lo >> _RANK_BITS, steps_lo & mask, steps_hi >> _RANK_BITS, steps_hi & mask))
+        if shares_hi >> _RANK_BITS != shares_lo >> _RANK_BITS:
+            raise self._error(self._shares_message(call, shares_lo >> _RANK_BITS, shares_lo & mask, shares_hi >> _RANK_BITS, shares_hi & mask))
         if fp_hi >> _RANK_BITS != fp_lo >> _RANK_BITS:
             raise self._error(self._inputs_message(call, fp_lo & mask, fp_hi & mask))
 
@@ -392,6 +421,15 @@ class StepCheck:
             "behind (it skipped optimizer.step(), e.g. after catching an exception from backward() or step()) "
             "and its weights no longer match the other ranks'. Every rank must run the same steps; restart "
             "from the last checkpoint (vescale.checkpoint.load)."
+        )
+
+    def _shares_message(self, call: int, fewest: int, behind: int, most: int, ahead: int) -> str:
+        return (
+            f"vescale: the ranks have drawn different numbers of batches from vescale.data at forward call {call}: "
+            f"rank {behind} has drawn {fewest}, rank {ahead} {most}: a rank skipped or repeated a batch (e.g. caught "
+            "an exception outside the model and went on with its next batch), so the ranks' shares are from "
+            "different global batches. Every rank must run the same steps; restart from the last checkpoint "
+            "(vescale.checkpoint.load) with the loader's state (vescale.data.DataLoader.state_dict)."
         )
 
     def _inputs_message(self, call: int, one: int, other: int) -> str:
