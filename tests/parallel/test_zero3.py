@@ -5,6 +5,7 @@ gradient is accumulated."""
 from __future__ import annotations
 
 import re
+import warnings
 
 import pytest
 import torch
@@ -206,3 +207,58 @@ def test_keeping_the_last_unit_changes_no_result(mode):
         # Steps 1 and 3 kept the last block (and the final norm and head) for backward: one
         # all-gather fewer than the same steps with every unit freed after forward.
         assert [r - k for k, r in zip(counts, ref_counts)] == [0, 1, 0, 1], (counts, ref_counts)
+
+
+HOOKED = "model.layers.0.mlp.up_proj.weight"
+
+
+def _hooked_run(bucket_mb, zero3=True):
+    """Two SGD steps of the tiny LLaMA with a user's hooks on one weight: a tensor hook that replaces
+    the gradient by a non-linear function of it (right only on the whole, reduced gradient) and a
+    post-accumulate hook that reads ``p.grad``. ``bucket_mb="single"``: one device."""
+    torch.manual_seed(0)
+    model = tiny_llama()
+    if bucket_mb != "single":
+        mesh = vescale.init_mesh((dist.get_world_size(),), ("DP",))
+        vescale.parallelize(model, llama_plan(mesh, zero3=zero3), mesh, bucket_mb=bucket_mb)
+    param = dict(model.named_parameters())[HOOKED]
+    seen = []
+    param.register_hook(lambda g: g + 10 * g * g)
+    param.register_post_accumulate_grad_hook(
+        lambda p: seen.append(None if p.grad is None else vescale.testing.global_value(p.grad).norm().item()))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    grads = []
+    for input_ids, labels in synthetic_batches(2, 4, 16, 128, seed=1):
+        model(input_ids=input_ids, labels=labels).loss.backward()
+        grads.append({n: vescale.testing.global_value(p.grad) for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+    return {"seen": seen, "grads": grads, "placements": str(param.placements) if bucket_mb != "single" else None}
+
+
+def _three_hooked_runs():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        runs = [_hooked_run(25), _hooked_run(None), _hooked_run(25, zero3=False)]
+    runs[2]["warnings"] = [str(w.message) for w in caught]
+    return runs
+
+
+@pytest.mark.multiproc
+def test_a_parameters_own_hooks_run_on_its_reduced_gradient():
+    """Under ZeRO-3 autograd feeds a gathered copy, not the parameter; its own hooks run when the
+    reduced gradient lands (vescale.comm.grad), once per backward, on the whole gradient: the
+    tensor hook's non-linear replacement and what the post-accumulate hook reads match one device
+    (fp32 sums in another order: 1e-5), bucketed and per tensor."""
+    single = _hooked_run("single")
+    assert len(single["seen"]) == 2
+    bucketed, per_tensor, dp_bucketed = run_on_ranks(_three_hooked_runs, 2)[0]
+    for run in (bucketed, per_tensor):
+        assert "Shard(dim=0)" in run["placements"], run["placements"]  # the weight is ZeRO-3 sharded at rest
+        assert run["seen"] == pytest.approx(single["seen"], rel=1e-5), (run["seen"], single["seen"])
+        for got, want in zip(run["grads"], single["grads"]):
+            for name in want:
+                assert torch.allclose(got[name], want[name], rtol=1e-5, atol=1e-6), name
+    # Without ZeRO-3 autograd accumulates the gradient and the buckets reduce it after backward: a
+    # post-accumulate hook runs first (as under DDP) and is told so, not left to read a stale grad.
+    assert any("post-accumulate-grad hook on a parameter with bucketed gradient reduction" in w for w in dp_bucketed["warnings"])

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -43,7 +44,7 @@ from .groups import group_of
 from .layout import NOTHING, Transfer, pack_rows, reduce_plan, unpack_row
 from ..precision import reduce_dtype_of
 
-__all__ = ["GradReducer", "Route", "attach_grad_reduction", "no_grad_sync", "DEFAULT_BUCKET_MB"]
+__all__ = ["GradReducer", "Route", "accumulate_grad", "attach_grad_reduction", "no_grad_sync", "DEFAULT_BUCKET_MB"]
 
 DEFAULT_BUCKET_MB = 25.0  # as torch DDP: large enough to fill the links, small enough to overlap
 
@@ -133,6 +134,7 @@ class GradReducer:
         self._launched: list[_Bucket] = []
         self._ready: list[tuple[torch.Tensor, torch.Tensor]] = []  # reduced without a bucket
         self._queued = False
+        self._outside_autograd: set[int] = set()  # ids of parameters fed by add_local(outside_autograd=True)
         # id(param) -> (param spec, gradient spec, plan): a plan depends on those two specs only, and
         # static steps hand the same gradient spec over every step, so it is worked out once.
         self._plans: dict[int, tuple] = {}
@@ -167,11 +169,15 @@ class GradReducer:
         self.add_local(param, grad._local_tensor, grad.placements, plan)
 
     def add_local(self, param: DTensor, local: torch.Tensor, placements: tuple, plan: Transfer | Route,
-                  more_coming: bool = False) -> None:
+                  more_coming: bool = False, outside_autograd: bool = False) -> None:
         """``add`` for a gradient given as its local tensor and placements. ``more_coming``: another
         gradient of ``param`` arrives later in this backward (a tied parameter's other gathered
         copy): this one waits, summed with it, so the parameter is reduced once (if the two come
-        in other layouts, each is reduced on its own)."""
+        in other layouts, each is reduced on its own). ``outside_autograd``: autograd computed it
+        for a copy of ``param`` (ZeRO-3's gathered one), so ``param``'s own hooks run when the
+        reduced gradient lands (``_accumulate``)."""
+        if outside_autograd:
+            self._outside_autograd.add(id(param))
         if not self.sync or more_coming:
             key = (id(param), tuple(placements))
             held = self._pending.get(key)
@@ -244,12 +250,13 @@ class GradReducer:
         for key in list(self._open):
             self._launch(self._open.pop(key))
         launched, self._launched = self._launched, []
+        outside = self._outside_autograd
         for bucket in launched:
             for param, local in bucket.wait(self.mesh, self.stats):
-                _accumulate(param, local)
+                _accumulate(param, local, id(param) in outside)
         ready, self._ready = self._ready, []
         for param, local in ready:
-            _accumulate(param, local)
+            _accumulate(param, local, id(param) in outside)
 
 
 def _route(grad, param) -> Route | None:
@@ -266,11 +273,40 @@ def _route(grad, param) -> Route | None:
     return Route(moves.compile_move(grad, target), plan)
 
 
-def _accumulate(param: DTensor, local: torch.Tensor) -> None:
+def accumulate_grad(param: torch.Tensor, grad: torch.Tensor, skip=lambda hook: False) -> None:
+    """What autograd's AccumulateGrad does with ``grad`` on the leaf ``param`` (outside
+    ``create_graph``): tensor hooks, then ``param.grad`` set (or added to in place), then the
+    post-accumulate hooks; hooks for which ``skip`` is true are left out. For a gradient that
+    reaches ``param`` outside autograd: a Static Eager step's hand-over, a ZeRO-3 reduce-scatter."""
+    for hook in tuple((param._backward_hooks or {}).values()):
+        replaced = None if skip(hook) else hook(grad)
+        if replaced is not None:
+            grad = replaced
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad.add_(grad)
+    for hook in tuple((param._post_accumulate_grad_hooks or {}).values()):
+        if not skip(hook):
+            hook(param)
+
+
+def _is_reduction_hook(hook) -> bool:
+    return getattr(hook, "vescale_reduction", False)
+
+
+def _accumulate(param: DTensor, local: torch.Tensor, outside_autograd: bool = False) -> None:
     """``param.grad += reduced`` where ``reduced`` is already laid out like ``param`` (in the
-    parameter's own dtype: mixed precision reduces in another, or computes a gathered copy's in another)."""
+    parameter's own dtype: mixed precision reduces in another, or computes a gathered copy's in another).
+    ``outside_autograd``: the gradient never passed autograd's accumulation on ``param`` (ZeRO-3:
+    autograd fed a gathered copy), so the parameter's own hooks, registered by the user, run here on
+    the reduced gradient, as on one device and as FSDP2 runs post-accumulate hooks (vescale's
+    reduction hooks, meant for a gradient autograd hands over, are left out)."""
     if local.dtype != param.dtype:
         local = local.to(param.dtype)
+    if outside_autograd and (param._backward_hooks or param._post_accumulate_grad_hooks):
+        accumulate_grad(param, DTensor(local, param._spec, requires_grad=False), skip=_is_reduction_hook)
+        return
     if param.grad is None:
         # The parameter's own spec: the reduced gradient is laid out exactly like it.
         param.grad = DTensor(local, param._spec, requires_grad=False)
@@ -295,6 +331,18 @@ def _per_tensor_hook(param: DTensor, policy=None):
     return hook
 
 
+# A user's post-accumulate hook on a parameter whose gradient autograd accumulates and the buckets
+# reduce at the end of backward runs before that reduction (as under DDP), where param.grad does not
+# hold this backward's gradient yet. (ZeRO-3's parameters are fed outside autograd: their hooks run
+# after the reduce-scatter, see _accumulate.)
+_EARLY_POST_HOOK = (
+    "vescale: a post-accumulate-grad hook on a parameter with bucketed gradient reduction runs before "
+    "the reduction, which ends with backward: param.grad does not hold this backward's gradient yet "
+    "when the hook reads it. Pass bucket_mb=None to vescale.parallelize (each gradient reduced in "
+    "autograd, before the hook runs), or act on gradients after backward() returns."
+)
+
+
 def _bucketed_hooks(param: DTensor, reducer: GradReducer) -> list:
     """A pre-accumulation hook moves ``param.grad`` aside so that autograd stores the raw gradient
     alone (no Partial + Replicate addition, which DTensor would reduce per tensor); the
@@ -317,10 +365,14 @@ def _bucketed_hooks(param: DTensor, reducer: GradReducer) -> list:
             plan = state["plan"]
             state.update(taken=False, kept=None, plan=None)
             reducer.add(p, grad, plan)
+            if not state.get("warned") and any(not _is_reduction_hook(h) for h in p._post_accumulate_grad_hooks.values()):
+                state["warned"] = True
+                warnings.warn(_EARLY_POST_HOOK, stacklevel=2)
 
     # Both hooks do nothing with a gradient that needs no reduction: Static Eager's parameter
     # hand-over may then wait for the end of backward (vescale.static.boundary.HandOvers).
     pre.idle_for = post.idle_for = lambda spec: reducer.plan_of(param, spec) is NOTHING
+    pre.vescale_reduction = post.vescale_reduction = True
     return [param.register_hook(pre), param.register_post_accumulate_grad_hook(post)]
 
 

@@ -168,7 +168,7 @@ class GatheredParam:
             local, spec, plan = grad._local_tensor, grad._spec, NOTHING
         gathered = getattr(self.param, "_vescale_gathered", [])
         more = any(g is not self and g.value.requires_grad for g in gathered)
-        self.reducer.add_local(self.param, local, spec.placements, plan, more_coming=more)
+        self.reducer.add_local(self.param, local, spec.placements, plan, more_coming=more, outside_autograd=True)
         self.free()
         if self in gathered:
             gathered.remove(self)

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
 
+from ..comm.grad import accumulate_grad
 from ..comm.moves import compile_move
 from ..dispatch.metas import contiguous_strides, spec_of
 from ..parallel.placing import grad_layout
@@ -237,19 +238,3 @@ class HandOvers:
 
     def discard(self) -> None:
         self.pending = []
-
-
-def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
-    """What autograd's AccumulateGrad does with ``grad`` on the leaf ``param`` (outside
-    ``create_graph``): tensor hooks, then ``param.grad`` set (or added to in place), then the
-    post-accumulate hooks."""
-    for hook in tuple((param._backward_hooks or {}).values()):
-        replaced = hook(grad)
-        if replaced is not None:
-            grad = replaced
-    if param.grad is None:
-        param.grad = grad
-    else:
-        param.grad.add_(grad)
-    for hook in tuple((param._post_accumulate_grad_hooks or {}).values()):
-        hook(param)
