@@ -79,6 +79,16 @@ def forget_dtensor_caches() -> None:
     clear_moves()
 
 
+def _start_afresh() -> None:
+    """Reset the process-wide counts a forked rank inherits: optimiser steps and per-rank shares
+    drawn (the step check compares them across ranks and names them in its errors)."""
+    from vescale import data
+    from vescale.parallel.faults import PROGRESS
+
+    PROGRESS.reset()
+    data._SHARES_DRAWN[0] = 0
+
+
 def _store_host(world_size: int, conn) -> None:
     """Host the run's TCPStore (sends its port back) until the parent closes the pipe."""
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
@@ -101,6 +111,7 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, con
     # Each rank gets one intra-op thread: N ranks share this machine's few cores.
     torch.set_num_threads(1)
     forget_dtensor_caches()  # the parent may have simulated other ranks
+    _start_afresh()  # the parent may have trained: this rank starts as a new process would
     try:
         if dist.is_initialized():  # the parent's group (a test's fake world), copied by fork: not this rank's
             dist.destroy_process_group()

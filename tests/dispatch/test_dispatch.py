@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.testing._internal.distributed.fake_pg  # noqa: F401
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._ops import utils as dtensor_op_utils
 
@@ -250,16 +250,12 @@ def test_a_replayed_decision_carries_the_ops_own_mesh(mesh):
 
     _fresh(True)
     _attention_like(mesh, 8)  # learned on this mesh
-    dist.destroy_process_group()
-    dist.init_process_group("fake", rank=1, world_size=4)
-    try:
-        other = vescale.init_mesh((2, 2), ("DP", "TP"))
-        assert other == mesh and other.get_coordinate() != mesh.get_coordinate()
-        _clear_sharding_prop_cache()  # PyTorch's own caches forgotten; vescale's shape-free one kept
-        hits = dispatch.shape_free_cache().hits
-        out = _attention_like(other, 12)
-        assert dispatch.shape_free_cache().hits > hits
-        assert out._spec.mesh is other and out.device_mesh.get_coordinate() == other.get_coordinate()
-    finally:
-        dist.destroy_process_group()
-        dist.init_process_group("fake", rank=0, world_size=4)
+    # The same mesh as rank 1 sees it, over the module's process group (not a new one: the other
+    # tests of this module use the fixture's groups, in whatever order they run).
+    other = DeviceMesh("cpu", torch.arange(4).view(2, 2), mesh_dim_names=("DP", "TP"), _init_backend=False, _rank=1)
+    assert other == mesh and other.get_coordinate() != mesh.get_coordinate()
+    _clear_sharding_prop_cache()  # PyTorch's own caches forgotten; vescale's shape-free one kept
+    hits = dispatch.shape_free_cache().hits
+    out = _attention_like(other, 12)
+    assert dispatch.shape_free_cache().hits > hits
+    assert out._spec.mesh is other and out.device_mesh.get_coordinate() == other.get_coordinate()

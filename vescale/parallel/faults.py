@@ -209,6 +209,11 @@ class _Progress:
         if _steps_parallel_parameters(optimizer):
             self.optimizer_steps += 1
 
+    def reset(self) -> None:
+        """Forget what this process did: for a process forked from one that trained (a test's
+        ranks, ``vescale.testing.run_on_ranks``), which starts as a fresh process would."""
+        self.optimizer_steps, self.stepping, self.stopped, self.last_call = 0, 0, None, ""
+
     def stop(self, why: str) -> None:
         if self.stopped is None:
             self.stopped = why
