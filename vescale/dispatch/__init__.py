@@ -25,6 +25,8 @@
   a sharding rule names its module, placements and the plan statement that avoids it.
 * ``unwrap``: a shorter ``unwrap_to_op_info`` (what PyTorch's C++ dispatcher calls on every miss of
   its cache) for calls of DTensors and scalars.
+* ``pick``: Replicate -> Shard on the local tensor narrows to this rank's chunk (PyTorch makes one
+  chunk per rank of the mesh dim: a cost that grows with the world).
 * ``datadep``: data-dependent ops (``nonzero``, masks, ``bincount``, ``unique``, ``index_add_`` /
   ``scatter_add_`` into sharded tensors, fp32 ``_grouped_mm``) with single-device answers.
 
@@ -38,6 +40,7 @@ from .attention import install_attention_rules
 from .conv import install_conv_handlers
 from .cache import ShapeFreeCache, install_shape_free_cache, shape_free_cache, uninstall_shape_free_cache
 from .partial import install_partial_rules, uninstall_partial_rules
+from .pick import install_shard_pick, uninstall_shard_pick
 from .optim import ELEMENTWISE_OPTIMIZERS, install_local_optimizer_step, uninstall_local_optimizer_step
 from .search import install_fast_search, uninstall_fast_search
 from .sized import install_sized_ops, uninstall_sized_ops
@@ -64,6 +67,7 @@ def install() -> None:
     install_view_rule()
     install_sized_ops()
     install_unwrap()
+    install_shard_pick()
 
 
 def uninstall(keep_learned: bool = False) -> None:
@@ -73,6 +77,7 @@ def uninstall(keep_learned: bool = False) -> None:
     benchmarks that run PyTorch's stack and vescale's in one process, step by step)."""
     global _installed
     _installed = False
+    uninstall_shard_pick()
     uninstall_unwrap()
     uninstall_sized_ops()
     uninstall_view_rule()
