@@ -12,6 +12,7 @@ meta-device models), ``checkpoint`` (save / load / resume), ``data`` (each data-
 loading only its share of the batch), ``zoo`` (ready models and plans).
 """
 
+from . import _torch  # noqa: F401  (first: warns on a PyTorch release vescale is not built on)
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from . import dispatch, static  # packages users reach as vescale.dispatch / vescale.static

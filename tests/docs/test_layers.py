@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "vescale"
 
 LAYERS = {
-    "placement": 0, "mesh": 0, "precision": 0, "data": 0,
+    "_torch": 0, "placement": 0, "mesh": 0, "precision": 0, "data": 0,
     "dispatch": 1, "plan": 1,
     "comm": 2, "random": 2, "zoo": 2,
     "init": 3,
