@@ -114,7 +114,21 @@ LONG_SUITE = {
 }
 
 
+# The files that take longest (seconds of one worker, a shuffled run of 2026-11-29), run first:
+# pytest-xdist's --dist loadfile hands files out in collection order, so a long file collected
+# last would leave the other worker idle while it runs. Heaviest first, the last files are short
+# and both workers end together. Order does not change results (the suite passes shuffled).
+HEAVY_FILES = {
+    "tests/static/test_static_equal.py": 180, "tests/fuzz/test_fuzz.py": 177, "tests/zoo/test_moe_parallel.py": 130,
+    "tests/examples/test_examples.py": 112, "tests/static/test_static_llama.py": 106, "tests/docs/test_doc_blocks.py": 103,
+    "tests/comm/test_layout_scale.py": 95, "tests/zoo/test_llama_parallel.py": 79, "tests/static/test_static_resize.py": 76,
+    "tests/parallel/test_faults.py": 73, "tests/static/test_static_embedding.py": 63, "tests/zoo/test_dit_parallel.py": 63,
+    "tests/random/test_multiproc_rng.py": 60, "tests/static/test_static_moe.py": 59, "tests/static/test_static_units.py": 57,
+}
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: -HEAVY_FILES.get(item.nodeid.split("::", 1)[0], 0))  # stable: the rest keep their order
     found = set()
     for item in items:
         if item.nodeid in LONG_SUITE:
@@ -123,3 +137,6 @@ def pytest_collection_modifyitems(config, items):
     # Only when the whole suite is collected: a renamed test must not silently leave the list.
     if len(items) > 1000 and found != set(LONG_SUITE):
         raise pytest.UsageError(f"tests/conftest.py LONG_SUITE names tests that do not exist: {sorted(set(LONG_SUITE) - found)}")
+    files = {item.nodeid.split("::", 1)[0] for item in items}
+    if len(items) > 1000 and not set(HEAVY_FILES) <= files:
+        raise pytest.UsageError(f"tests/conftest.py HEAVY_FILES names files that do not exist: {sorted(set(HEAVY_FILES) - files)}")
