@@ -164,6 +164,15 @@ def _post_hook(opt, args, kwargs):
     _to_dtensor(opt)
 
 
+def given_params(opt: torch.optim.Optimizer) -> list:
+    """The optimiser's parameters as it was given them, also during a step that swapped their local
+    tensors in (global step hooks of others may run inside that swap)."""
+    swapped = opt.__dict__.get("_vescale_local_step")
+    if swapped:
+        return [p for _, params, _ in swapped for p in params]
+    return [p for group in opt.param_groups for p in group["params"]]
+
+
 def install_local_optimizer_step() -> None:
     """Register the global optimiser hooks (idempotent)."""
     if not _HANDLES:

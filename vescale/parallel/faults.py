@@ -63,6 +63,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ..data import shares_drawn
+from ..dispatch.optim import given_params
 
 __all__ = ["FaultReporter", "StepCheck", "OutOfStepError", "note_peer_failures", "publish", "stamp_group"]
 
@@ -243,11 +244,10 @@ def _steps_parallel_parameters(optimizer) -> bool:
     are compared across ranks: a plain optimiser that one rank steps beside the parallel model (an
     EMA copy, a local probe) changes nothing the ranks must agree on. Cached per optimiser, asked
     again when its parameter count changes (``add_param_group``)."""
-    count = sum(len(group["params"]) for group in optimizer.param_groups)
+    params = given_params(optimizer)  # not the local tensors a local step swaps in around the hooks
     known = _HOLDS_DTENSORS.get(optimizer)
-    if known is None or known[0] != count:
-        holds = any(isinstance(p, DTensor) for group in optimizer.param_groups for p in group["params"])
-        known = _HOLDS_DTENSORS[optimizer] = (count, holds)
+    if known is None or known[0] != len(params):
+        known = _HOLDS_DTENSORS[optimizer] = (len(params), any(isinstance(p, DTensor) for p in params))
     return known[1]
 
 # The stamp group: (default process group it was made under, gloo group over every rank).
