@@ -2,7 +2,7 @@
 
 Static Eager runs a module's body on local tensors with the recorded layouts; its docs promise the
 same local ops on the same local values and the same collectives as eager mode. So the claim is
-equality, not closeness: after each of 3 AdamW steps (the recording step and the static ones) the
+equality, not closeness: after each of 4 AdamW steps (the recording steps and the static ones) the
 loss, every parameter's gradient and every parameter must equal eager mode's bit for bit. Top-k
 routing (HF Mixtral, Qwen3-MoE) makes that more than a nicety: one low bit flips an expert choice
 sooner or later, and a long static run then parts from eager mode's (issue 33: from step 906 of a
@@ -24,7 +24,7 @@ parallelism), each with dropout on where the model has it, drawn by vescale's RN
   modules eager: their boundaries wrap and unwrap.
 
 Equal numbers cannot show that the static path ran: each configuration also requires static steps
-(at least 2 of 3), a static step that dispatched fewer DTensor ops than an eager one, and
+(at least 2 of 4), a static step that dispatched fewer DTensor ops than an eager one, and
 collectives in it (the model is split). About 60 s of CI on 2 cores.
 """
 
@@ -47,7 +47,7 @@ from vescale.zoo import (
     tiny_hf_mixtral, tiny_hf_qwen3_moe, tiny_llama,
 )
 
-STEPS, SEED = 3, 1234  # 1 recording step + 2 static ones
+STEPS, SEED = 4, 1234
 DP_TP, DP_EP = ((2, 2), ("DP", "TP")), ((2, 2), ("DP", "EP"))
 
 # name: (builder, plan maker, mesh)
