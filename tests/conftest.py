@@ -111,6 +111,17 @@ LONG_SUITE = {
     "tests/dispatch/test_flat_optim_training.py::test_flat_steps_in_training_equal_per_tensor_steps[eager-True]":
         "its static-True and eager-False variants",
     "tests/zoo/test_ignored_labels.py::test_unevenly_ignored_labels_give_the_single_device_loss[hf]": "its [ours] variant",
+    "tests/static/test_static_llama.py::test_static_four_ranks_matches_eager_and_single_device":
+        "test_static_equal.py (static == eager bit for bit, DP=2xTP=2+SP+ZeRO-3), test_llama_parallel.py (eager vs one device)",
+    "tests/parallel/test_exit.py::test_a_run_exits_cleanly":
+        "test_examples.py::test_demo_script_runs_short (a 4-rank torchrun that must exit 0); the 50-run loop beside it",
+    "tests/comm/test_layout_scale.py::test_plans_equal_the_exhaustive_computation[3]": "its seeds 0-2",
+    "tests/comm/test_layout_scale.py::test_plans_equal_the_exhaustive_computation[4]": "its seeds 0-2",
+    "tests/comm/test_layout_scale.py::test_plans_equal_the_exhaustive_computation[5]": "its seeds 0-2",
+    "tests/static/test_static_equal.py::test_more_static_steps_equal_eager_steps_bit_for_bit[hf-llama]":
+        "its [llama] variant (the zoo LLaMA: the same layers)",
+    "tests/static/test_static_equal.py::test_more_static_steps_equal_eager_steps_bit_for_bit[qwen3-moe]":
+        "its [mixtral] variant (the same MoE plan)",
 }
 
 

@@ -104,7 +104,7 @@ def placements_for(draw, ndim, mesh_shape):
     return out
 
 
-@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_decisions_equal_pytorchs_view_rule_at_every_size(meshes, data):
     mesh_shape = data.draw(st.sampled_from(MESH_SHAPES))
