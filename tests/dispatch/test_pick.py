@@ -21,7 +21,6 @@ from vescale.testing import fake_world
 @pytest.mark.parametrize("dim", [0, 1])
 def test_pick_is_torch_chunk(size, chunks, dim):
     t = torch.randn(size, 5).transpose(0, 1).contiguous() if dim == 1 else torch.randn(size, 5)
-    t = t if dim == 0 else t  # (5, size) when dim == 1
     pieces = list(torch.chunk(t, chunks, dim=dim))
     for index in range(chunks):
         got = pick_chunk(t, dim, chunks, index)
