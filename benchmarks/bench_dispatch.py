@@ -226,17 +226,17 @@ class Runner:
             self.vocab = vocab // tp  # ids of this rank's vocabulary shard (no masking)
         else:
             if variant == "torch-dispatch":
-                dispatch.uninstall(keep_learned=True)
+                dispatch.uninstall(keep_learned=True, keep_coverage=True)
             self.model = _build(kind)
             mode = "static" if variant == "static" else "eager"
             vescale.parallelize(self.model, _vescale_plan(kind, self.model, mesh, sp, zero3), mesh, mode=mode)
             if variant == "torch-dispatch":
-                dispatch.uninstall(keep_learned=True)  # parallelize installs them; this variant runs without
+                dispatch.uninstall(keep_learned=True, keep_coverage=True)  # parallelize installs them; this variant runs without
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
 
     def step(self, seq: int = SEQ) -> float:
         if self.variant == "torch-dispatch" or (self.variant == "torch" and self.kind == "llama"):
-            dispatch.uninstall(keep_learned=True)  # the other arms' shape-free cache waits for them
+            dispatch.uninstall(keep_learned=True, keep_coverage=True)  # the other arms' shape-free cache waits for them
         else:
             dispatch.install()
         (x, y), = synthetic_batches(1, self.batch, seq, self.vocab, seed=seq)
@@ -345,7 +345,7 @@ def per_op(mesh, repeat: int = 200) -> None:
         timings = {}
         for installed in (False, True):
             _fresh_caches()
-            (dispatch.install if installed else dispatch.uninstall)()
+            dispatch.install() if installed else dispatch.uninstall(keep_coverage=True)
             misses = []
             for n in range(8, 8 + 8 * 6, 8):  # a new sequence length per call: all misses
                 fn = cases(n)[name]

@@ -26,6 +26,17 @@ from .plan import INIT, RUN, PlanError, VescalePlan
 from .precision import MixedPrecision, apply_mixed_precision
 
 
+def uninstall() -> None:
+    """Undo every change vescale has made to PyTorch in this process (DTensor's dispatch tables, the
+    RNG tracker, global optimiser hooks, this thread's implicit replication): DTensor behaves as
+    stock PyTorch again. Models parallelized before need vescale's changes: ``parallelize`` and
+    ``manual_seed`` put them back."""
+    from ._torch import PATCHES
+
+    dispatch.uninstall()
+    PATCHES.undo()
+
+
 def manual_seed(seed: int) -> None:
     """Seed vescale's distributed RNG on every rank (see ``vescale.random.manual_seed``)."""
     from . import random
@@ -36,5 +47,5 @@ def manual_seed(seed: int) -> None:
 __all__ = [
     "init_mesh", "VescalePlan", "parallelize", "explain", "manual_seed", "no_grad_sync",
     "Shard", "Replicate", "Partial", "INIT", "RUN", "PlanError", "InterleavedShard",
-    "checkpoint", "data", "dispatch", "static", "OutOfStepError", "MixedPrecision", "apply_mixed_precision",
+    "checkpoint", "data", "dispatch", "static", "OutOfStepError", "uninstall", "MixedPrecision", "apply_mixed_precision",
 ]

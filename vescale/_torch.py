@@ -7,11 +7,12 @@ with the fix, before anything else is imported.
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import torch
 
-__all__ = ["TESTED_TORCH", "version_warning"]
+__all__ = ["TESTED_TORCH", "version_warning", "PATCHES", "PatchLayer"]
 
 TESTED_TORCH = "2.13"
 
@@ -30,3 +31,139 @@ def version_warning(version: str) -> str | None:
 _said = version_warning(torch.__version__)
 if _said:
     warnings.warn(_said, stacklevel=2)
+
+
+# ---- the patch layer ---------------------------------------------------------------------------------
+# Every change vescale makes to PyTorch's behaviour goes through PATCHES, which remembers what was
+# there before, so that ``PATCHES.undo(owner)`` gives PyTorch back exactly what it had.
+
+_ABSENT = object()  # "the table had no entry" / "the object had no attribute of its own"
+
+
+class _Layer:
+    """One value vescale put in one place, and the owners (installers) that put it there."""
+
+    __slots__ = ("value", "owners")
+
+    def __init__(self, value, owner: str):
+        self.value = value
+        self.owners = [owner]
+
+
+class _Place:
+    """A table entry, an object's attribute or a thread's flag that vescale changed: PyTorch's
+    original and vescale's layers over it (a wrapper over a wrapper: fast search, then the
+    interleaved rule, on ``mm``)."""
+
+    def __init__(self, where: str, read, write, original):
+        self.where = where
+        self.read = read  # () -> the value in the place now
+        self.write = write  # (value or _ABSENT) -> None
+        self.original = original
+        self.layers: list[_Layer] = []
+
+    def top(self):
+        return self.layers[-1].value if self.layers else self.original
+
+
+class PatchLayer:
+    """The changes vescale has made to PyTorch, in order, each reversible.
+
+    Installers name themselves as owners ("dispatch.fast.search", "random"); ``undo("dispatch")``
+    undoes every owner under that name, newest first, and puts back PyTorch's own entry (or no entry)
+    where no other owner still needs vescale's. A place someone else changed after vescale keeps
+    their value. Callers hold their own locks; this class is called at install time, not per op."""
+
+    def __init__(self):
+        self._places: dict[tuple, _Place] = {}
+        self._removers: dict[str, list] = {}  # owner -> callables that undo a hook or registration
+
+    # -- making changes --------------------------------------------------------------------------
+    def set_item(self, owner: str, table: dict, key, value, where: str = "") -> None:
+        """``table[key] = value``."""
+        self._put(owner, ("item", id(table), key), value,
+                  lambda: _Place(where or f"{_name(table)}[{key}]", lambda: table.get(key, _ABSENT),
+                                 lambda v: table.pop(key, None) if v is _ABSENT else table.__setitem__(key, v),
+                                 table.get(key, _ABSENT)))
+
+    def delete_item(self, owner: str, table: dict, key, where: str = "") -> None:
+        """``del table[key]`` (restored by undo)."""
+        self.set_item(owner, table, key, _ABSENT, where)
+
+    def set_attr(self, owner: str, obj, name: str, value) -> None:
+        """``obj.name = value``; on an instance this shadows the class's method for that one object."""
+        self._put(owner, ("attr", id(obj), name), value,
+                  lambda: _Place(f"{_name(obj)}.{name}", lambda: vars(obj).get(name, _ABSENT),
+                                 lambda v: delattr(obj, name) if v is _ABSENT else setattr(obj, name, v),
+                                 vars(obj).get(name, _ABSENT)))
+
+    def set_flag(self, owner: str, where: str, get, set_, value) -> None:
+        """A thread-local switch (``get() -> value``, ``set_(value)``), recorded for this thread."""
+        thread = threading.get_ident()
+
+        def set_here(v):  # another thread's switch cannot be set from this one: its record is dropped
+            if threading.get_ident() == thread:
+                set_(v)
+
+        self._put(owner, ("flag", where, thread), value,
+                  lambda: _Place(f"{where} (thread {threading.current_thread().name})", get, set_here, get()))
+
+    def on_undo(self, owner: str, remove) -> None:
+        """Something undone by a call (a hook's ``handle.remove``, ``atexit.unregister``)."""
+        self._removers.setdefault(owner, []).append(remove)
+
+    def _put(self, owner: str, key: tuple, value, make_place) -> None:
+        place = self._places.get(key)
+        if place is None:
+            place = self._places[key] = make_place()
+        if place.layers and place.layers[-1].value is value:
+            if owner not in place.layers[-1].owners:
+                place.layers[-1].owners.append(owner)
+        else:
+            place.layers.append(_Layer(value, owner))
+        if place.read() is not value:
+            place.write(value)
+
+    # -- undoing them ----------------------------------------------------------------------------
+    def undo(self, owner: str = "") -> None:
+        """Undo every change of ``owner`` and of the owners under it ("dispatch" covers
+        "dispatch.fast.search"; "" covers all), newest first."""
+        mine = lambda o: not owner or o == owner or o.startswith(owner + ".")  # noqa: E731
+        for name in [o for o in self._removers if mine(o)][::-1]:
+            for remove in self._removers.pop(name)[::-1]:
+                remove()
+        for key, place in list(self._places.items())[::-1]:
+            kept = [layer for layer in place.layers if any(not mine(o) for o in layer.owners)]
+            if len(kept) == len(place.layers):
+                for layer in kept:
+                    layer.owners = [o for o in layer.owners if not mine(o)]
+                continue
+            if kept and any(layer not in kept for layer in place.layers[:place.layers.index(kept[-1])]):
+                # a layer vescale keeps was built over one being undone (a wrapper over a wrapper)
+                raise RuntimeError(f"vescale: undo {kept[-1].owners} before {owner!r} at {place.where}")
+            before = place.top()
+            for layer in kept:
+                layer.owners = [o for o in layer.owners if not mine(o)]
+            place.layers = kept
+            if place.read() is before:  # nobody changed it after vescale
+                place.write(place.top())
+            if not place.layers:
+                del self._places[key]
+
+    def owners(self, prefix: str = "") -> list[str]:
+        """The owners with changes in effect (under ``prefix``)."""
+        found = {o for p in self._places.values() for layer in p.layers for o in layer.owners}
+        found |= set(self._removers)
+        return sorted(o for o in found if not prefix or o == prefix or o.startswith(prefix + "."))
+
+    def changes(self) -> list[str]:
+        """What vescale has changed in PyTorch now, one line per place: for ``explain`` and docs."""
+        return [f"{p.where}: {', '.join(o for layer in p.layers for o in layer.owners)}" for p in self._places.values()] + [
+            f"{owner}: {len(removers)} registration(s)" for owner, removers in self._removers.items()]
+
+
+def _name(obj) -> str:
+    return getattr(obj, "__qualname__", None) or type(obj).__qualname__
+
+
+PATCHES = PatchLayer()

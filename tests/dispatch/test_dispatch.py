@@ -34,7 +34,7 @@ def mesh():
 
 def _fresh(installed: bool) -> None:
     forget_dtensor_caches()
-    (dispatch.install if installed else dispatch.uninstall)()
+    dispatch.install() if installed else dispatch.uninstall(keep_coverage=True)
     if installed:
         dispatch.shape_free_cache().clear()
 

@@ -4,7 +4,7 @@ device's value and no communication; where the Partial strategy does not apply (
 ``src``, a scalar value, in place; a gradient sharded on another dim) PyTorch's decision stands.
 
 Values on 2 gloo ranks (a Partial(sum) whose pieces add up exactly), decisions on the fake group
-against PyTorch's own propagation (``dispatch.uninstall()``).
+against PyTorch's own propagation (``dispatch.uninstall(keep_coverage=True)``).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def _decisions(mesh, fn):
     """fn's placements with vescale's dispatch and with PyTorch's own."""
     forget_dtensor_caches()
     ours = fn()
-    dispatch.uninstall()
+    dispatch.uninstall(keep_coverage=True)
     forget_dtensor_caches()
     try:
         theirs = fn()

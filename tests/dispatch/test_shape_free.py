@@ -3,7 +3,7 @@ at another (a cache hit) and equals PyTorch's own propagation there; where the d
 the sizes (uneven shards, split factors), it is not reused.
 
 Each comparison runs the op with vescale's extensions (after a run at another size taught the cache)
-and with PyTorch's own dispatch (``dispatch.uninstall()``, caches cleared), and requires equal
+and with PyTorch's own dispatch (``dispatch.uninstall(keep_coverage=True)``, caches cleared), and requires equal
 placements, global shape and stride, and bit-identical local shards. ``vescale.dispatch.metas``'s
 arithmetic output metadata is compared with PyTorch's FakeTensor propagation directly.
 """
@@ -65,7 +65,7 @@ def _learn_then_reuse(mesh, fn, learn_size, new_size):
     ours = fn(new_size)
     hits, misses = cache.hits - hits, cache.misses - misses
     forget_dtensor_caches()
-    dispatch.uninstall()
+    dispatch.uninstall(keep_coverage=True)
     try:
         theirs = fn(new_size)
     finally:
@@ -121,7 +121,7 @@ def test_an_uneven_flatten_is_not_reused(mesh):
     with pytest.raises(RuntimeError, match="unevenly sharded"):
         fn(3)
     assert cache.hits == hits, "an uneven flatten was served from the even one's decision"
-    dispatch.uninstall()
+    dispatch.uninstall(keep_coverage=True)
     forget_dtensor_caches()
     try:
         with pytest.raises(RuntimeError, match="unevenly sharded"):
@@ -500,7 +500,7 @@ def test_a_scalar_of_another_type_is_another_key(mesh):
     assert (x(6) ** 2).dtype == torch.int64
     _clear_sharding_prop_cache()
     ours = x(10) ** 2.0
-    dispatch.uninstall()
+    dispatch.uninstall(keep_coverage=True)
     forget_dtensor_caches()
     try:
         theirs = x(10) ** 2.0
@@ -539,7 +539,7 @@ def test_new_zeros_of_another_shape_is_not_served_the_same_shape_decision(mesh):
     assert x.new_zeros((4, 6, 8)).placements == (Shard(0), Shard(1))
     _clear_sharding_prop_cache()
     ours = x.new_zeros((4, 7, 8))
-    dispatch.uninstall()
+    dispatch.uninstall(keep_coverage=True)
     forget_dtensor_caches()
     try:
         theirs = x.new_zeros((4, 7, 8))
@@ -626,7 +626,7 @@ def test_a_searched_miss_runs_no_fake_tensor_at_a_new_length_and_gives_pytorchs_
     _clear_sharding_prop_cache()
     ours = _partial_plus_shard(mesh, 12)
     assert fake_runs == [aten.add.Tensor], "a miss at a new length ran FakeTensor again"
-    dispatch.uninstall()
+    dispatch.uninstall(keep_coverage=True)
     forget_dtensor_caches()
     try:
         theirs = _partial_plus_shard(mesh, 12)

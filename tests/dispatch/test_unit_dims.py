@@ -84,7 +84,7 @@ def test_a_miss_at_a_new_length_is_decided_without_the_unit_dim_and_gives_pytorc
     assert asked or cache.hits > hits, "decided by neither the sub-mesh's key nor PyTorch's search on it"
     monkeypatch.undo()
     forget_dtensor_caches()
-    dispatch.uninstall()
+    dispatch.uninstall(keep_coverage=True)
     try:
         theirs = fn(unit_mesh, 12)
     finally:

@@ -46,15 +46,12 @@ from .search import install_fast_search, uninstall_fast_search
 from .sized import install_sized_ops, uninstall_sized_ops
 from .semantics import install_semantic_handlers
 from .unwrap import install_unwrap, uninstall_unwrap
-
-
-_installed = False  # install() done and not undone by uninstall()
+from vescale._torch import PATCHES
 
 
 def install() -> None:
-    """Install vescale's dispatch extensions into DTensor (idempotent)."""
-    global _installed
-    _installed = True
+    """Install vescale's dispatch extensions into DTensor (idempotent): the op coverage (handlers and
+    rules for ops PyTorch answers differently or not at all) and the fast path."""
     install_semantic_handlers()
     install_attention_rules()
     install_conv_handlers()
@@ -70,13 +67,14 @@ def install() -> None:
     install_shard_pick()
 
 
-def uninstall(keep_learned: bool = False) -> None:
-    """Give DTensor back PyTorch's own sharding search, miss path, sized-op path and optimiser steps
-    (the semantic, SDPA and convolution handlers stay: without them those ops fail outright).
+def uninstall(keep_learned: bool = False, keep_coverage: bool = False) -> None:
+    """Give DTensor back exactly what PyTorch had before ``install()`` (every table entry and
+    attribute vescale's dispatch changed, through ``vescale._torch.PATCHES``).
+    ``keep_coverage``: keep the op coverage (vescale's answers for ``item()`` of a Partial tensor, the
+    CPU SDPA and convolution rules, data-dependent ops) and take only the fast path away: PyTorch's
+    own dispatch for ops it can run, as the tests and benchmarks compare with.
     ``keep_learned``: the next ``install()`` resumes with the shape-free cache's decisions (for
     benchmarks that run PyTorch's stack and vescale's in one process, step by step)."""
-    global _installed
-    _installed = False
     uninstall_shard_pick()
     uninstall_unwrap()
     uninstall_sized_ops()
@@ -86,11 +84,12 @@ def uninstall(keep_learned: bool = False) -> None:
     uninstall_shape_free_cache(keep_learned)
     uninstall_partial_rules()
     uninstall_fast_search()
+    PATCHES.undo("dispatch.fast" if keep_coverage else "dispatch")
 
 
 def is_installed() -> bool:
     """Whether ``install()`` (directly or through ``parallelize``) is in effect."""
-    return _installed
+    return bool(PATCHES.owners("dispatch.fast"))
 
 
 __all__ = [

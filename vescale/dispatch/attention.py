@@ -47,6 +47,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, RuntimeSchemaInfo
 from torch.distributed.tensor._ops import _matrix_ops
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
+from vescale._torch import PATCHES
 
 __all__ = [
     "install_attention_rules", "sdpa_layout", "CPU_SDPA_OPS", "FUSED_DROPOUT_ARG", "FusedDropoutError",
@@ -241,7 +242,6 @@ def refuse_fused_dropout(op, strategy):
             raise FusedDropoutError(_dropout_message(op, p))
         return strategy(op_schema)
 
-    checked._vescale_refuses_dropout = True
     return checked
 
 
@@ -279,6 +279,8 @@ def _cudnn_backward(op_schema: OpSchema):
     return expand_to_full_mesh_op_strategy(mesh, op_schema, rules, input_index=3)
 
 
+_OWNER = "dispatch.coverage.attention"
+
 # Strategies that replace PyTorch's for an op (fixes of 2.13's rules), before the dropout check.
 _FIXED = {
     aten._scaled_dot_product_cudnn_attention.default: _cudnn_forward,
@@ -289,20 +291,24 @@ _FIXED = {
 def install_attention_rules() -> None:
     """Register the rules with DTensor's sharding propagator (idempotent; PyTorch's own rule wins
     if a later PyTorch ships one)."""
+    if PATCHES.owners(_OWNER):
+        return
     prop = DTensor._op_dispatcher.sharding_propagator
     handlers = DTensor._op_dispatcher._custom_op_handlers
     for op in CPU_SDPA_OPS:
-        if op not in prop.op_strategy_funcs and op not in prop.op_single_dim_strategy_funcs:
-            handlers.setdefault(op, _cpu_sdpa_handler)
+        if op not in prop.op_strategy_funcs and op not in prop.op_single_dim_strategy_funcs and op not in handlers:
+            PATCHES.set_item(_OWNER, handlers, op, _cpu_sdpa_handler, f"DTensor custom handler {op}")
     for op, fixed in _FIXED.items():
-        if op in prop.op_strategy_funcs and not getattr(prop.op_strategy_funcs[op], "_vescale_fixed", False):
-            fixed._vescale_fixed = True
-            prop.register_op_strategy(op, fixed, schema_info=prop.op_to_schema_info.get(op))
+        if op in prop.op_strategy_funcs:
+            PATCHES.set_item(_OWNER, prop.op_strategy_funcs, op, fixed, f"DTensor strategy {op}")
     for op, index in FUSED_DROPOUT_ARG.items():
         strategy = prop.op_strategy_funcs.get(op)
-        if strategy is None or getattr(strategy, "_vescale_refuses_dropout", False):
+        if strategy is None:
             continue
         # dropout_p must be part of the sharding cache key (PyTorch's flash key starts after it).
         old = prop.op_to_schema_info.get(op) or RuntimeSchemaInfo()
         info = RuntimeSchemaInfo(min(old.static_argnum, index), old.static_kwargkey, old.needs_pytree)
-        prop.register_op_strategy(op, refuse_fused_dropout(op, strategy), schema_info=info)
+        PATCHES.set_item(_OWNER, prop.op_strategy_funcs, op, refuse_fused_dropout(op, strategy), f"DTensor strategy {op}")
+        PATCHES.set_item(_OWNER, prop.op_to_schema_info, op, info, f"DTensor schema info {op}")
+
+

@@ -74,6 +74,7 @@ from .metas import fast_outputs, local_shape, meta_outputs, with_meta
 from .unitdims import lift, mesh_shape, reduce_schema, reducible_mesh, unit_placements
 from .viewkey import decision as view_decision
 from .zerocost import SameRoom, embedding_key, free_move, scatter_axes
+from vescale._torch import PATCHES
 
 aten = torch.ops.aten
 # View-like ops and the function whose dim-mapping rule PyTorch uses for them.
@@ -751,7 +752,7 @@ def install_shape_free_cache() -> ShapeFreeCache:
             cache = _SET_ASIDE.pop() if _SET_ASIDE else ShapeFreeCache(prop)
             # An instance attribute shadows the method for this propagator only; DTensor's C++
             # dispatcher calls it on every miss of its own cache.
-            prop.propagate_op_sharding_non_cached = cache
+            PATCHES.set_attr("dispatch.fast.cache", prop, "propagate_op_sharding_non_cached", cache)
             _INSTALLED.append(cache)
         return _INSTALLED[0]
 
@@ -760,10 +761,9 @@ def uninstall_shape_free_cache(keep_learned: bool = False) -> None:
     """Give DTensor back its own miss path. ``keep_learned``: set the cache aside for the next
     install, for a process that switches between PyTorch's dispatch and vescale's (the benchmarks'
     interleaved arms), so vescale's arm does not start cold after each switch; the default drops it."""
-    prop = DTensor._op_dispatcher.sharding_propagator
     with _LOCK:
         if _INSTALLED:
-            prop.__dict__.pop("propagate_op_sharding_non_cached", None)
+            PATCHES.undo("dispatch.fast.cache")
             if keep_learned:
                 _SET_ASIDE[:] = _INSTALLED
             _INSTALLED.clear()

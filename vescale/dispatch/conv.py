@@ -36,6 +36,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .errors import MissingShardingRule, running_module
 from .attention import _stride_like
+from vescale._torch import PATCHES
 
 __all__ = ["install_conv_handlers"]
 
@@ -102,4 +103,8 @@ _HANDLERS = {aten.convolution.default: _convolution, aten.convolution_backward.d
 
 def install_conv_handlers() -> None:
     """Put the handlers in DTensor's per-op handler table (idempotent)."""
-    DTensor._op_dispatcher._custom_op_handlers.update(_HANDLERS)
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    for op, handler in _HANDLERS.items():
+        PATCHES.set_item("dispatch.coverage.conv", handlers, op, handler, f"DTensor custom handler {op}")
+
+

@@ -44,6 +44,7 @@ from .cache import shape_free_cache
 from .local import why_rule_not_local
 from .metas import contiguous_strides, grouped_mm_shape, miss_outputs
 from .semantics import DTensorRule
+from vescale._torch import PATCHES
 
 __all__ = ["install_datadep_handlers", "uninstall_datadep_handlers", "DATADEP_OPS"]
 
@@ -330,26 +331,21 @@ def _index_runs_locally(op, args, kwargs) -> bool:
 
 for _handler in set(_HANDLERS.values()):
     _handler.runs_locally = _index_runs_locally if _handler is _masked_index else _runs_locally
-_INSTALLED: list = []
+_OWNER = "dispatch.coverage.datadep"
 
 
 def install_datadep_handlers() -> None:
     """Register the handlers in DTensor's per-op table and the ``_grouped_mm`` metadata (idempotent)."""
+    if PATCHES.owners(_OWNER):
+        return
     prop = DTensor._op_dispatcher.sharding_propagator
-    with _LOCK:
-        if _INSTALLED:
-            return
-        DTensor._op_dispatcher._custom_op_handlers.update(_HANDLERS)
-        prop._propagate_tensor_meta_non_cached = _MetaWithGroupedMM(prop)
-        _INSTALLED.append(True)
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    for op, handler in _HANDLERS.items():
+        PATCHES.set_item(_OWNER, handlers, op, handler, f"DTensor custom handler {op}")
+    PATCHES.set_attr(_OWNER, prop, "_propagate_tensor_meta_non_cached", _MetaWithGroupedMM(prop))
 
 
 def uninstall_datadep_handlers() -> None:
-    prop = DTensor._op_dispatcher.sharding_propagator
-    with _LOCK:
-        if not _INSTALLED:
-            return
-        for op in _HANDLERS:
-            DTensor._op_dispatcher._custom_op_handlers.pop(op, None)
-        prop.__dict__.pop("_propagate_tensor_meta_non_cached", None)
-        _INSTALLED.clear()
+    PATCHES.undo(_OWNER)
+
+

@@ -34,7 +34,6 @@ import); every other case goes to PyTorch's function unchanged. (``chunk`` reach
 
 from __future__ import annotations
 
-import threading
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -45,6 +44,7 @@ from torch.distributed.tensor.placement_types import _is_shard_like
 
 from ..placement import InterleavedShard, interleave_of, is_interleaved
 from .metas import local_shape
+from vescale._torch import PATCHES
 
 __all__ = ["install_interleaved_rules", "uninstall_interleaved_rules", "SIZE_DEPENDENT_OPS", "grouped_mm_layout_key",
            "local_bounds", "slice_sections", "slice_backward_layout"]
@@ -61,8 +61,7 @@ _MATMUL_OPS = (aten.mm.default, aten.bmm.default, aten._grouped_mm.default)
 # tensor only its split dim's length: cache.py keeps those in their keys. _grouped_mm's 16-byte row
 # rule is in its key too: grouped_mm_layout_key.
 SIZE_DEPENDENT_OPS = frozenset(_CAT_OPS)
-_LOCK = threading.Lock()
-_SAVED: dict = {}  # op -> PyTorch's strategy function, while installed
+_OWNER = "dispatch.fast.interleaved"
 
 
 def _normalize(dim: int, ndim: int) -> int:
@@ -456,29 +455,22 @@ def install_interleaved_rules() -> None:
     """Put the rules in front of PyTorch's split / cat strategies (idempotent)."""
     prop = DTensor._op_dispatcher.sharding_propagator
     table = prop.op_strategy_funcs
-    with _LOCK:
-        # DTensor runs these ops on local tensors: their size and bound arguments must be local
-        for ops, adjuster in ((_SPLIT_OPS, _local_split_args), (_SLICE_OPS, _local_slice_args),
-                              (_SLICE_BACKWARD_OPS, _local_slice_backward_args)):
-            for op in ops:
-                prop.op_to_scalar_shape_adjuster.setdefault(op, adjuster)
-        for ops, rule in ((_SPLIT_OPS, _local_split), (_CAT_OPS, _local_cat), (_MATMUL_OPS, _local_matmul),
-                          (_SLICE_OPS, _local_slice), (_SLICE_BACKWARD_OPS, _local_slice_backward)):
-            for op in ops:
-                if op not in _SAVED and op in table:
-                    _SAVED[op] = table[op]
-                    table[op] = _with_rule(rule, table[op])
+    if PATCHES.owners(_OWNER):
+        return
+    # DTensor runs these ops on local tensors: their size and bound arguments must be local
+    for ops, adjuster in ((_SPLIT_OPS, _local_split_args), (_SLICE_OPS, _local_slice_args),
+                          (_SLICE_BACKWARD_OPS, _local_slice_backward_args)):
+        for op in ops:
+            if op not in prop.op_to_scalar_shape_adjuster:
+                PATCHES.set_item(_OWNER, prop.op_to_scalar_shape_adjuster, op, adjuster, f"DTensor shape adjuster {op}")
+    for ops, rule in ((_SPLIT_OPS, _local_split), (_CAT_OPS, _local_cat), (_MATMUL_OPS, _local_matmul),
+                      (_SLICE_OPS, _local_slice), (_SLICE_BACKWARD_OPS, _local_slice_backward)):
+        for op in ops:
+            if op in table:
+                PATCHES.set_item(_OWNER, table, op, _with_rule(rule, table[op]), f"DTensor strategy {op}")
 
 
 def uninstall_interleaved_rules() -> None:
-    prop = DTensor._op_dispatcher.sharding_propagator
-    table = prop.op_strategy_funcs
-    with _LOCK:
-        for ops, adjuster in ((_SPLIT_OPS, _local_split_args), (_SLICE_OPS, _local_slice_args),
-                              (_SLICE_BACKWARD_OPS, _local_slice_backward_args)):
-            for op in ops:
-                if prop.op_to_scalar_shape_adjuster.get(op) is adjuster:
-                    del prop.op_to_scalar_shape_adjuster[op]
-        for op, original in _SAVED.items():
-            table[op] = original
-        _SAVED.clear()
+    PATCHES.undo(_OWNER)
+
+

@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .flat import flat_allowed, layouts_for
+from vescale._torch import PATCHES
 
 __all__ = ["install_local_optimizer_step", "uninstall_local_optimizer_step", "ELEMENTWISE_OPTIMIZERS"]
 
@@ -36,7 +37,7 @@ ELEMENTWISE_OPTIMIZERS = (
     torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.ASGD,
 )
 
-_HANDLES: list = []
+_OWNER = "dispatch.fast.optim"
 
 
 def _uses_local_step(opt: torch.optim.Optimizer) -> bool:
@@ -175,11 +176,12 @@ def given_params(opt: torch.optim.Optimizer) -> list:
 
 def install_local_optimizer_step() -> None:
     """Register the global optimiser hooks (idempotent)."""
-    if not _HANDLES:
-        _HANDLES.append(register_optimizer_step_pre_hook(_pre_hook))
-        _HANDLES.append(register_optimizer_step_post_hook(_post_hook))
+    if not PATCHES.owners(_OWNER):
+        PATCHES.on_undo(_OWNER, register_optimizer_step_pre_hook(_pre_hook).remove)
+        PATCHES.on_undo(_OWNER, register_optimizer_step_post_hook(_post_hook).remove)
 
 
 def uninstall_local_optimizer_step() -> None:
-    while _HANDLES:
-        _HANDLES.pop().remove()
+    PATCHES.undo(_OWNER)
+
+

@@ -26,18 +26,17 @@ Installed into the propagator's table by ``install()``, never at import.
 
 from __future__ import annotations
 
-import threading
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._op_schema import OpSchema, OpStrategy
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
+from vescale._torch import PATCHES
 
 __all__ = ["install_partial_rules", "uninstall_partial_rules"]
 
 aten = torch.ops.aten
-_LOCK = threading.Lock()
-_SAVED: dict = {}  # op -> PyTorch's strategy function, while installed
+_OWNER = "dispatch.fast.partial"
 
 
 def _scatter_with_partial(original):
@@ -96,16 +95,14 @@ _WRAPPERS = {
 def install_partial_rules() -> None:
     """Put the Partial strategies beside PyTorch's (idempotent)."""
     table = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs
-    with _LOCK:
-        for op, wrap in _WRAPPERS.items():
-            if op not in _SAVED and op in table:
-                _SAVED[op] = table[op]
-                table[op] = wrap(table[op])
+    if PATCHES.owners(_OWNER):
+        return
+    for op, wrap in _WRAPPERS.items():
+        if op in table:
+            PATCHES.set_item(_OWNER, table, op, wrap(table[op]), f"DTensor strategy {op}")
 
 
 def uninstall_partial_rules() -> None:
-    table = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs
-    with _LOCK:
-        for op, original in _SAVED.items():
-            table[op] = original
-        _SAVED.clear()
+    PATCHES.undo(_OWNER)
+
+

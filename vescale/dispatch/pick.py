@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import Shard
+from vescale._torch import PATCHES
 
 __all__ = ["install_shard_pick", "uninstall_shard_pick", "pick_chunk"]
 
@@ -45,8 +46,10 @@ def _tracing() -> bool:
 
 
 def install_shard_pick() -> None:
-    Shard._replicate_to_shard = _replicate_to_shard
+    PATCHES.set_attr("dispatch.fast.pick", Shard, "_replicate_to_shard", _replicate_to_shard)
 
 
 def uninstall_shard_pick() -> None:
-    Shard._replicate_to_shard = _ORIGINAL
+    PATCHES.undo("dispatch.fast.pick")
+
+

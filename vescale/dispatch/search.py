@@ -24,7 +24,6 @@ expansion (whose filter does).
 
 from __future__ import annotations
 
-import threading
 
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, TupleStrategy
@@ -35,11 +34,11 @@ from torch.distributed.tensor._ops.single_dim_strategy import (
     _expand_single_dim_strategy_to_mesh,
     _PreparedSingleDimStrategy,
 )
+from vescale._torch import PATCHES
 
 __all__ = ["install_fast_search", "uninstall_fast_search"]
 
-_LOCK = threading.Lock()
-_MOVED: dict = {}  # op -> (its _SingleDimStrategyInfo, its op-strategy function or None), while installed
+_OWNER = "dispatch.fast.search"
 
 
 def _propagator():
@@ -163,28 +162,20 @@ def _searchable(op) -> bool:
 def install_fast_search() -> None:
     """Route every single-dim-strategy op through the cheap search (idempotent)."""
     prop = _propagator()
-    with _LOCK:
-        for op, info in list(prop.op_single_dim_strategy_funcs.items()):
-            if op in _MOVED or not _searchable(op):
-                continue
-            # Some ops (mm, bmm, addmm) also carry an older op-strategy function that the
-            # single-dim one shadows; it is kept to be restored.
-            _MOVED[op] = (info, prop.op_strategy_funcs.get(op))
-            # The op's cache schema info stays registered under the single-dim table, where
-            # DTensor's dispatcher looks for it when the strategy table has none.
-            prop.op_strategy_funcs[op] = _searched(info)
-            del prop.op_single_dim_strategy_funcs[op]
+    if PATCHES.owners(_OWNER):
+        return
+    for op, info in list(prop.op_single_dim_strategy_funcs.items()):
+        if not _searchable(op):
+            continue
+        # Some ops (mm, bmm, addmm) also carry an older op-strategy function that the single-dim
+        # one shadows; undo puts it back. The op's cache schema info stays registered under the
+        # single-dim table, where DTensor's dispatcher looks for it when the strategy table has none.
+        PATCHES.set_item(_OWNER, prop.op_strategy_funcs, op, _searched(info), f"DTensor strategy {op}")
+        PATCHES.delete_item(_OWNER, prop.op_single_dim_strategy_funcs, op, f"DTensor single-dim strategy {op}")
 
 
 def uninstall_fast_search() -> None:
     """Give PyTorch back its own exhaustive expansion."""
-    prop = _propagator()
-    with _LOCK:
-        for op, (info, shadowed) in _MOVED.items():
-            if shadowed is None:
-                prop.op_strategy_funcs.pop(op, None)
-            else:
-                prop.op_strategy_funcs[op] = shadowed
-            prop.op_single_dim_strategy_funcs[op] = info
-        _MOVED.clear()
+    PATCHES.undo(_OWNER)
+
 

@@ -31,6 +31,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .local import why_rule_not_local
+from vescale._torch import PATCHES
 
 __all__ = ["install_semantic_handlers", "DTensorRule"]
 
@@ -169,6 +170,10 @@ _HANDLERS = {
 }
 
 
-def install_semantic_handlers() -> None:
-    """Register the handlers (idempotent)."""
-    DTensor._op_dispatcher._custom_op_handlers.update(_HANDLERS)
+def install_semantic_handlers(owner: str = "dispatch.coverage.semantics") -> None:
+    """Register the handlers (idempotent); ``owner`` names the installer for ``PATCHES.undo``."""
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    for op, handler in _HANDLERS.items():
+        PATCHES.set_item(owner, handlers, op, handler, f"DTensor custom handler {op}")
+
+

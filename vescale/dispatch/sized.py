@@ -36,6 +36,7 @@ from torch.distributed.tensor._op_schema import OutputSharding
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from .local import why_rule_not_local
+from vescale._torch import PATCHES
 
 __all__ = ["sized_op_handler", "install_sized_ops", "uninstall_sized_ops", "clear_sized_ops_table", "SIZED_OPS_TABLE_LIMIT"]
 
@@ -47,7 +48,7 @@ _SLOW = object()  # a key whose decision moves an input: PyTorch's own path each
 SIZED_OPS_TABLE_LIMIT = 8192
 _TABLE: dict = {}
 _LOCK = threading.Lock()
-_INSTALLED: list = []
+_OWNER = "dispatch.fast.sized"
 
 
 def _key(op, args, kwargs):
@@ -167,13 +168,11 @@ def install_sized_ops() -> None:
     """Put the handler in DTensor's per-op table for every op with size arguments that has no
     handler yet (idempotent)."""
     dispatcher = DTensor._op_dispatcher
-    with _LOCK:
-        if _INSTALLED:
-            return
-        for op in dispatcher.sharding_propagator.op_to_shape_and_stride_idx:
-            if op not in dispatcher._custom_op_handlers:
-                dispatcher._custom_op_handlers[op] = sized_op_handler
-                _INSTALLED.append(op)
+    if PATCHES.owners(_OWNER):
+        return
+    for op in dispatcher.sharding_propagator.op_to_shape_and_stride_idx:
+        if op not in dispatcher._custom_op_handlers:
+            PATCHES.set_item(_OWNER, dispatcher._custom_op_handlers, op, sized_op_handler, f"DTensor custom handler {op}")
 
 
 def clear_sized_ops_table() -> None:
@@ -182,10 +181,7 @@ def clear_sized_ops_table() -> None:
 
 
 def uninstall_sized_ops() -> None:
-    handlers = DTensor._op_dispatcher._custom_op_handlers
-    with _LOCK:
-        for op in _INSTALLED:
-            if handlers.get(op) is sized_op_handler:
-                del handlers[op]
-        _INSTALLED.clear()
-        _TABLE.clear()
+    PATCHES.undo(_OWNER)
+    clear_sized_ops_table()
+
+

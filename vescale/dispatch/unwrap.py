@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._op_schema import OpInfo, OpSchema
+from vescale._torch import PATCHES
 
 __all__ = ["unwrap_to_op_info", "install_unwrap", "uninstall_unwrap"]
 
@@ -70,10 +71,10 @@ def unwrap_to_op_info(op_call, args, kwargs) -> OpInfo:
 
 def install_unwrap() -> None:
     """Let DTensor's dispatcher use the shorter function (an attribute of its one instance)."""
-    DTensor._op_dispatcher.unwrap_to_op_info = unwrap_to_op_info
+    PATCHES.set_attr("dispatch.fast.unwrap", DTensor._op_dispatcher, "unwrap_to_op_info", unwrap_to_op_info)
 
 
 def uninstall_unwrap() -> None:
-    dispatcher = DTensor._op_dispatcher
-    if dispatcher.__dict__.get("unwrap_to_op_info") is unwrap_to_op_info:
-        del dispatcher.unwrap_to_op_info
+    PATCHES.undo("dispatch.fast.unwrap")
+
+

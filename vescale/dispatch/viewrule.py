@@ -37,7 +37,6 @@ reshapes (any mesh, any placements), not against PyTorch's rule.
 from __future__ import annotations
 
 import math
-import threading
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -46,6 +45,7 @@ from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy
 from torch.distributed.tensor._ops._view_ops import _ViewShardingPropagator, dim_maps, propagate_shape_and_sharding
 from torch.distributed.tensor._ops.utils import generate_redistribute_costs
 from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
+from vescale._torch import PATCHES
 
 __all__ = ["propagate_view", "install_view_rule", "uninstall_view_rule", "VIEW_OPS"]
 
@@ -57,8 +57,7 @@ VIEW_OPS = {
     aten.view_copy.default: (torch.Tensor.view, False),
     aten.reshape.default: (torch.reshape, False),
 }
-_LOCK = threading.Lock()
-_SAVED: dict = {}  # op -> PyTorch's strategy function, while installed
+_OWNER = "dispatch.fast.viewrule"
 
 
 class _Propagator(_ViewShardingPropagator):
@@ -237,16 +236,14 @@ def _strategy(op, original):
 def install_view_rule() -> None:
     """Put the corrected rule in front of PyTorch's view strategies (idempotent)."""
     table = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs
-    with _LOCK:
-        for op in VIEW_OPS:
-            if op not in _SAVED and op in table:
-                _SAVED[op] = table[op]
-                table[op] = _strategy(op, table[op])
+    if PATCHES.owners(_OWNER):
+        return
+    for op in VIEW_OPS:
+        if op in table:
+            PATCHES.set_item(_OWNER, table, op, _strategy(op, table[op]), f"DTensor strategy {op}")
 
 
 def uninstall_view_rule() -> None:
-    table = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs
-    with _LOCK:
-        for op, original in _SAVED.items():
-            table[op] = original
-        _SAVED.clear()
+    PATCHES.undo(_OWNER)
+
+

@@ -64,6 +64,9 @@ from torch.distributed.tensor import DTensor
 
 from ..data import shares_drawn
 from ..dispatch.optim import given_params
+from .._torch import PATCHES
+
+_OWNER = "parallel.faults"
 
 __all__ = ["FaultReporter", "StepCheck", "OutOfStepError", "note_peer_failures", "publish", "stamp_group"]
 
@@ -197,9 +200,11 @@ class _Progress:
             return
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-        register_optimizer_step_pre_hook(self._before_step)
-        register_optimizer_step_post_hook(self._after_step)
+        PATCHES.on_undo(_OWNER, register_optimizer_step_pre_hook(self._before_step).remove)
+        PATCHES.on_undo(_OWNER, register_optimizer_step_post_hook(self._after_step).remove)
         atexit.register(self._report_uncaught)
+        PATCHES.on_undo(_OWNER, lambda: atexit.unregister(self._report_uncaught))
+        PATCHES.on_undo(_OWNER, lambda: setattr(self, "_installed", False))
         self._installed = True
 
     def _before_step(self, optimizer, args, kwargs) -> None:

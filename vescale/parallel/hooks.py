@@ -30,6 +30,7 @@ from ..plan.lower import KeyPattern, forward_arg_names
 from .placing import _fmt, agrees, moves_nothing, place, place_entry, relabel
 from .faults import FaultReporter, note_peer_failures
 from .zero import GatheredParam, next_forward, per_tensor_gather
+from .._torch import PATCHES
 
 __all__ = ["install_module_hooks", "GatheredParam"]
 
@@ -356,7 +357,8 @@ def enable_implicit_replication() -> None:
     The flag is thread-local, and autograd runs backward with the thread-local state captured when
     ``backward()`` is called, so it must be on in the thread that drives training, not only inside
     forward."""
-    torch._C._set_dtensor_allow_implicit_replication(True)
+    PATCHES.set_flag("parallel.implicit_replication", "DTensor implicit replication",
+                     torch._C._get_dtensor_allow_implicit_replication, torch._C._set_dtensor_allow_implicit_replication, True)
 
 
 def root_hooks(root: nn.Module, scheduler=None, contract=None, reducer=None, step_check=None) -> list:

@@ -35,6 +35,7 @@ from vescale.dispatch import install_semantic_handlers
 from vescale.dispatch.metas import contiguous_strides
 from vescale.placement.blocks import dim_ranges
 from vescale.random import kernel, ops
+from vescale._torch import PATCHES
 
 __all__ = ["VescaleRNGTracker", "install", "uninstall", "is_installed", "local_indices", "handle_random_op"]
 
@@ -260,7 +261,7 @@ class VescaleRNGTracker(dtensor_random._RNGStateTracker):
 
 # ---- installation ------------------------------------------------------------------------------------------
 
-_saved: dict | None = None  # what install() replaced: the previous tracker and handlers, for uninstall()
+_OWNER = "random"
 
 
 def _handlers() -> dict:
@@ -271,32 +272,19 @@ def _handlers() -> dict:
 
 def install() -> None:
     """Route DTensor random ops through vescale's generator (idempotent; vescale.manual_seed calls it)."""
-    global _saved
-    if _saved is not None:
+    if is_installed():
         return
     custom = DTensor._op_dispatcher._custom_op_handlers
-    handlers = _handlers()
-    _saved = {
-        "tracker": dtensor_random._rng_tracker,
-        "handlers": {op: custom[op] for op in handlers if op in custom},
-    }
-    custom.update(handlers)
-    dtensor_random._rng_tracker = VescaleRNGTracker()
-    install_semantic_handlers()  # global item(): trunc_normal_'s loop condition agrees across ranks
+    for op, handler in _handlers().items():
+        PATCHES.set_item(_OWNER, custom, op, handler, f"DTensor custom handler {op}")
+    PATCHES.set_attr(_OWNER, dtensor_random, "_rng_tracker", VescaleRNGTracker())
+    install_semantic_handlers(_OWNER)  # global item(): trunc_normal_'s loop condition agrees across ranks
 
 
 def uninstall() -> None:
     """Undo :func:`install`: DTensor random ops go back to PyTorch's own RNG handling."""
-    global _saved
-    if _saved is None:
-        return
-    custom = DTensor._op_dispatcher._custom_op_handlers
-    for op in _handlers():
-        custom.pop(op, None)
-    custom.update(_saved["handlers"])
-    dtensor_random._rng_tracker = _saved["tracker"]
-    _saved = None
+    PATCHES.undo(_OWNER)
 
 
 def is_installed() -> bool:
-    return _saved is not None
+    return bool(PATCHES.owners(_OWNER))
