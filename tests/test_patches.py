@@ -148,3 +148,29 @@ def test_removers_run_on_undo():
     assert patches.owners() == ["parallel.faults"]
     patches.undo("parallel")
     assert calls == ["hook removed"] and patches.owners() == []
+
+
+def _private_torch_imports(path) -> list[str]:
+    """``path``'s imports of a private PyTorch module or name (a dotted part or name starting with _)."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "torch":
+            parts = node.module.split(".")[1:] + [a.name for a in node.names]
+            if any(p.startswith("_") for p in parts):
+                found.append(f"{path.name}:{node.lineno}: from {node.module} import {', '.join(a.name for a in node.names)}")
+        elif isinstance(node, ast.Import):
+            found += [f"{path.name}:{node.lineno}: import {a.name}" for a in node.names
+                      if a.name.split(".")[0] == "torch" and any(p.startswith("_") for p in a.name.split(".")[1:])]
+    return found
+
+
+def test_private_pytorch_names_are_imported_in_vescale_torch_only():
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[1] / "vescale"
+    outside = [line for path in sorted(package.rglob("*.py")) if path != package / "_torch.py"
+               for line in _private_torch_imports(path)]
+    assert not outside, "import these through vescale._torch:\n" + "\n".join(outside)
+    assert _private_torch_imports(package / "_torch.py"), "the check would find nothing"

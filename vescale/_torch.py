@@ -1,8 +1,14 @@
-"""The PyTorch release vescale is built on, checked at import.
+"""vescale's one seam to PyTorch's internals.
 
-vescale extends DTensor through some of its private parts (sharding strategies, the redistribute
-planner, the RNG tracker), which change between PyTorch releases: on another release, say so once,
-with the fix, before anything else is imported.
+* The PyTorch release vescale is built on, checked at import: on another release, say so once,
+  with the fix, before anything else is imported.
+* Every private PyTorch name vescale uses (DTensor's sharding strategies, op schemas, the redistribute
+  planner, the RNG tracker, dispatch-mode stacks) is imported here and nowhere else, so that a PyTorch
+  upgrade is this file's work (``tests/test_patches.py`` holds the rest of vescale to it).
+* ``PATCHES``: every change vescale makes to PyTorch's behaviour (op handlers and strategies in
+  DTensor's tables, attributes on its dispatcher and classes, global optimiser hooks, the RNG
+  tracker, implicit replication) is made through it, and ``PATCHES.undo`` (``vescale.uninstall()``)
+  gives PyTorch back exactly what it had.
 """
 
 from __future__ import annotations
@@ -11,8 +17,6 @@ import threading
 import warnings
 
 import torch
-
-__all__ = ["TESTED_TORCH", "version_warning", "PATCHES", "PatchLayer"]
 
 TESTED_TORCH = "2.13"
 
@@ -31,6 +35,75 @@ def version_warning(version: str) -> str | None:
 _said = version_warning(torch.__version__)
 if _said:
     warnings.warn(_said, stacklevel=2)
+
+
+# ---- private PyTorch names vescale uses: the one place that imports them -------------------------------
+# An upgrade of PyTorch that moves or renames one of these breaks here, at import, with the name.
+
+import torch.distributed.tensor._random as dtensor_random
+from torch._C._distributed_c10d import (
+    AllToAllOptions, AllgatherOptions, AllreduceOptions, BarrierOptions, ReduceScatterOptions,
+)
+from torch._ops import _len_torch_dispatch_stack_pre_dispatch
+from torch.distributed._functional_collectives import _are_we_tracing, all_to_all_single_autograd, wait_tensor
+from torch.distributed._local_tensor import local_tensor_mode
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import (
+    OpInfo, OpSchema, OpSpec, OpStrategy, OutputSharding, RuntimeSchemaInfo, TupleStrategy,
+)
+from torch.distributed.tensor._ops import _math_ops, _matrix_ops, _tensor_ops
+from torch.distributed.tensor._ops._math_ops import _skip_dim, replicate_reduction_dims
+from torch.distributed.tensor._ops._tensor_ops import split_strategy
+from torch.distributed.tensor._ops._view_ops import (
+    InputDim, _ViewShardingPropagator, dim_maps, propagate_shape_and_sharding,
+)
+from torch.distributed.tensor._ops.single_dim_strategy import (
+    _PreparedSingleDimStrategy, _dijkstra_expand_single_dim_strategy_to_mesh,
+    _expand_single_dim_strategy_to_mesh,
+)
+from torch.distributed.tensor._ops.utils import (
+    expand_to_full_mesh_op_strategy, generate_redistribute_costs, is_tensor_evenly_shardable,
+)
+from torch.distributed.tensor._redistribute import (
+    _gen_transform_infos, clear_redistribute_planner_cache, redistribute_local_tensor,
+)
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset, compute_local_stride
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+from torch.distributed.tensor.placement_types import _is_shard_like, _StridedShard, _MaskPartial
+from torch.overrides import _get_current_function_mode_stack, _pop_mode as _pop_function_mode, _push_mode as _push_function_mode
+from torch.utils._device import _device_constructors
+from torch.utils._python_dispatch import (
+    TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode_stack, _pop_mode, _push_mode,
+    return_and_correct_aliasing,
+)
+from torch.utils._pytree import tree_leaves, tree_map_only
+
+__all__ = [
+    "register_fake_backend", "TESTED_TORCH", "_clear_sharding_prop_cache", "version_warning", "PATCHES",
+    "PatchLayer", "AllToAllOptions", "AllgatherOptions", "AllreduceOptions", "BarrierOptions", "DTensorSpec",
+    "InputDim", "OpInfo", "OpSchema", "OpSpec", "OpStrategy", "OutputSharding", "ReduceScatterOptions",
+    "RuntimeSchemaInfo", "TensorMeta", "TorchDispatchMode", "TupleStrategy", "_PreparedSingleDimStrategy",
+    "_ViewShardingPropagator", "_are_we_tracing", "_device_constructors",
+    "_dijkstra_expand_single_dim_strategy_to_mesh", "_disable_current_modes",
+    "_expand_single_dim_strategy_to_mesh", "_gen_transform_infos", "_get_current_dispatch_mode_stack",
+    "_len_torch_dispatch_stack_pre_dispatch", "_math_ops", "_matrix_ops", "_pop_mode", "_push_mode",
+    "_skip_dim", "_tensor_ops", "all_to_all_single_autograd", "clear_redistribute_planner_cache",
+    "compute_local_shape_and_global_offset", "compute_local_stride", "dim_maps", "dtensor_random",
+    "expand_to_full_mesh_op_strategy", "generate_redistribute_costs", "is_tensor_evenly_shardable",
+    "local_tensor_mode", "propagate_shape_and_sharding", "redistribute_local_tensor",
+    "replicate_reduction_dims", "return_and_correct_aliasing", "split_strategy", "tree_leaves",
+    "tree_map_only", "wait_tensor", "_EmptyStateDictLoadPlanner", "_load_state_dict", "_is_shard_like",
+    "_StridedShard", "_MaskPartial", "_get_current_function_mode_stack", "_pop_function_mode",
+    "_push_function_mode",
+]
+
+
+def register_fake_backend() -> None:
+    """Register PyTorch's ``fake`` process-group backend (collectives return at once), for
+    single-process tests and CPU-overhead benchmarks; imported on first use, not with vescale."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registering is its import)
 
 
 # ---- the patch layer ---------------------------------------------------------------------------------

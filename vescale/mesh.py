@@ -152,7 +152,7 @@ class GroupTeardown:
             return
         if not self._every_rank_is_exiting():
             return
-        from torch._C._distributed_c10d import BarrierOptions
+        from vescale._torch import BarrierOptions
 
         options = BarrierOptions()
         options.timeout = min(run_timeout() or DEFAULT_TIMEOUT, timedelta(seconds=60))

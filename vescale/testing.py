@@ -30,6 +30,8 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
+from vescale._torch import register_fake_backend
+
 __all__ = [
     "run_on_ranks", "fake_world", "forget_dtensor_caches", "train_losses", "sgd_steps", "global_value", "error_of",
     "local_shapes", "assert_local_shapes", "input_shapes", "run_script",
@@ -41,7 +43,7 @@ def fake_world(world_size: int, rank: int = 0):
     """This process as ``rank`` of a ``world_size``-rank world over PyTorch's ``fake`` process group
     (collectives return at once), for single-process tests and CPU-overhead benchmarks. A process
     group left over by an earlier test is torn down first; this one is torn down on exit."""
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+    register_fake_backend()
 
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -59,8 +61,7 @@ def forget_dtensor_caches() -> None:
     decisions) and vescale.comm's compiled moves (which hold process groups). Their keys do not
     include the rank, so entries made while this process simulated another rank (fake process
     group) would be wrong for a real rank forked from it."""
-    from torch.distributed.tensor._redistribute import _gen_transform_infos, clear_redistribute_planner_cache
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    from vescale._torch import _clear_sharding_prop_cache, _gen_transform_infos, clear_redistribute_planner_cache
 
     from vescale.comm.moves import clear_moves
     from vescale.dispatch import cache as shape_free

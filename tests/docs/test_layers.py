@@ -14,13 +14,14 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "vescale"
 
 LAYERS = {
-    "_torch": 0, "placement": 0, "mesh": 0, "precision": 0, "data": 0,
-    "dispatch": 1, "plan": 1,
-    "comm": 2, "random": 2, "zoo": 2,
-    "init": 3,
-    "parallel": 4,
-    "static": 5,
-    "checkpoint": 6, "debug": 6, "testing": 6,
+    "_torch": 0,
+    "placement": 1, "mesh": 1, "precision": 1, "data": 1,
+    "dispatch": 2, "plan": 2,
+    "comm": 3, "random": 3, "zoo": 3,
+    "init": 4,
+    "parallel": 5,
+    "static": 6,
+    "checkpoint": 7, "debug": 7, "testing": 7,
 }
 
 # (importing file, imported module): the exceptions docs/architecture.md lists, all inside functions.

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_map_only
+from vescale._torch import tree_map_only
 
 from ..mesh import TEARDOWN, apply_run_timeout
 from ..parallel.faults import _first_line

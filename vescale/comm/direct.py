@@ -29,7 +29,7 @@ import threading
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions, ReduceScatterOptions
+from vescale._torch import AllgatherOptions, AllreduceOptions, AllToAllOptions, ReduceScatterOptions
 
 __all__ = ["all_gather", "all_gather_dim", "reduce_scatter", "reduce_scatter_dim", "all_reduce", "wait", "meant"]
 

@@ -43,7 +43,7 @@ import math
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor.placement_types import _is_shard_like, _StridedShard
+from vescale._torch import _is_shard_like, _StridedShard
 
 from ..placement import blockwise, splits
 from ..placement.blocks import local_block, representative_coords

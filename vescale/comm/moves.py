@@ -28,9 +28,9 @@ from typing import Callable, Optional
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor._redistribute import redistribute_local_tensor
-from torch.distributed.tensor.placement_types import _is_shard_like, _StridedShard
+from vescale._torch import DTensorSpec
+from vescale._torch import redistribute_local_tensor
+from vescale._torch import _is_shard_like, _StridedShard
 
 from ..dispatch.metas import spec_of
 from ..placement.blocks import dim_ranges, is_blockwise, representative_coords

@@ -38,9 +38,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import _is_shard_like
+from vescale._torch import _is_shard_like
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-from torch.utils._python_dispatch import TorchDispatchMode
+from vescale._torch import TorchDispatchMode
 
 __all__ = ["gathers", "GatherReport", "Gather"]
 

@@ -43,10 +43,10 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, RuntimeSchemaInfo
-from torch.distributed.tensor._ops import _matrix_ops
-from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
+from vescale._torch import DTensorSpec, TensorMeta
+from vescale._torch import OpSchema, OpStrategy, RuntimeSchemaInfo
+from vescale._torch import _matrix_ops
+from vescale._torch import expand_to_full_mesh_op_strategy
 from vescale._torch import PATCHES
 
 __all__ = [

@@ -57,13 +57,14 @@ import threading
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
-from torch.distributed.tensor._ops import _math_ops, _tensor_ops
-from torch.distributed.tensor._ops._math_ops import _skip_dim, replicate_reduction_dims
-from torch.distributed.tensor._ops._tensor_ops import split_strategy
-from torch.distributed.tensor._ops.utils import is_tensor_evenly_shardable
-from torch.distributed.tensor.placement_types import Shard, _StridedShard
+from vescale._torch import DTensorSpec, TensorMeta
+from vescale._torch import OpSchema, OutputSharding
+from vescale._torch import _math_ops, _tensor_ops
+from vescale._torch import _skip_dim, replicate_reduction_dims
+from vescale._torch import split_strategy
+from vescale._torch import is_tensor_evenly_shardable
+from torch.distributed.tensor.placement_types import Shard
+from vescale._torch import _StridedShard
 
 from .errors import is_missing_rule, missing_rule_error
 from .interleaved import (

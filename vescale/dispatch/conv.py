@@ -32,7 +32,7 @@ import re
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from vescale._torch import DTensorSpec, TensorMeta
 
 from .errors import MissingShardingRule, running_module
 from .attention import _stride_like

@@ -36,9 +36,9 @@ import threading
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._redistribute import redistribute_local_tensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from vescale._torch import DTensorSpec, TensorMeta
+from vescale._torch import redistribute_local_tensor
+from vescale._torch import compute_local_shape_and_global_offset
 
 from .cache import shape_free_cache
 from .local import why_rule_not_local

@@ -19,8 +19,8 @@ import re
 import sys
 
 import torch.nn as nn
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor._op_schema import OpSchema
+from vescale._torch import DTensorSpec
+from vescale._torch import OpSchema
 
 __all__ = ["MissingShardingRule", "missing_rule_error", "running_module"]
 

@@ -37,10 +37,10 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset, compute_local_stride
-from torch.distributed.tensor.placement_types import _is_shard_like
+from vescale._torch import DTensorSpec
+from vescale._torch import OpSchema, OpSpec, OpStrategy, TupleStrategy
+from vescale._torch import compute_local_shape_and_global_offset, compute_local_stride
+from vescale._torch import _is_shard_like
 
 from ..placement import InterleavedShard, interleave_of, is_interleaved
 from .metas import local_shape

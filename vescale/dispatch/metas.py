@@ -28,10 +28,10 @@ this project's CI machine), which made a cache hit cost nearly as much as the mi
 from __future__ import annotations
 
 import torch
-from torch.distributed._local_tensor import local_tensor_mode
+from vescale._torch import local_tensor_mode
 from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._op_schema import OpSchema
+from vescale._torch import DTensorSpec, TensorMeta
+from vescale._torch import OpSchema
 
 from .unitdims import mesh_shape
 

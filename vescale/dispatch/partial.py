@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor._op_schema import OpSchema, OpStrategy
-from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
+from vescale._torch import OpSchema, OpStrategy
+from vescale._torch import expand_to_full_mesh_op_strategy
 from vescale._torch import PATCHES
 
 __all__ = ["install_partial_rules", "uninstall_partial_rules"]

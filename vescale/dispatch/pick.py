@@ -40,7 +40,7 @@ def _replicate_to_shard(self, local_tensor, mesh, mesh_dim, shard_index):
 
 
 def _tracing() -> bool:
-    from torch.distributed._functional_collectives import _are_we_tracing
+    from vescale._torch import _are_we_tracing
 
     return _are_we_tracing()
 

@@ -26,14 +26,10 @@ from __future__ import annotations
 
 
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, TupleStrategy
-from torch.distributed.tensor.placement_types import _is_shard_like
+from vescale._torch import OpSchema, OpStrategy, TupleStrategy
+from vescale._torch import _is_shard_like
 from .metas import meta_outputs, miss_outputs
-from torch.distributed.tensor._ops.single_dim_strategy import (
-    _dijkstra_expand_single_dim_strategy_to_mesh,
-    _expand_single_dim_strategy_to_mesh,
-    _PreparedSingleDimStrategy,
-)
+from vescale._torch import _dijkstra_expand_single_dim_strategy_to_mesh, _expand_single_dim_strategy_to_mesh, _PreparedSingleDimStrategy
 from vescale._torch import PATCHES
 
 __all__ = ["install_fast_search", "uninstall_fast_search"]

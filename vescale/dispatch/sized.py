@@ -31,9 +31,9 @@ import threading
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor._op_schema import OutputSharding
-from torch.utils._python_dispatch import return_and_correct_aliasing
+from vescale._torch import DTensorSpec
+from vescale._torch import OutputSharding
+from vescale._torch import return_and_correct_aliasing
 
 from .local import why_rule_not_local
 from vescale._torch import PATCHES

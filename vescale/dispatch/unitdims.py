@@ -21,8 +21,8 @@ that check and keeps PyTorch's full path.
 
 from __future__ import annotations
 
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
+from vescale._torch import DTensorSpec
+from vescale._torch import OpSchema, OutputSharding
 
 __all__ = ["reducible_mesh", "reduce_schema", "unit_placements", "lift", "mesh_shape"]
 

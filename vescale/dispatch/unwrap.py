@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._op_schema import OpInfo, OpSchema
+from vescale._torch import OpInfo, OpSchema
 from vescale._torch import PATCHES
 
 __all__ = ["unwrap_to_op_info", "install_unwrap", "uninstall_unwrap"]

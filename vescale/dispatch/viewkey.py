@@ -36,7 +36,7 @@ from __future__ import annotations
 import threading
 
 from torch import Tensor, reshape
-from torch.distributed.tensor._ops._view_ops import dim_maps
+from vescale._torch import dim_maps
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from .viewrule import propagate_view

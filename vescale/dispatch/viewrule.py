@@ -40,11 +40,12 @@ import math
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy
-from torch.distributed.tensor._ops._view_ops import _ViewShardingPropagator, dim_maps, propagate_shape_and_sharding
-from torch.distributed.tensor._ops.utils import generate_redistribute_costs
-from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
+from vescale._torch import DTensorSpec
+from vescale._torch import OpSchema, OpSpec, OpStrategy
+from vescale._torch import _ViewShardingPropagator, dim_maps, propagate_shape_and_sharding
+from vescale._torch import generate_redistribute_costs
+from torch.distributed.tensor.placement_types import Replicate, Shard
+from vescale._torch import _StridedShard
 from vescale._torch import PATCHES
 
 __all__ = ["propagate_view", "install_view_rule", "uninstall_view_rule", "VIEW_OPS"]
@@ -146,7 +147,7 @@ def _wrong_mesh_dims(shape, target, out_shape, out, mesh_sizes) -> list:
 
 
 def _output_shape(shape, rule) -> tuple:
-    from torch.distributed.tensor._ops._view_ops import InputDim
+    from vescale._torch import InputDim
 
     out = []
     for cmd in rule:

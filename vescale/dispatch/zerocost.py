@@ -34,10 +34,10 @@ PyTorch's full answer, then replayed with new metadata at the same ``room``.
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
-from torch.distributed.tensor._ops import _tensor_ops
-from torch.distributed.tensor.placement_types import _StridedShard
+from vescale._torch import DTensorSpec
+from vescale._torch import OpSchema, OutputSharding
+from vescale._torch import _tensor_ops
+from vescale._torch import _StridedShard
 
 from .metas import _is_elementwise
 from .unitdims import mesh_shape

@@ -34,8 +34,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
-from torch.utils._device import _device_constructors
-from torch.utils._python_dispatch import TorchDispatchMode
+from vescale._torch import _device_constructors
+from vescale._torch import TorchDispatchMode
 
 from ..random import generator
 from ..random.ops import SUPPORTED, read_call

@@ -36,8 +36,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.utils._python_dispatch import TorchDispatchMode
+from vescale._torch import DTensorSpec, TensorMeta
+from vescale._torch import TorchDispatchMode
 
 from ..dispatch.metas import contiguous_strides
 from ..plan.api import Statement

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.placement_types import _is_shard_like
+from vescale._torch import _is_shard_like
 
 from ..plan.ir import Entry
 from ..plan.lower import KeyPattern

@@ -309,7 +309,7 @@ class StepCheck:
         self.group_failed = False  # a stamp failed: the other ranks are gone, send no more
         self.enabled = True  # benchmarks flip it (on every rank alike, between steps) for an A/B
         self.backend = group._get_backend(torch.device("cpu"))
-        from torch._C._distributed_c10d import AllreduceOptions
+        from vescale._torch import AllreduceOptions
 
         self.options = AllreduceOptions()
         self.options.reduceOp = dist.ReduceOp.MAX

@@ -13,9 +13,9 @@ from typing import Optional, Sequence
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from vescale._torch import DTensorSpec
 
-from torch.distributed.tensor.placement_types import _is_shard_like
+from vescale._torch import _is_shard_like
 
 from ..comm import moves
 from ..placement import InterleavedShard, interleave_of, is_interleaved

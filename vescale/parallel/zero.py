@@ -50,7 +50,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from vescale._torch import DTensorSpec, TensorMeta
 
 from ..comm import moves
 from ..comm.gather import GatherProgram, GroupGather, gather

@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 from typing import Iterator, Sequence
 
-from torch.distributed.tensor.placement_types import _is_shard_like, _StridedShard
+from vescale._torch import _is_shard_like, _StridedShard
 
 __all__ = ["local_block", "local_shape_and_offset", "dim_ranges", "representative_coords", "is_blockwise"]
 

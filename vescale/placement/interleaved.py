@@ -24,7 +24,7 @@ should test with :func:`is_interleaved`, not ``type(p) is InterleavedShard``.
 from __future__ import annotations
 
 from torch.distributed.tensor import Placement
-from torch.distributed.tensor.placement_types import _StridedShard
+from vescale._torch import _StridedShard
 
 __all__ = ["InterleavedShard", "is_interleaved", "interleave_of", "as_interleaved"]
 

@@ -38,7 +38,7 @@ import math
 
 import torch
 from torch.distributed.tensor import Placement, Shard
-from torch.distributed.tensor.placement_types import _is_shard_like
+from vescale._torch import _is_shard_like
 
 from .blocks import is_blockwise
 from .interleaved import InterleavedShard

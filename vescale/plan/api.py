@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Sequence, Union
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
+from vescale._torch import _StridedShard
 
 __all__ = ["Phase", "INIT", "RUN", "Statement", "VescalePlan", "placement_str"]
 

@@ -16,7 +16,7 @@ from typing import Iterable
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Placement, Shard
-from torch.distributed.tensor.placement_types import _is_shard_like
+from vescale._torch import _is_shard_like
 
 from ..placement import InterleavedShard, interleave_of, is_interleaved, nest_zero_shards
 from .api import Phase, Statement, VescalePlan, placement_str

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import weakref
 
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+from vescale._torch import _get_current_dispatch_mode_stack
 
 from vescale.random import generator
 from vescale.random.consistent import _ConsistentMode

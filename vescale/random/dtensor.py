@@ -26,9 +26,9 @@ import contextlib
 from typing import Sequence
 
 import torch
-import torch.distributed.tensor._random as dtensor_random
+from vescale._torch import dtensor_random
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from vescale._torch import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Partial
 
 from vescale.dispatch import install_semantic_handlers

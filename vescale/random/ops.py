@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
-from torch._ops import _len_torch_dispatch_stack_pre_dispatch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_leaves
+from vescale._torch import _len_torch_dispatch_stack_pre_dispatch
+from vescale._torch import TorchDispatchMode, _disable_current_modes
+from vescale._torch import tree_leaves
 
 from vescale.random import generator, kernel
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_leaves
+from vescale._torch import tree_leaves
 
 __all__ = ["averaged_dims", "wrap_divisor", "wrap_refusal", "consumes_average", "divide_grad"]
 

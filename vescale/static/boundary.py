@@ -21,8 +21,8 @@ import weakref
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._redistribute import redistribute_local_tensor
+from vescale._torch import DTensorSpec, TensorMeta
+from vescale._torch import redistribute_local_tensor
 
 from ..comm.grad import accumulate_grad
 from ..comm.moves import compile_move

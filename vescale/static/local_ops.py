@@ -42,8 +42,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor.placement_types import _MaskPartial
+from vescale._torch import DTensorSpec
+from vescale._torch import _MaskPartial
 from torch.overrides import TorchFunctionMode
 
 from ..dispatch.local import moves_data

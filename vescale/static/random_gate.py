@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack, _pop_mode, _push_mode
+from torch.overrides import TorchFunctionMode
+from vescale._torch import _get_current_function_mode_stack, _pop_function_mode as _pop_mode, _push_function_mode as _push_mode
 
 __all__ = ["SwitchedMode", "CallTracker", "RandomGate", "exit_function_mode"]
 

@@ -26,7 +26,7 @@ import dataclasses
 
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from vescale._torch import DTensorSpec, TensorMeta
 
 from ..dispatch.metas import contiguous_strides
 from ..parallel.batch_local import _with  # the placements with DP's put back, as the scope's hooks do

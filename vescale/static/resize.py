@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from vescale._torch import DTensorSpec, TensorMeta
 
 from ..dispatch.metas import contiguous_strides, with_meta
 from ..plan.ir import PlanError

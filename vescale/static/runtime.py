@@ -45,8 +45,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack, _pop_mode, _push_mode
+from vescale._torch import DTensorSpec
+from vescale._torch import TorchDispatchMode, _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..dispatch.local import data_moves, decisions_remembered, why_rule_not_local
