@@ -23,7 +23,7 @@ interleaved round by round in one process, so the arms see the same machine load
 * ``static-hooks``: Static Eager mode running the batch-local MoE blocks' hooks
   (``runtime.relabels = False``; ``vescale.static.relabel`` replaces them by precompiled relabels);
 * ``eager-pertensor``, ``static-pertensor``: the optimiser step per tensor on local shards, without
-  ``vescale.dispatch.flat``'s flat runs (``optim.flat_allowed`` answering no around the arm's steps).
+  ``vescale.optim.flat``'s flat runs (``optim.flat_allowed`` answering no around the arm's steps).
 
 Each arm's forward / backward / optimiser-step medians (the step includes ``zero_grad``) follow.
 
@@ -45,7 +45,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import bench_dispatch as B
 from vescale import dispatch
-from vescale.dispatch import attention, optim, sized
+from vescale.dispatch import attention, sized
+from vescale.optim import local_step as optim
 from vescale.zoo import LlamaConfig
 
 _HANDLERS = DTensor._op_dispatcher._custom_op_handlers

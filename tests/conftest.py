@@ -106,9 +106,9 @@ LONG_SUITE = {
         "its DP x TP + ZeRO-3 variant",
     "tests/static/test_static_hotpath.py::test_static_hot_path_matches_eager[DP=2xTP=2+SP+ZeRO-3]":
         "its TP=2+SP variant; ZeRO-3's parameter hooks: tests/parallel/test_zero3.py (own_hooks)",
-    "tests/dispatch/test_flat_optim_training.py::test_flat_steps_in_training_equal_per_tensor_steps[static-False]":
+    "tests/optim/test_flat_optim_training.py::test_flat_steps_in_training_equal_per_tensor_steps[static-False]":
         "its static-True and eager-False variants",
-    "tests/dispatch/test_flat_optim_training.py::test_flat_steps_in_training_equal_per_tensor_steps[eager-True]":
+    "tests/optim/test_flat_optim_training.py::test_flat_steps_in_training_equal_per_tensor_steps[eager-True]":
         "its static-True and eager-False variants",
     "tests/zoo/test_ignored_labels.py::test_unevenly_ignored_labels_give_the_single_device_loss[hf]": "its [ours] variant",
     "tests/static/test_static_llama.py::test_static_four_ranks_matches_eager_and_single_device":

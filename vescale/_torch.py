@@ -68,7 +68,6 @@ from torch.distributed.tensor._redistribute import (
     _gen_transform_infos, clear_redistribute_planner_cache, redistribute_local_tensor,
 )
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset, compute_local_stride
-from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.tensor.placement_types import _is_shard_like, _StridedShard, _MaskPartial
@@ -81,7 +80,7 @@ from torch.utils._python_dispatch import (
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 __all__ = [
-    "register_fake_backend", "TESTED_TORCH", "_clear_sharding_prop_cache", "version_warning", "PATCHES",
+    "register_fake_backend", "TESTED_TORCH", "clear_sharding_prop_cache", "version_warning", "PATCHES",
     "PatchLayer", "AllToAllOptions", "AllgatherOptions", "AllreduceOptions", "BarrierOptions", "DTensorSpec",
     "InputDim", "OpInfo", "OpSchema", "OpSpec", "OpStrategy", "OutputSharding", "ReduceScatterOptions",
     "RuntimeSchemaInfo", "TensorMeta", "TorchDispatchMode", "TupleStrategy", "_PreparedSingleDimStrategy",
@@ -98,6 +97,14 @@ __all__ = [
     "_StridedShard", "_MaskPartial", "_get_current_function_mode_stack", "_pop_function_mode",
     "_push_function_mode",
 ]
+
+
+def clear_sharding_prop_cache() -> None:
+    """Empty DTensor's sharding-propagation cache (imported on use: ``torch.distributed.tensor.debug``
+    costs ~1 s of import that a training process does not need)."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
 
 
 def register_fake_backend() -> None:

@@ -17,6 +17,7 @@ Split checks (equal losses cannot show that a plan split anything): ``assert_loc
 from __future__ import annotations
 
 import io
+import math
 import multiprocessing as mp
 import os
 import pickle
@@ -33,7 +34,7 @@ import torch.distributed as dist
 from vescale._torch import register_fake_backend
 
 __all__ = [
-    "run_on_ranks", "fake_world", "forget_dtensor_caches", "train_losses", "sgd_steps", "global_value", "error_of",
+    "run_on_ranks", "fake_world", "fake_mesh", "forget_dtensor_caches", "train_losses", "sgd_steps", "global_value", "error_of",
     "local_shapes", "assert_local_shapes", "input_shapes", "run_script",
 ]
 
@@ -55,13 +56,30 @@ def fake_world(world_size: int, rank: int = 0):
             dist.destroy_process_group()
 
 
+@contextmanager
+def fake_mesh(shape: tuple, names: tuple) -> Iterator:
+    """A mesh of ``shape`` over a fake world of its size, with vescale's dispatch installed (and
+    uninstalled on exit if it was not before): for single-process tests of DTensor ops."""
+    from vescale import dispatch
+    from vescale.mesh import init_mesh
+
+    was_installed = dispatch.is_installed()
+    with fake_world(math.prod(shape)):
+        dispatch.install()
+        try:
+            yield init_mesh(shape, names)
+        finally:
+            if not was_installed:  # leave DTensor as the caller found it
+                dispatch.uninstall()
+
+
 def forget_dtensor_caches() -> None:
     """Clear DTensor's process-wide caches (sharding propagation, transform plans, redistribute
     planners), vescale.dispatch's (shape-free cache, sized-op table, view decisions, SDPA
     decisions) and vescale.comm's compiled moves (which hold process groups). Their keys do not
     include the rank, so entries made while this process simulated another rank (fake process
     group) would be wrong for a real rank forked from it."""
-    from vescale._torch import _clear_sharding_prop_cache, _gen_transform_infos, clear_redistribute_planner_cache
+    from vescale._torch import _gen_transform_infos, clear_sharding_prop_cache, clear_redistribute_planner_cache
 
     from vescale.comm.moves import clear_moves
     from vescale.dispatch import cache as shape_free
@@ -69,7 +87,7 @@ def forget_dtensor_caches() -> None:
     from vescale.dispatch.sized import clear_sized_ops_table
     from vescale.dispatch.viewkey import clear_view_decisions
 
-    _clear_sharding_prop_cache()
+    clear_sharding_prop_cache()
     _gen_transform_infos.cache_clear()
     clear_redistribute_planner_cache()
     for cache in (*shape_free._INSTALLED, *shape_free._SET_ASIDE):  # vescale's cache in front of DTensor's miss path

@@ -4,34 +4,18 @@ layout). Test modules that need another set-up define their own ``mesh``."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 
-import vescale
-from vescale import dispatch
-from vescale.testing import fake_world
-
-
-@contextlib.contextmanager
-def _dispatch_mesh(shape: tuple, names: tuple):
-    was_installed = dispatch.is_installed()
-    with fake_world(4):
-        dispatch.install()
-        try:
-            yield vescale.init_mesh(shape, names)
-        finally:
-            if not was_installed:  # leave DTensor as this module found it
-                dispatch.uninstall()
+from vescale.testing import fake_mesh
 
 
 @pytest.fixture(scope="module")
 def mesh():
-    with _dispatch_mesh((2, 2), ("DP", "TP")) as m:
+    with fake_mesh((2, 2), ("DP", "TP")) as m:
         yield m
 
 
 @pytest.fixture(scope="module")
 def unit_mesh():
-    with _dispatch_mesh((1, 4), ("DP", "TP")) as m:
+    with fake_mesh((1, 4), ("DP", "TP")) as m:
         yield m

@@ -1,6 +1,6 @@
 """HF Mixtral and Qwen3-MoE, unchanged, under ``vescale.zoo.moe_plan``: single-device equivalence.
 
-Each configuration trains 10 AdamW steps from the single-device initial weights on the same global
+Each configuration trains 5 AdamW steps from the single-device initial weights on the same global
 batches and must match the single-device run of the same model and experts kernel:
 
 * loss at every step, gradients after the first backward and gathered final parameters within
@@ -35,7 +35,7 @@ import vescale
 from vescale.testing import run_on_ranks
 from vescale.zoo import moe_plan, synthetic_batches, tiny_hf_mixtral, tiny_hf_qwen3_moe
 
-STEPS, LR, TOL = 10, 1e-3, 1e-5
+STEPS, LR, TOL = 5, 1e-3, 1e-5
 BATCH, SEQ = 4, 8
 MODELS = {"mixtral": tiny_hf_mixtral, "qwen3_moe": tiny_hf_qwen3_moe}
 EXPERTS = "model.layers.0.mlp.experts"

@@ -18,7 +18,6 @@
 * ``partial``: Partial-sum strategies beside PyTorch's for ``scatter`` (linear in ``self`` and
   ``src``) and the softmax backward (linear in the gradient), so an MoE router's Partial gradient
   is neither reduce-scattered nor all-reduced through its backward.
-* ``optim``: stock ``torch.optim`` steps on DTensor parameters run on their local shards.
 * ``attention``: sharding rules for the SDPA kernels PyTorch has none for (CPU flash, forward and
   backward); the CUDA fused kernels refuse in-kernel dropout on DTensors (rank-local masks).
 * ``conv``: plain tensors meet DTensors as Replicate in convolutions too; ``errors``: an op without
@@ -30,7 +29,9 @@
 * ``datadep``: data-dependent ops (``nonzero``, masks, ``bincount``, ``unique``, ``index_add_`` /
   ``scatter_add_`` into sharded tensors, fp32 ``_grouped_mm``) with single-device answers.
 
-``install()`` puts all of them in place; ``parallelize`` calls it. Nothing changes at import.
+``install()`` puts all of them in place, with ``vescale.optim``'s local optimiser steps; ``parallelize``
+calls it. Each change goes through ``vescale._torch.PATCHES`` (owners ``dispatch.coverage.*`` and
+``dispatch.fast.*``), which ``uninstall()`` undoes. Nothing changes at import.
 """
 
 from .datadep import DATADEP_OPS, install_datadep_handlers, uninstall_datadep_handlers
@@ -41,7 +42,7 @@ from .conv import install_conv_handlers
 from .cache import ShapeFreeCache, install_shape_free_cache, shape_free_cache, uninstall_shape_free_cache
 from .partial import install_partial_rules, uninstall_partial_rules
 from .pick import install_shard_pick, uninstall_shard_pick
-from .optim import ELEMENTWISE_OPTIMIZERS, install_local_optimizer_step, uninstall_local_optimizer_step
+from ..optim import ELEMENTWISE_OPTIMIZERS, install_local_optimizer_step, uninstall_local_optimizer_step
 from .search import install_fast_search, uninstall_fast_search
 from .sized import install_sized_ops, uninstall_sized_ops
 from .semantics import install_semantic_handlers

@@ -63,7 +63,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ..data import shares_drawn
-from ..dispatch.optim import given_params
+from ..optim import given_params
 from .._torch import PATCHES
 
 _OWNER = "parallel.faults"

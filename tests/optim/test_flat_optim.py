@@ -1,4 +1,4 @@
-"""vescale.dispatch.flat: elementwise optimiser steps over flat buffers give the per-tensor bits.
+"""vescale.optim.flat: elementwise optimiser steps over flat buffers give the per-tensor bits.
 
 Each case steps DTensor parameters (odd local sizes, several placements), plain parameters and a
 float64 parameter (a layout of its own) in two param groups through vescale's hooks, and a twin of
@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from vescale.dispatch.flat import FlatLayout
+from vescale.optim.flat import FlatLayout
 
 OPTIMIZERS = [
     (torch.optim.SGD, {"lr": 0.1}),  # no state at all

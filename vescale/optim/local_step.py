@@ -15,7 +15,7 @@ are not elementwise (Adafactor, LBFGS, anything unknown), and steps whose gradie
 out like their parameters, keep running on DTensors, which is correct.
 
 Within a param group, the shards of one dtype and device are stepped as slices of flat buffers
-(``vescale.dispatch.flat``: ~10 ops a step instead of ~10 per parameter, the same bits); what a
+(``vescale.optim.flat``: ~10 ops a step instead of ~10 per parameter, the same bits); what a
 flat layout cannot take (fused steps, sparse or complex parameters, a dtype with one parameter,
 state of another shape) gets its local tensor as above.
 """
@@ -29,7 +29,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from .flat import flat_allowed, layouts_for
 from vescale._torch import PATCHES
 
-__all__ = ["install_local_optimizer_step", "uninstall_local_optimizer_step", "ELEMENTWISE_OPTIMIZERS"]
+__all__ = ["install_local_optimizer_step", "uninstall_local_optimizer_step", "ELEMENTWISE_OPTIMIZERS", "given_params"]
 
 # Optimisers whose update of an element reads only that element's parameter, gradient and state.
 ELEMENTWISE_OPTIMIZERS = (

@@ -1,4 +1,4 @@
-"""vescale.dispatch.flat in training: the zoo LLaMA on 4 gloo ranks (DP=2 x TP=2), stepped with flat
+"""vescale.optim.flat in training: the zoo LLaMA on 4 gloo ranks (DP=2 x TP=2), stepped with flat
 runs and per tensor side by side on every rank, bit for bit; static mode, ZeRO-3 and eager mode,
 which hold the local shards in different ways (plain leaves over them, gathers from them)."""
 
@@ -17,7 +17,7 @@ def _twin_models(mode: str, zero3: bool):
     """On each gloo rank: the zoo LLaMA parallelised twice; one stepped with flat runs, the other
     per tensor (``flat_allowed`` off around its steps), interleaved on the same batches. Returns
     whether every parameter's local shard and state entry is bit-identical after each step."""
-    from vescale.dispatch import optim as vopt
+    from vescale.optim import local_step as vopt
     import vescale
     from vescale.zoo import llama_plan, synthetic_batches, tiny_llama
 
