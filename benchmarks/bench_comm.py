@@ -42,6 +42,7 @@ import vescale
 from vescale import VescalePlan
 from vescale.debug import CollectiveCounter
 from vescale.testing import run_on_ranks
+from vescale.model_state import state_of
 
 MODES = {
     "per-tensor": dict(bucket_mb=None),
@@ -107,7 +108,7 @@ def _ring_cost(records, mesh_shape, fused: bool, per_tensor: bool):
 
 def _grad_records(model) -> list[tuple[tuple[int, ...], int]]:
     """(Partial mesh dims, local bytes) of every gradient the reducer files, from one backward."""
-    reducer, records = model._vescale_reducer, []
+    reducer, records = state_of(model).reducer, []
     original = reducer._file
 
     def recording(entry):
@@ -156,7 +157,7 @@ def _mode_steps(name, shape, width, depth, tokens, steps, fake: bool):
     x = torch.randn(tokens, width, generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)
     model = vescale.parallelize(ManySmall(width, depth), _plan(), mesh, **MODES[name])
-    reducer = model._vescale_reducer
+    reducer = state_of(model).reducer
     records = _grad_records(model) if reducer is not None else None
     _one_step(model, x)  # warm-up: sharding propagation caches
     if reducer is not None:

@@ -48,6 +48,7 @@ from vescale import dispatch
 from vescale.dispatch import attention, sized
 from vescale.optim import local_step as optim
 from vescale.zoo import LlamaConfig
+from vescale.model_state import state_of
 
 _HANDLERS = DTensor._op_dispatcher._custom_op_handlers
 _INSTALL = dispatch.install
@@ -149,7 +150,7 @@ def main() -> None:
         runners[arm] = B.Runner(_variant(arm), mesh, *shape, sp, zero3, args.model)
         B._vescale_plan = _PLAN
         if arm == "static-hooks":
-            runners[arm].model._vescale_static.relabels = False
+            state_of(runners[arm].model).static.relabels = False
         if arm == "eager-gradR":
             _replicate_routing_grads(runners[arm].model)
     times = {arm: [] for arm in arms}

@@ -31,10 +31,11 @@ import bench_dispatch as B
 import vescale
 from vescale.comm import direct
 from vescale.testing import run_on_ranks
+from vescale.model_state import state_of
 
 
 def _keep(runner, on: bool) -> None:
-    runner.model._vescale_gathers.keep_for_backward = on
+    state_of(runner.model).gathers.keep_for_backward = on
 
 
 def _pairs(runner, on: bool) -> None:
@@ -42,7 +43,7 @@ def _pairs(runner, on: bool) -> None:
 
 
 def _steps(runner, on: bool) -> None:
-    runner.model._vescale_step_check.enabled = on
+    state_of(runner.model).step_check.enabled = on
 
 
 SWITCHES = {"keep": _keep, "pairs": _pairs, "steps": _steps}

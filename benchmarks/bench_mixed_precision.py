@@ -26,6 +26,7 @@ import vescale
 from vescale.debug import CollectiveCounter, bytes_at_rest
 from vescale.testing import run_on_ranks
 from vescale.zoo import llama_plan, synthetic_batches, tiny_llama
+from vescale.model_state import state_of
 
 POLICY = vescale.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 BATCH, SEQ, VOCAB = 4, 16, 128
@@ -74,7 +75,7 @@ def _parallel(policy, steps: int) -> dict:
     model = vescale.parallelize(model, llama_plan(mesh, model.config, zero3=True), mesh, mixed_precision=policy)
     losses = _losses(model, steps)
     # Memory: one more step, measured.
-    sched, peak = model._vescale_gathers, [0]
+    sched, peak = state_of(model).gathers, [0]
     hooks = [m.register_forward_pre_hook(lambda *_: peak.__setitem__(0, max(peak[0], sched.held_bytes())))
              for m in model.modules()]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

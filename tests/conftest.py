@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 
 import pytest
 import torch
@@ -65,6 +66,10 @@ def pytest_sessionstart(session):
             except ImportError:  # transformers / diffusers not installed: their tests skip
                 pass
     forget_dtensor_caches()  # imports DTensor's debug and redistribute modules, which each rank clears
+    # What was imported lives as long as the process: out of the garbage collector's sight (full
+    # collections in tests and in forked ranks do not walk it).
+    gc.collect()
+    gc.freeze()
 
 
 # Module scope too: a module-scoped fixture (a model parallelised once for a file's tests) changes

@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
+from vescale.model_state import state_of
 
 __all__ = ["MixedPrecision", "apply_mixed_precision"]
 
@@ -156,12 +157,12 @@ def apply_mixed_precision(model: nn.Module, policy: MixedPrecision) -> nn.Module
     over the uses); the root's floating-point inputs are cast to ``param_dtype`` and its outputs to
     ``output_dtype``. On one device there is no reduction, so ``reduce_dtype`` has no effect.
     Parameters and optimizer state keep their dtype (build the model in fp32)."""
-    if getattr(model, "_vescale_ir", None) is not None:
+    if state_of(model).ir is not None:
         raise ValueError(
             "apply_mixed_precision is for a plain model; pass mixed_precision= to vescale.parallelize instead"
         )
-    if getattr(model, "_vescale_mixed_precision", None) is not None:
+    if state_of(model).mixed_precision is not None:
         raise ValueError("apply_mixed_precision: the model already has a mixed-precision policy")
-    model._vescale_mixed_precision = policy
-    model._vescale_mixed_precision_handles = install_mixed_precision(model, policy)
+    state = state_of(model)
+    state.mixed_precision, state.mixed_precision_handles = policy, install_mixed_precision(model, policy)
     return model

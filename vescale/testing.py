@@ -16,6 +16,7 @@ Split checks (equal losses cannot show that a plan split anything): ``assert_loc
 
 from __future__ import annotations
 
+import gc
 import io
 import math
 import multiprocessing as mp
@@ -119,6 +120,10 @@ def _store_host(world_size: int, conn) -> None:
 
 
 def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, conn) -> None:
+    # The objects inherited from the parent (a test process holds ~300K: torch, transformers, ...)
+    # live as long as this rank: out of the garbage collector's sight, a full collection does not
+    # walk them (the first training step of a 4-rank tiny LLaMA: 1.4 -> 0.8 s of CPU).
+    gc.freeze()
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),

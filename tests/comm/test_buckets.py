@@ -18,6 +18,7 @@ from vescale.debug import CollectiveCounter
 from vescale.testing import run_on_ranks
 
 from nets import batch, build
+from vescale.model_state import state_of
 
 GRAD_RTOL, LOSS_TOL = 1e-6, 1e-5
 
@@ -39,7 +40,7 @@ def _run(shape, names, plan_kw, bucket_mb, fuse=True, backwards=1, no_sync=0):
     vescale.parallelize(model, plan, mesh, bucket_mb=bucket_mb, fuse_dims=fuse)
     with CollectiveCounter() as comm:
         loss = _step(model, batch(), backwards, no_sync)
-    reducer = model._vescale_reducer
+    reducer = state_of(model).reducer
     return {
         "loss": loss.full_tensor().item(),
         "grads": {n: None if p.grad is None else (p.grad.full_tensor(), p.grad.to_local().shape)
@@ -47,7 +48,7 @@ def _run(shape, names, plan_kw, bucket_mb, fuse=True, backwards=1, no_sync=0):
         "comms": comm.total,
         "ours": dict(reducer.stats) if reducer else {},
         "early": reducer.launched_during_backward if reducer else 0,
-        "prefetched": dict(model._vescale_gathers.stats) if reducer else {},
+        "prefetched": dict(state_of(model).gathers.stats) if reducer else {},
     }
 
 

@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 import vescale
 from vescale.testing import global_value, run_on_ranks
 from vescale.zoo import llama_plan, synthetic_batches, tiny_llama
+from vescale.model_state import state_of
 
 pytestmark = pytest.mark.multiproc
 
@@ -59,7 +60,7 @@ def _train(model, loader) -> dict:
         loader.set_epoch(epoch)
         for i, (ids, labels) in enumerate(loader):
             last = (i + 1) % MICRO == 0
-            sync = vescale.no_grad_sync(model) if not last and hasattr(model, "_vescale_ir") else _nothing()
+            sync = vescale.no_grad_sync(model) if not last and (state_of(model).ir is not None) else _nothing()
             with sync:
                 loss = model(input_ids=ids, labels=labels).loss
                 (loss / MICRO).backward()

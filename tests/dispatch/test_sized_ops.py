@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 from vescale import dispatch
 from vescale.dispatch import attention, sized
+from vescale.dispatch.local import handler_runs_locally
 from vescale.testing import forget_dtensor_caches
 
 aten = torch.ops.aten
@@ -154,11 +155,11 @@ def test_table_is_bounded(mesh, monkeypatch):
 
 
 def test_static_eager_question(mesh):
-    """``runs_locally`` answers as DTensor's rule does for ops without a handler."""
+    """The handler runs locally (``handler_runs_locally``) where DTensor's rule does for ops without a handler."""
     x = _dt(mesh, (8, 16, 32), (Shard(0), Shard(2)))
-    assert sized.sized_op_handler.runs_locally(aten.view.default, (x, [8, 16, 4, 8]), {})
+    assert handler_runs_locally(sized.sized_op_handler, aten.view.default, (x, [8, 16, 4, 8]), {})
     y = _dt(mesh, (6, 8), (Replicate(), Shard(0)))
-    assert not sized.sized_op_handler.runs_locally(aten.view.default, (y, [3, 2, 8]), {})
+    assert not handler_runs_locally(sized.sized_op_handler, aten.view.default, (y, [3, 2, 8]), {})
 
 
 def test_uninstall_gives_pytorch_path_back(mesh):

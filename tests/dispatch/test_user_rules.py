@@ -25,6 +25,7 @@ from torch.distributed.tensor.experimental import register_sharding
 import vescale
 from vescale import dispatch
 from vescale.testing import fake_world, global_value, run_on_ranks, sgd_steps
+from vescale.model_state import state_of
 
 
 @torch.library.custom_op("vescale_test::row_scale", mutates_args=())
@@ -119,7 +120,7 @@ def _distributed():
         out[mode]["rows"] = set(rows)
         if mode == "static":
             out["eager_modules"] = vescale.static.eager_modules(model)
-            out["static_steps"] = model._vescale_static.static_steps
+            out["static_steps"] = state_of(model).static.static_steps
     return out
 
 

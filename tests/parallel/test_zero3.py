@@ -17,6 +17,7 @@ from vescale.parallel.hooks import GatheredParam
 from vescale.parallel.zero import unit_of
 from vescale.testing import run_on_ranks
 from vescale.zoo import llama_plan, synthetic_batches, tiny_llama
+from vescale.model_state import state_of
 
 
 _ALLOCATED = {"gathered": 0}  # storages of gathered parameters allocated (GatheredParam.refill_target)
@@ -32,7 +33,7 @@ def _one_step(zero3: bool, spy: dict | None = None, keep: bool = True):
     torch.manual_seed(0)
     model = vescale.parallelize(tiny_llama(), llama_plan(mesh, zero3=zero3), mesh)
     if zero3:
-        model._vescale_gathers.keep_for_backward = keep
+        state_of(model).gathers.keep_for_backward = keep
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     input_ids, labels = synthetic_batches(1, 4, 16, 128, seed=1)[0]
     loss = model(input_ids=input_ids, labels=labels).loss
@@ -88,7 +89,7 @@ def _prefetch_spy():
     mesh = vescale.init_mesh((dist.get_world_size(),), ("DP",))
     torch.manual_seed(0)
     model = vescale.parallelize(tiny_llama(num_hidden_layers=4), llama_plan(mesh, zero3=True), mesh)
-    sched = model._vescale_gathers
+    sched = state_of(model).gathers
     peak = [0]
     hooks = [m.register_forward_pre_hook(lambda *_: peak.__setitem__(0, max(peak[0], sched.held_bytes())))
              for m in model.modules()]
@@ -106,7 +107,7 @@ def _prefetch_spy():
     with torch.no_grad():  # an evaluation forward gathers too, but keeps nothing for a backward
         model(input_ids=input_ids, labels=labels)
     held_after += sched.held_bytes()
-    return dict(sched.stats), peak[0], unit_bytes, held_after, dict(model._vescale_reducer.stats)
+    return dict(sched.stats), peak[0], unit_bytes, held_after, dict(state_of(model).reducer.stats)
 
 
 @pytest.mark.multiproc
@@ -139,7 +140,7 @@ def _slot_steps():
     mesh = vescale.init_mesh((dist.get_world_size(),), ("DP",))
     torch.manual_seed(0)
     model = vescale.parallelize(tiny_llama(), llama_plan(mesh, zero3=True), mesh)
-    sched = model._vescale_gathers
+    sched = state_of(model).gathers
     frozen = "model.layers.0.mlp.up_proj.weight"
     input_ids, labels = synthetic_batches(1, 4, 16, 128, seed=1)[0]
     seen, grads, held = [], [], []
@@ -183,7 +184,7 @@ def _kept_or_not(mode: str):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         losses, counts = [], []
         for step, (x, y) in enumerate(synthetic_batches(4, 4, 16, 128, seed=1)):
-            model._vescale_gathers.keep_for_backward = flips and step % 2 == 1
+            state_of(model).gathers.keep_for_backward = flips and step % 2 == 1
             with CollectiveCounter() as c:
                 loss = model(input_ids=x, labels=y).loss
                 loss.backward()

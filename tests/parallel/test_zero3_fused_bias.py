@@ -33,6 +33,7 @@ from vescale import INIT, RUN, VescalePlan
 from vescale.placement import is_interleaved
 from vescale.testing import run_on_ranks
 from vescale.zoo import synthetic_batches, tiny_hf_gpt2
+from vescale.model_state import state_of
 
 STEPS, H = 3, 64
 BLOCK = r"transformer\.h\.\d+"
@@ -94,7 +95,7 @@ def _distributed():
         bias = model.get_parameter(BIAS)
         at_rest = (tuple(bias.to_local().shape), is_interleaved(bias.placements[0]), bias.placements[1] == Shard(0))
         out = _train(model)
-        reducer = model._vescale_reducer
+        reducer = state_of(model).reducer
         if reducer is not None:  # the gradient spec the reducer planned for (its plan cache)
             out["grad_interleaved"] = is_interleaved(reducer._plans[id(bias)][1].placements[1])
         runs[bucket_mb] = {**out, "at_rest": at_rest}

@@ -8,6 +8,7 @@ from torch.distributed.tensor import Replicate, Shard
 import vescale
 from vescale import PlanError, VescalePlan
 from vescale.plan.lower import KeyPattern
+from vescale.model_state import state_of
 
 
 class Net(nn.Module):
@@ -68,4 +69,4 @@ def test_strict_refuses_a_plan_idle_on_a_mesh_dim(mesh):
     plan = VescalePlan().shard(r"fc\.weight", Shard(0), mesh="TP")
     with pytest.raises(PlanError, match=r"strict=True\): the plan does nothing on mesh dim\(s\) \['DP'\]"):
         vescale.parallelize(model, plan, mesh, strict=True)
-    assert type(model.fc.weight) is nn.Parameter and not hasattr(model, "_vescale_ir")  # nothing changed
+    assert type(model.fc.weight) is nn.Parameter and not (state_of(model).ir is not None)  # nothing changed

@@ -17,6 +17,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 import vescale
 from vescale import INIT, RUN, InterleavedShard, PlanError, VescalePlan
 from vescale.plan import Phase, lower
+from vescale.model_state import state_of
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "plan.md"
 
@@ -461,7 +462,7 @@ def test_explain_prints_one_line_per_entry_and_changes_nothing(net, mesh, capsys
     assert printed[1 + n :] == ir.report().splitlines()
     assert all(type(p) is nn.Parameter for p in net.parameters())
     assert all(torch.equal(before[n], t) for n, t in net.state_dict().items())
-    assert not hasattr(net, "_vescale_ir")
+    assert not (state_of(net).ir is not None)
     with pytest.raises(PlanError):  # the same errors as parallelize
         vescale.explain(net, plan_of((r"nothing", Shard(0), TP)), mesh)
 

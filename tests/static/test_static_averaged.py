@@ -28,6 +28,7 @@ from torch.distributed.tensor import Shard
 
 import vescale
 from vescale.testing import run_on_ranks, sgd_steps
+from vescale.model_state import state_of
 
 STEPS, TOL = 5, 1e-6
 
@@ -103,7 +104,7 @@ def _distributed():
             model.head.proj.register_forward_pre_hook(lambda m, a: local.append(type(m.weight).__name__))
             run = _train(model)
             if mode == "static":
-                rt = model._vescale_static
+                rt = state_of(model).static
                 run["why"] = vescale.static.eager_modules(model)
                 run["eager_modules"] = set(run["why"])
                 run["unsafe"] = dict(rt.latest().unsafe)

@@ -40,6 +40,7 @@ from vescale.debug import CollectiveCounter
 from vescale.plan.ir import PlanError
 from vescale.testing import error_of, run_on_ranks
 from vescale.zoo import llama_plan, synthetic_batches, tiny_hf_llama, tiny_llama
+from vescale.model_state import state_of
 
 HIDDEN, BATCH, SEQ, STEPS = 8, 4, 6, 4
 
@@ -114,9 +115,9 @@ def _train_lookup(mode: str | None, vocab: int, padding_idx, out, mesh_shape: tu
         opt.zero_grad()
     run["table"] = _value(model.embed.weight)
     if mode == "static":
-        rec = model._vescale_static.latest()
+        rec = state_of(model).static.latest()
         run["unsafe"], run["lookups"] = dict(rec.unsafe), {k: dict(v) for k, v in rec.lookups.items()}
-        run["static_steps"] = model._vescale_static.static_steps
+        run["static_steps"] = state_of(model).static.static_steps
         run["tp_rank"] = model.embed.weight.device_mesh.get_local_rank(len(mesh_shape) - 1)
     return run
 
@@ -206,7 +207,7 @@ def _llama_runs(name: str, shape: tuple, overrides: dict) -> dict:
         run["params"] = {n: _value(p) for n, p in model.named_parameters()}
         run["tied"] = model.lm_head.weight is model.model.embed_tokens.weight
         if mode == "static":
-            rt = model._vescale_static
+            rt = state_of(model).static
             run["unsafe"], run["steps"] = sorted(rt.latest().unsafe), (rt.recorded_steps, rt.static_steps)
             run["lookups"] = sorted(rt.latest().lookups)
     return runs
@@ -314,8 +315,8 @@ def _unmasked_input():
             out.sum().backward()
         result[mode] = outs
         if mode == "static":
-            result["eager_modules"] = dict(model._vescale_static.latest().unsafe)
-            result["static_steps"] = model._vescale_static.static_steps
+            result["eager_modules"] = dict(state_of(model).static.latest().unsafe)
+            result["static_steps"] = state_of(model).static.static_steps
     return result
 
 

@@ -18,6 +18,7 @@ import torch.nn as nn
 import vescale
 from vescale import PlanError, Replicate, Shard, VescalePlan
 from vescale.testing import error_of, fake_world, run_on_ranks
+from vescale.model_state import state_of
 
 
 class GlobalHeads(nn.Module):
@@ -81,7 +82,7 @@ def _global_size_error():
 def _with_eager_line():
     eager, eager_model = _train("eager", eager=False)
     static, model = _train("static", eager=True)
-    rt = model._vescale_static
+    rt = state_of(model).static
     recorded = rt.recorded_steps
     x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(99))
     with torch.no_grad():  # an evaluation forward runs eagerly and keeps the training records
@@ -101,7 +102,7 @@ def test_a_global_size_fails_in_the_first_static_step_naming_module_and_fix():
 def _view_with_global_heads():
     eager, _ = _train("eager", eager=False, steps=5, split="view")
     static, model = _train("static", eager=False, steps=5, split="view")
-    rt = model._vescale_static
+    rt = state_of(model).static
     rec = rt.latest()
     rewrites = [(r.positions, r.global_sizes, r.local_sizes) for r in rec.sizes.get("attn", []) if r is not None]
     return eager, static, (rt.recorded_steps, rt.static_steps), sorted(rec.unsafe), rewrites, vescale.static.export_plan(model)

@@ -26,6 +26,7 @@ from vescale.debug import CollectiveCounter
 from vescale.static import boundary
 from vescale.testing import run_on_ranks
 from vescale.zoo import llama_plan, synthetic_batches, tiny_llama
+from vescale.model_state import state_of
 
 HOOKED = "model.layers.0.mlp.up_proj.weight"
 
@@ -62,7 +63,7 @@ def _train(deferred: bool) -> dict:
         opt.zero_grad()
     out["collectives"] = dict(counter.counts)
     out["seen"] = seen
-    rt = model._vescale_static
+    rt = state_of(model).static
     out["steps"] = (rt.recorded_steps, rt.static_steps)
     return out
 

@@ -35,6 +35,7 @@ import vescale
 from vescale.debug import CollectiveCounter
 from vescale.testing import global_value, run_on_ranks
 from vescale.zoo import llama_plan, synthetic_batches, tiny_llama
+from vescale.model_state import state_of
 
 SEED = 7
 HOOKED = "model.layers.1.mlp.up_proj.weight"
@@ -56,7 +57,7 @@ def _train(mode: str, shape: tuple, param_leaves: bool = True) -> dict:
         plan = llama_plan(mesh, model.config, sequence_parallel=True, zero3="DP" in names)
         vescale.parallelize(model, plan, mesh, mode=mode)
     if mode == "static":
-        model._vescale_static.param_leaves = param_leaves
+        state_of(model).static.param_leaves = param_leaves
     params = dict(model.named_parameters())
     fired = {"post": 0}
     params[HOOKED].register_hook(lambda g: g * 2)
@@ -96,7 +97,7 @@ def _train(mode: str, shape: tuple, param_leaves: bool = True) -> dict:
     out["param_types"] = {path: sorted(types) for path, types in seen.items()}
     out["after"] = sorted({type(p).__name__ for p in model.parameters()})
     if mode == "static":
-        rt = model._vescale_static
+        rt = state_of(model).static
         out["steps"] = (rt.recorded_steps, rt.static_steps)
         out["eager_modules"] = sorted(vescale.static.eager_modules(model))
     return out

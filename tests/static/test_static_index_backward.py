@@ -24,6 +24,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 import vescale
 from vescale.testing import run_on_ranks, sgd_steps
+from vescale.model_state import state_of
 
 STEPS, TOL = 4, 1e-6
 
@@ -94,7 +95,7 @@ def _distributed():
             model.block.up.register_forward_pre_hook(lambda m, a: seen.append((type(m.weight).__name__, tuple(m.weight.shape))))
             run = _train(model)
             if mode == "static":
-                rt = model._vescale_static
+                rt = state_of(model).static
                 run["eager_modules"] = set(vescale.static.eager_modules(model))
                 run["static_steps"] = rt.static_steps
                 run["up_weight"] = seen[-1]

@@ -39,6 +39,7 @@ from vescale.debug import CollectiveCounter
 from vescale.random import consistent
 from vescale.testing import run_on_ranks
 from vescale.zoo import llama_plan, synthetic_batches, tiny_hf_llama, tiny_llama
+from vescale.model_state import state_of
 
 STEPS, LR, TOL, SEED = 5, 0.05, 1e-5, 1234
 MODELS = {
@@ -122,7 +123,7 @@ def _distributed(configs):
                 vescale.manual_seed(SEED)
                 runs[mode] = _train(model, count_step=STEPS - 1)
                 if mode == "static":
-                    rt = model._vescale_static
+                    rt = state_of(model).static
                     runs[mode]["steps"] = (rt.recorded_steps, rt.static_steps)
                     runs[mode]["eager_modules"] = sorted(rt.latest().unsafe)
                     runs[mode]["kept_eager"] = sorted(vescale.static.eager_modules(model))
@@ -210,10 +211,10 @@ def _new_length_records_once():
         model = models[mode] = _build("ours")
         vescale.parallelize(model, llama_plan(mesh, model.config, sequence_parallel=True), mesh, mode=mode)
         if mode == "static":
-            model._vescale_static.reuse_records = False  # records the new length (test_static_resize derives it)
+            state_of(model).static.reuse_records = False  # records the new length (test_static_resize derives it)
         vescale.manual_seed(SEED)
         losses[mode] = _train_lengths(model)
-    rt = models["static"]._vescale_static
+    rt = state_of(models["static"]).static
     return losses, (rt.recorded_steps, rt.static_steps)
 
 
@@ -256,7 +257,7 @@ def _hf_sdpa_attention_stays_static():
     losses = {}
     for mode in ("eager", "static"):
         losses[mode], model = _train_hf_sdpa(mode)
-    rt = model._vescale_static
+    rt = state_of(model).static
     return losses, sorted(rt.latest().unsafe), (rt.recorded_steps, rt.static_steps), model.config._attn_implementation
 
 

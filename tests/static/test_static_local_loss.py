@@ -30,6 +30,7 @@ import vescale
 from vescale.static.local_loss import loss_kernel
 from vescale.testing import run_on_ranks
 from vescale.zoo import llama_plan, synthetic_batches, tiny_llama
+from vescale.model_state import state_of
 
 TOL = 1e-6
 
@@ -140,7 +141,7 @@ def _llama_loss_runs_static(shape, names):
             logits = out.logits
         runs[mode] = {"losses": losses, "logits": (logits.placements, tuple(logits.to_local().shape))}
         if mode == "static":
-            rt = model._vescale_static
+            rt = state_of(model).static
             rec = rt.latest()
             runs[mode]["kernels"] = {p: [(k.class_dim, k.row_dims) if k else None for k in ks] for p, ks in rec.losses.items()}
             runs[mode]["unsafe"] = sorted(rec.unsafe)
@@ -205,7 +206,7 @@ def _classifier_runs(smoothing: float):
             losses.append((loss.full_tensor() if isinstance(loss, DTensor) else loss).item())
         runs[mode] = {"losses": losses}
         if mode == "static":
-            rec = model._vescale_static.latest()
+            rec = state_of(model).static.latest()
             runs[mode]["kernels"] = {p: [k is not None for k in ks] for p, ks in rec.losses.items()}
             runs[mode]["unsafe"] = sorted(rec.unsafe)
     return runs

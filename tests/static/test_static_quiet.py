@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 import vescale
 from vescale.testing import run_on_ranks
 from vescale.zoo import llama_plan, synthetic_batches, tiny_llama
+from vescale.model_state import state_of
 
 LINEAR = "model.layers.0.mlp.up_proj"
 
@@ -36,7 +37,7 @@ def _train(quiet: bool) -> dict:
     torch.manual_seed(0)
     model = tiny_llama(attention_dropout=0.1, hidden_dropout=0.1)
     vescale.parallelize(model, llama_plan(mesh, model.config, sequence_parallel=True), mesh, mode="static")
-    rt = model._vescale_static
+    rt = state_of(model).static
     rt.quiet_modules = quiet
     rt.reuse_records = False  # the new length records (a derived record would run quiet from its first step)
     modules = dict(model.named_modules())

@@ -30,6 +30,7 @@ from vescale.testing import error_of, fake_world, run_on_ranks
 from vescale.zoo import llama_plan, synthetic_batches, tiny_llama
 
 from split_checks import check_llama_split, probe_batch
+from vescale.model_state import state_of
 
 
 def _train(gated: bool) -> dict:
@@ -61,7 +62,7 @@ def _train(gated: bool) -> dict:
         out["grads"].append({n: p.grad.full_tensor().clone() for n, p in model.named_parameters()})
         opt.step()
         opt.zero_grad()
-    rt = model._vescale_static
+    rt = state_of(model).static
     rec = rt.latest()
     out["steps"] = (rt.recorded_steps, rt.static_steps)
     out["funcs"] = sorted(f.__qualname__ for f in rec.random_funcs or ())
@@ -125,7 +126,7 @@ def test_a_draw_through_an_unlearnt_function_fails_naming_the_module():
         vescale.manual_seed(0)
         model = vescale.parallelize(_Model(), plan, mesh, mode="static")
         x = torch.randn(2, 3, 8)
-        rt = model._vescale_static
+        rt = state_of(model).static
         for _ in range(6):  # records (once or twice), learns (first static step), runs gated
             model(x).backward()
             if rt.static_steps == 2:

@@ -46,6 +46,7 @@ from vescale.testing import run_on_ranks
 from vescale.zoo import llama_plan, moe_plan, synthetic_batches, tiny_hf_llama, tiny_hf_mixtral, tiny_llama
 
 from split_checks import check_llama_split, probe_batch
+from vescale.model_state import state_of
 
 LR, TOL, SEED = 0.05, 1e-5, 1234
 MODELS = {
@@ -73,7 +74,7 @@ def _parallel(name: str, config: str, reuse: bool):
     torch.manual_seed(0)
     model = MODELS[name]()
     vescale.parallelize(model, llama_plan(mesh, model.config, sequence_parallel=sp, zero3=zero3), mesh, mode="static")
-    model._vescale_static.reuse_records = reuse
+    state_of(model).static.reuse_records = reuse
     return model
 
 
@@ -90,7 +91,7 @@ def _fixed_steps(model, lengths) -> list:
     """(length, loss, gradients, counters) of each step; no update, so every step at one length
     computes the same thing (its masks are drawn from a seed of the length). A length is a sequence
     length (batch 4) or a (batch, sequence length) pair."""
-    rt, out = model._vescale_static, []
+    rt, out = state_of(model).static, []
     for seq in lengths:
         batch, length = seq if isinstance(seq, tuple) else (4, seq)
         (x, y), = synthetic_batches(1, batch, length, 128, seed=length)
@@ -168,8 +169,8 @@ def _train(model, lengths) -> dict:
         opt.step()
         opt.zero_grad()
         out["losses"].append(_value(loss).item())
-        if hasattr(model, "_vescale_static"):
-            out["counters"].append(_counters(model._vescale_static))
+        if (state_of(model).static is not None):
+            out["counters"].append(_counters(state_of(model).static))
     return out
 
 
@@ -226,7 +227,7 @@ def _bounded_records():
     """At most two records kept: the lengths evicted come back derived again, never recorded."""
     _quiet_logs()
     model = _parallel("ours", "TP=2+SP", True)
-    rt = model._vescale_static
+    rt = state_of(model).static
     rt.max_records = 2
     kept = []
     vescale.manual_seed(SEED)
@@ -241,11 +242,11 @@ class _KeptCounter(nn.Module):
     def __init__(self, model, kept: list):
         super().__init__()
         self.model, self.kept = model, kept
-        self._vescale_static = model._vescale_static  # _train reads the counters from here
+        state_of(self).static = state_of(model).static  # _train reads the counters from here
 
     def forward(self, **kwargs):
         out = self.model(**kwargs)
-        self.kept.append(len(self.model._vescale_static.records))
+        self.kept.append(len(state_of(self.model).static.records))
         return out
 
 
@@ -274,7 +275,7 @@ def _uneven_length():
     vescale.manual_seed(SEED)
     with consistent():
         out = _train(model, [16, 16, 25, 25])
-    return out, model._vescale_static.last_refusal
+    return out, state_of(model).static.last_refusal
 
 
 @pytest.mark.multiproc
@@ -332,7 +333,7 @@ def _shifted(mode: str, build=_Shifted, split_second: bool = False, lengths=(16,
         plan.shard(r"second\.<in>", Shard(1), mesh="TP")
     vescale.parallelize(model, plan, mesh, mode=mode)
     losses, raised, counters = _over_lengths(model, mode, lengths)
-    last_refusal = model._vescale_static.last_refusal if mode == "static" else None
+    last_refusal = state_of(model).static.last_refusal if mode == "static" else None
     return losses, raised, counters, last_refusal
 
 
@@ -356,7 +357,7 @@ def _over_lengths(model, mode: str, lengths) -> tuple[list, list, list]:
             p.grad = None
         losses.append(_value(loss).item())
         if mode == "static":
-            counters.append(_counters(model._vescale_static))
+            counters.append(_counters(state_of(model).static))
     return losses, raised, counters
 
 
@@ -430,7 +431,7 @@ def _global_length(mode: str, lengths=(16, 16, 16, 24, 24, 32)):
     losses, raised, counters = _over_lengths(model, mode, lengths)
     rewrites = None
     if mode == "static":
-        rewrites = [(r.positions, r.global_sizes, r.local_sizes) for r in model._vescale_static.latest().sizes.get("blk", []) if r]
+        rewrites = [(r.positions, r.global_sizes, r.local_sizes) for r in state_of(model).static.latest().sizes.get("blk", []) if r]
     return losses, raised, counters, rewrites
 
 
@@ -468,8 +469,8 @@ def _moe(reuse: bool, config: str):
     torch.manual_seed(0)
     model = tiny_hf_mixtral()
     vescale.parallelize(model, moe_plan(mesh, model.config, sequence_parallel=tp, zero3=not tp), mesh, mode="static")
-    model._vescale_static.reuse_records = reuse
-    return _train(model, [16, 16, 24, 24]), model._vescale_static.last_refusal
+    state_of(model).static.reuse_records = reuse
+    return _train(model, [16, 16, 24, 24]), state_of(model).static.last_refusal
 
 
 @pytest.mark.multiproc

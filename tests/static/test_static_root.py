@@ -31,6 +31,7 @@ from vescale.debug import CollectiveCounter
 from vescale.parallel.contract import DataContractError
 from vescale.testing import run_on_ranks
 from vescale.zoo import llama_plan, synthetic_batches, tiny_llama
+from vescale.model_state import state_of
 
 STEPS = 5
 
@@ -64,7 +65,7 @@ def _train(root_moves: bool, user_root_hook: bool = False) -> dict:
     if user_root_hook:
         model.register_forward_hook(lambda m, args, out: seen_loss.append(tuple(out.loss.placements)))
     vescale.parallelize(model, llama_plan(mesh, model.config, sequence_parallel=True, zero3=True), mesh, mode="static")
-    rt = model._vescale_static
+    rt = state_of(model).static
     if not root_moves:
         rt.root_hooks = None  # the general path: DTensors placed by the plan's hook
     batch_rows = []
@@ -122,7 +123,7 @@ def _contract_in_static_step():
     batches = list(synthetic_batches(4, 4, 16, 128, seed=1))
     for x, y in batches[:3]:  # recorded, then static
         model(input_ids=x, labels=y).loss.backward()
-    assert model._vescale_static.static_steps >= 1
+    assert state_of(model).static.static_steps >= 1
     x, y = batches[3]
     if dist.get_rank() == 1:
         x = x.roll(1, 0)  # this rank was given another batch

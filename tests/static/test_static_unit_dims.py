@@ -34,6 +34,7 @@ from vescale.parallel.placing import moves_nothing, relabel
 from vescale.static import runtime
 from vescale.testing import fake_world, global_value, run_on_ranks
 from vescale.zoo import llama_plan, synthetic_batches, tiny_llama
+from vescale.model_state import state_of
 
 
 @pytest.mark.parametrize(
@@ -89,7 +90,7 @@ def _train(mode: str, shortcuts: bool = True) -> dict:
         opt.step()
         opt.zero_grad()
     if mode == "static":
-        rt = model._vescale_static
+        rt = state_of(model).static
         out["steps"] = (rt.recorded_steps, rt.static_steps)
         out["eager_modules"] = sorted(rt.latest().unsafe)
     return out

@@ -29,6 +29,7 @@ import vescale
 from vescale.debug import CollectiveCounter
 from vescale.testing import global_value, run_on_ranks
 from vescale.zoo import llama_plan, synthetic_batches, tiny_llama
+from vescale.model_state import state_of
 
 STEPS = 5
 MEMBER = "model.layers.1.mlp.up_proj"
@@ -43,9 +44,9 @@ def _train(mode: str, units: bool = True) -> dict:
         return _train_single(model)
     mesh = vescale.init_mesh((2, 2), ("DP", "TP"))
     vescale.parallelize(model, llama_plan(mesh, model.config, sequence_parallel=True, zero3=True), mesh, mode=mode)
-    scheduler = model._vescale_gathers
+    scheduler = state_of(model).gathers
     if mode == "static":
-        model._vescale_static.zero3_units = units
+        state_of(model).static.zero3_units = units
     member = dict(model.named_modules())[MEMBER]
     calls = [0]
     for hooks in (member._forward_pre_hooks, member._forward_hooks):
@@ -72,7 +73,7 @@ def _train(mode: str, units: bool = True) -> dict:
         opt.step()
         opt.zero_grad()
     if mode == "static":
-        rt = model._vescale_static
+        rt = state_of(model).static
         rec = rt.latest()
         out["steps"] = (rt.recorded_steps, rt.static_steps)
         out["units"] = sorted(rec.quiet_units or {})
@@ -156,7 +157,7 @@ def _outside() -> dict:
             opt.zero_grad()
         out[mode] = losses
         if mode == "static":
-            rec = model._vescale_static.latest()
+            rec = state_of(model).static.latest()
             out["units"] = sorted(rec.quiet_units or {})
             out["units_off"] = dict(rec.units_off)
     return out

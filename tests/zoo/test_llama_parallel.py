@@ -29,6 +29,7 @@ from vescale.testing import run_on_ranks
 from vescale.zoo import llama_plan, synthetic_batches, tiny_hf_llama, tiny_llama
 
 from split_checks import check_llama_split, probe_batch
+from vescale.model_state import state_of
 
 STEPS, LR, TOL = 5, 1e-3, 1e-5
 MODELS = {"ours": lambda: tiny_llama(), "hf": lambda: tiny_hf_llama(use_cache=False)}
@@ -134,7 +135,7 @@ def _hsdp(mode: str) -> dict:
     vescale.parallelize(model, plan, mesh, mode=mode)
     rows = {n: (p.shape[0], p._local_tensor.shape[0]) for n, p in model.named_parameters()}
     out = _train(model)
-    out.update(rows=rows, stats=dict(model._vescale_reducer.stats))
+    out.update(rows=rows, stats=dict(state_of(model).reducer.stats))
     return out if dist.get_rank() == 0 else None
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -43,8 +44,10 @@ from . import direct, moves
 from .groups import group_of
 from .layout import NOTHING, Transfer, pack_rows, reduce_plan, unpack_row
 from ..precision import reduce_dtype_of
+from vescale.model_state import state_of
 
-__all__ = ["GradReducer", "Route", "accumulate_grad", "attach_grad_reduction", "no_grad_sync", "DEFAULT_BUCKET_MB"]
+__all__ = ["GradReducer", "Route", "accumulate_grad", "attach_grad_reduction", "no_grad_sync", "DEFAULT_BUCKET_MB",
+           "GradHookRole", "declare_grad_hook", "grad_hook_role"]
 
 DEFAULT_BUCKET_MB = 25.0  # as torch DDP: large enough to fill the links, small enough to overlap
 
@@ -291,8 +294,33 @@ def accumulate_grad(param: torch.Tensor, grad: torch.Tensor, skip=lambda hook: F
             hook(param)
 
 
+@dataclass(frozen=True)
+class GradHookRole:
+    """What one of vescale's gradient hooks on a parameter does, for the code that hands gradients
+    over outside autograd (Static Eager's parameter shadows, ZeRO-3 reduce-scatters)."""
+
+    idle_for: Callable[[Any], bool] | None = None  # (gradient spec) -> the hook does nothing with it
+    takes_local: Callable[[torch.Tensor, Any], None] | None = None  # takes (local gradient, spec) directly
+    reduction: bool = False  # vescale.comm's gradient reduction (skipped when the reducer itself hands over)
+
+
+_HOOK_ROLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # hook function -> GradHookRole
+
+
+def declare_grad_hook(hook: Callable, **role) -> Callable:
+    """Record ``hook``'s ``GradHookRole``; returns the hook."""
+    _HOOK_ROLES[hook] = GradHookRole(**role)
+    return hook
+
+
+def grad_hook_role(hook: Callable) -> GradHookRole | None:
+    """The role declared for ``hook`` (None: a user's hook, or one without a role)."""
+    return _HOOK_ROLES.get(hook)
+
+
 def _is_reduction_hook(hook) -> bool:
-    return getattr(hook, "vescale_reduction", False)
+    role = _HOOK_ROLES.get(hook)
+    return role is not None and role.reduction
 
 
 def _accumulate(param: DTensor, local: torch.Tensor, outside_autograd: bool = False) -> None:
@@ -371,8 +399,11 @@ def _bucketed_hooks(param: DTensor, reducer: GradReducer) -> list:
 
     # Both hooks do nothing with a gradient that needs no reduction: Static Eager's parameter
     # hand-over may then wait for the end of backward (vescale.static.boundary.HandOvers).
-    pre.idle_for = post.idle_for = lambda spec: reducer.plan_of(param, spec) is NOTHING
-    pre.vescale_reduction = post.vescale_reduction = True
+    def idle_for(spec) -> bool:
+        return reducer.plan_of(param, spec) is NOTHING
+
+    declare_grad_hook(pre, idle_for=idle_for, reduction=True)
+    declare_grad_hook(post, idle_for=idle_for, reduction=True)
     return [param.register_hook(pre), param.register_post_accumulate_grad_hook(post)]
 
 
@@ -402,9 +433,9 @@ def no_grad_sync(model: torch.nn.Module) -> Iterator[None]:
     gradients stay local, and the first backward after the block reduces them with its own, so
     ``param.grad`` then equals what reducing every micro-step would give. A model with per-tensor
     reduction (``bucket_mb=None``) reduces every step regardless."""
-    reducer = getattr(model, "_vescale_reducer", None)
+    reducer = state_of(model).reducer
     if reducer is None:
-        if getattr(model, "_vescale_ir", None) is None:
+        if state_of(model).ir is None:
             raise ValueError("no_grad_sync: the model is not parallelized (call vescale.parallelize first)")
         yield
         return

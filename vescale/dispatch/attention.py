@@ -48,6 +48,7 @@ from vescale._torch import OpSchema, OpStrategy, RuntimeSchemaInfo
 from vescale._torch import _matrix_ops
 from vescale._torch import expand_to_full_mesh_op_strategy
 from vescale._torch import PATCHES
+from .local import runs_locally_when
 
 __all__ = [
     "install_attention_rules", "sdpa_layout", "CPU_SDPA_OPS", "FUSED_DROPOUT_ARG", "FusedDropoutError",
@@ -187,7 +188,7 @@ def _runs_locally(op, args, kwargs) -> bool:
     return True
 
 
-_cpu_sdpa_handler.runs_locally = _runs_locally
+runs_locally_when(_cpu_sdpa_handler, _runs_locally)
 
 
 def _stride_like(local: torch.Tensor, shape) -> tuple[int, ...]:

@@ -41,7 +41,7 @@ from vescale._torch import redistribute_local_tensor
 from vescale._torch import compute_local_shape_and_global_offset
 
 from .cache import shape_free_cache
-from .local import why_rule_not_local
+from .local import runs_locally_when, why_rule_not_local
 from .metas import contiguous_strides, grouped_mm_shape, miss_outputs
 from .semantics import DTensorRule
 from vescale._torch import PATCHES
@@ -330,7 +330,7 @@ def _index_runs_locally(op, args, kwargs) -> bool:
 
 
 for _handler in set(_HANDLERS.values()):
-    _handler.runs_locally = _index_runs_locally if _handler is _masked_index else _runs_locally
+    runs_locally_when(_handler, _index_runs_locally if _handler is _masked_index else _runs_locally)
 _OWNER = "dispatch.coverage.datadep"
 
 

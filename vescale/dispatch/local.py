@@ -16,7 +16,24 @@ from torch.distributed.tensor import DTensor
 
 from .cache import shape_free_cache
 
-__all__ = ["why_rule_not_local", "data_moves", "moves_data", "decisions_remembered"]
+__all__ = ["why_rule_not_local", "data_moves", "moves_data", "decisions_remembered", "runs_locally_when",
+           "handler_runs_locally"]
+
+# vescale's custom op handlers that compute on the local shards as they are, under a condition:
+# handler -> predicate(op, args, kwargs). Static Eager asks before it runs a module on local tensors.
+_RUNS_LOCALLY_WHEN: dict = {}
+
+
+def runs_locally_when(handler, predicate) -> None:
+    """Declare that ``handler`` computes on the local shards as they are whenever
+    ``predicate(op, args, kwargs)`` is true (a handler not declared never does)."""
+    _RUNS_LOCALLY_WHEN[handler] = predicate
+
+
+def handler_runs_locally(handler, op, args, kwargs) -> bool:
+    """Whether ``handler`` (a DTensor custom op handler) runs this call on the local shards as they are."""
+    predicate = _RUNS_LOCALLY_WHEN.get(handler)
+    return predicate is not None and predicate(op, args, kwargs)
 
 
 def moves_data(src, dst) -> bool:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .local import why_rule_not_local
+from .local import runs_locally_when, why_rule_not_local
 from vescale._torch import PATCHES
 
 __all__ = ["install_semantic_handlers", "DTensorRule"]
@@ -140,7 +140,7 @@ def _pointwise_runs_locally(func, args, kwargs) -> bool:
     return _mean_over_split(func, args, kwargs) is None and why_rule_not_local(func, args, kwargs) is None
 
 
-_global_mean_pointwise_loss.runs_locally = _pointwise_runs_locally
+runs_locally_when(_global_mean_pointwise_loss, _pointwise_runs_locally)
 
 # Fused-kernel losses whose mean DTensor gets wrong over a split input (forward and backward);
 # binary_cross_entropy_with_logits' backward decomposes into ops DTensor gets right.
@@ -160,7 +160,7 @@ def _runs_locally(func, args, kwargs) -> bool:
     return not _splits_batch(func, args, kwargs) and why_rule_not_local(func, args, kwargs) is None
 
 
-_global_mean_loss.runs_locally = _runs_locally
+runs_locally_when(_global_mean_loss, _runs_locally)
 
 _HANDLERS = {
     aten._local_scalar_dense.default: _global_scalar,

@@ -21,7 +21,7 @@ symbolic sizes — runs PyTorch's own slow path, unchanged.
 
 The handler computes no decision of its own, so it gives PyTorch's answers bit for bit
 (``tests/dispatch/test_sized_ops.py`` compares placements, local shapes, values and gradients with
-the handler installed and not). Static Eager asks ``runs_locally`` (the same question it asks every
+the handler installed and not). Static Eager asks ``local.handler_runs_locally`` (the same question it asks every
 op: ``why_rule_not_local``).
 """
 
@@ -35,7 +35,7 @@ from vescale._torch import DTensorSpec
 from vescale._torch import OutputSharding
 from vescale._torch import return_and_correct_aliasing
 
-from .local import why_rule_not_local
+from .local import runs_locally_when, why_rule_not_local
 from vescale._torch import PATCHES
 
 __all__ = ["sized_op_handler", "install_sized_ops", "uninstall_sized_ops", "clear_sized_ops_table", "SIZED_OPS_TABLE_LIMIT"]
@@ -161,7 +161,7 @@ def _runs_locally(op, args, kwargs) -> bool:
     return why_rule_not_local(op, args, kwargs) is None
 
 
-sized_op_handler.runs_locally = _runs_locally
+runs_locally_when(sized_op_handler, _runs_locally)
 
 
 def install_sized_ops() -> None:

@@ -30,6 +30,7 @@ from .zero import GatherScheduler
 from .placing import place
 from .state import attach_state_dict_hooks
 from ..precision import MixedPrecision, PolicyHooks
+from vescale.model_state import state_of
 
 __all__ = ["parallelize", "explain"]
 
@@ -167,14 +168,14 @@ def parallelize(
             f"parallelize: mixed_precision must be a vescale.MixedPrecision, got {type(mixed_precision).__name__}; "
             "e.g. vescale.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)"
         )
-    if getattr(model, "_vescale_ir", None) is None and getattr(model, "_vescale_mixed_precision", None) is not None:
+    if state_of(model).ir is None and state_of(model).mixed_precision is not None:
         raise ValueError(
             "parallelize: the model has a policy from vescale.apply_mixed_precision (the single-device "
             "reference); build a fresh model and pass the policy as parallelize(..., mixed_precision=...)"
         )
     if mode not in ("eager", "static"):
         raise ValueError(f"parallelize: mode must be 'eager' or 'static', got {mode!r}")
-    if getattr(model, "_vescale_ir", None) is not None:
+    if state_of(model).ir is not None:
         raise RuntimeError("this model is already parallelized; build a fresh model to apply another plan")
     ir = lower(plan, model, mesh)
     for group in mesh.get_all_groups():  # a mesh made without init_mesh: its groups get the run's timeout
@@ -241,11 +242,7 @@ def parallelize(
     if policy_hooks is not None:  # last: the masters go back after every other hook is done
         handles += policy_hooks.install_restores()
 
-    model._vescale_ir = ir
-    model._vescale_mesh = mesh
-    model._vescale_handles = handles
-    model._vescale_reducer = reducer
-    model._vescale_step_check = step_check
-    model._vescale_gathers = scheduler
-    model._vescale_mixed_precision = mixed_precision
+    state = state_of(model)
+    state.ir, state.mesh, state.handles, state.reducer = ir, mesh, handles, reducer
+    state.step_check, state.gathers, state.mixed_precision = step_check, scheduler, mixed_precision
     return model

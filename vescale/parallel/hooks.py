@@ -16,6 +16,7 @@ parameter with DTensor's ``redistribute``; bucketed mode gathers whole units thr
 from __future__ import annotations
 
 import dataclasses
+import weakref
 import re
 from typing import Callable
 
@@ -32,11 +33,33 @@ from .faults import FaultReporter, note_peer_failures
 from .zero import GatheredParam, next_forward, per_tensor_gather
 from .._torch import PATCHES
 
-__all__ = ["install_module_hooks", "GatheredParam"]
+__all__ = ["install_module_hooks", "GatheredParam", "CallState", "call_state"]
 
-# Set on a module (in its __dict__) by Static Eager mode while its planned inputs or outputs have
-# already been moved to their planned placements as local tensors: the plan's hooks leave them be.
-IO_PLACED = "_vescale_io_placed"
+@dataclasses.dataclass
+class CallState:
+    """What one forward call of a module carries between vescale's hooks on it (the plan's and
+    Static Eager's), kept per module in a weak table rather than in the module's ``__dict__``."""
+
+    io_placed: bool = False  # Static Eager moved the planned inputs / outputs itself: the plan's hooks leave them be
+    grad_checked: list | None = None  # (name, parameter) swapped for a view whose gradient is checked
+    swapped: list | None = None  # Static Eager: parameters swapped for their local tensors, for this call
+    shares: list | None = None  # Static Eager recording: the gradient shares this call expects
+
+    def take_io_placed(self) -> bool:
+        """Whether the inputs / outputs were placed, and forget it (it holds for one hand-over)."""
+        placed, self.io_placed = self.io_placed, False
+        return placed
+
+
+_CALL_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def call_state(mod: nn.Module) -> CallState:
+    """``mod``'s ``CallState`` (made on first use)."""
+    state = _CALL_STATES.get(mod)
+    if state is None:
+        state = _CALL_STATES[mod] = CallState()
+    return state
 
 
 # ---------------------------------------------------------------------------------------------
@@ -267,6 +290,7 @@ def install_module_hooks(
     arg_names = forward_arg_names(module)[0]
     live: list[GatheredParam] = []  # gathered for the forward call in flight
     calls = [0]  # forward calls so far: the first must find every planned input
+    call = call_state(module)  # what this call carries between the hooks (Static Eager sets io_placed)
     modes: list[_FactoryMode] = []
 
     def pre_hook(mod, args, kwargs):
@@ -286,7 +310,7 @@ def install_module_hooks(
             modes.append(mode)
         if grad_notes and calls[0] == 0 and torch.is_grad_enabled():
             _check_grads_once(mod, path, grad_notes)
-        if inputs and not mod.__dict__.get(IO_PLACED):
+        if inputs and not call.io_placed:
             args, kwargs = _place_inputs(args, kwargs, inputs, arg_names, mesh, path, calls[0] == 0)
         calls[0] += 1
         return args, kwargs
@@ -295,14 +319,15 @@ def install_module_hooks(
         """Runs even when forward raised: the module must get its own parameters back."""
         if modes:
             modes.pop().__exit__(None, None, None)
-        for name, param in mod.__dict__.pop(_GRAD_CHECKED, ()):
+        checked, call.grad_checked = call.grad_checked, None
+        for name, param in checked or ():
             mod._parameters[name] = param
         for e, g in zip(gathers, live):
             store = mod._parameters if e.tensor in mod._parameters else mod._buffers
             store[e.tensor] = g.param
 
     def post_hook(mod, args, kwargs, output):
-        if outputs and not mod.__dict__.get(IO_PLACED):
+        if outputs and not call.io_placed:
             output = _place_outputs(output, outputs, mesh, path)
         gathered = list(live)
         live.clear()
@@ -319,9 +344,6 @@ def install_module_hooks(
     if gathers or outputs:
         handles.append(module.register_forward_hook(post_hook, with_kwargs=True))
     return handles
-
-
-_GRAD_CHECKED = "_vescale_grad_checked"  # parameters swapped for a checked view during one forward
 
 
 def _check_grads_once(mod: nn.Module, path: str, notes: list[Entry]) -> None:
@@ -347,7 +369,7 @@ def _check_grads_once(mod: nn.Module, path: str, notes: list[Entry]) -> None:
         view.register_hook(check)
         mod._parameters[e.tensor] = view
         swapped.append((e.tensor, param))
-    mod.__dict__[_GRAD_CHECKED] = swapped
+    call_state(mod).grad_checked = swapped
 
 
 def enable_implicit_replication() -> None:

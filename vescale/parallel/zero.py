@@ -54,7 +54,7 @@ from vescale._torch import DTensorSpec, TensorMeta
 
 from ..comm import moves
 from ..comm.gather import GatherProgram, GroupGather, gather
-from ..comm.grad import _in_dtype
+from ..comm.grad import _in_dtype, declare_grad_hook
 from ..comm.layout import NOTHING
 from ..precision import compute_dtype_of, reduce_dtype_of
 
@@ -147,7 +147,7 @@ class GatheredParam:
         return view
 
     def _grad_hook(self):
-        """The gathered copy's post-accumulate hook; ``takes_local`` lets a static step's gradient
+        """The gathered copy's post-accumulate hook; its role's ``takes_local`` lets a static step's gradient
         hand-over (vescale.static.boundary) give it the local gradient and its spec directly, where
         nothing else would see the DTensor gradient: no DTensor made, set and taken back."""
 
@@ -155,8 +155,7 @@ class GatheredParam:
             grad, value.grad = value.grad, None
             self._take_grad(grad._local_tensor, grad._spec)
 
-        grad_ready.takes_local = self._take_grad
-        return grad_ready
+        return declare_grad_hook(grad_ready, takes_local=self._take_grad)
 
     def _take_grad(self, local: torch.Tensor, spec: DTensorSpec) -> None:
         """Bucketed mode: the gathered copy's gradient goes to the reducer; the copy is freed. If

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from vescale._torch import DTensorSpec, TensorMeta
 from vescale._torch import redistribute_local_tensor
 
-from ..comm.grad import accumulate_grad
+from ..comm.grad import accumulate_grad, grad_hook_role
 from ..comm.moves import compile_move
 from ..dispatch.metas import contiguous_strides, spec_of
 from ..parallel.placing import grad_layout
@@ -158,7 +158,7 @@ class ParamShadow:
     gradient spec, running the parameter's own hooks as AccumulateGrad does: its tensor hooks (which
     may replace the gradient), the accumulation into ``param.grad``, then its post-accumulate hooks
     (vescale.comm's gradient reduction lives there). Where every hook of the parameter declares
-    itself idle for this gradient (``idle_for``), the hand-over waits in ``hand_overs`` for the end
+    itself idle for this gradient (its ``GradHookRole.idle_for``, vescale.comm.grad), the hand-over waits in ``hand_overs`` for the end
     of backward.
     """
 
@@ -196,7 +196,8 @@ def _local_taker(param: torch.Tensor):
     hooks = param._post_accumulate_grad_hooks
     if not hooks or len(hooks) != 1 or param._backward_hooks or param.grad is not None:
         return None
-    return getattr(next(iter(hooks.values())), "takes_local", None)
+    role = grad_hook_role(next(iter(hooks.values())))
+    return role.takes_local if role is not None else None
 
 
 def _hooks_idle(param: torch.Tensor, spec: DTensorSpec) -> bool:
@@ -204,8 +205,8 @@ def _hooks_idle(param: torch.Tensor, spec: DTensorSpec) -> bool:
     with a gradient laid out as ``spec`` (vescale.comm's, where the gradient needs no reduction)."""
     for hooks in (param._backward_hooks, param._post_accumulate_grad_hooks):
         for hook in (hooks or {}).values():
-            idle_for = getattr(hook, "idle_for", None)
-            if idle_for is None or not idle_for(spec):
+            role = grad_hook_role(hook)
+            if role is None or role.idle_for is None or not role.idle_for(spec):
                 return False
     return True
 

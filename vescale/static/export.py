@@ -29,6 +29,7 @@ import torch.nn as nn
 from ..parallel.placing import grad_layout
 from .install import static_runtime
 from .local_sizes import GlobalSizes
+from vescale.model_state import state_of
 
 __all__ = ["export_plan", "eager_modules"]
 
@@ -81,7 +82,7 @@ def export_plan(model: nn.Module) -> str:
     lines = ["# Static Eager plan recorded by vescale: placements per mesh dim " + str(tuple(_mesh_names(rec)))]
     for path, why in eager_modules(model).items():
         lines.append(f"plan.eager({re.escape(path)!r})  # {why}")
-    lines += _boundary_lines(rec, model._vescale_mesh)
+    lines += _boundary_lines(rec, state_of(model).mesh)
     lines += _grad_lines(model, rec)
     lines += _size_lines(rec)
     return "\n".join(lines)

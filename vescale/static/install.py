@@ -18,12 +18,13 @@ from ..parallel.zero import GatherScheduler, unit_of
 from ..plan.lower import runs_forward
 from ..random.checkpointing import listen_to_regions
 from .runtime import StaticRuntime, resolve_eager_paths
+from vescale.model_state import state_of
 
 __all__ = ["install_static", "static_runtime"]
 
 
 def static_runtime(model: nn.Module) -> StaticRuntime:
-    rt = getattr(model, "_vescale_static", None)
+    rt = state_of(model).static
     if rt is None:
         raise ValueError("this model was not parallelized with mode='static'")
     return rt
@@ -32,7 +33,7 @@ def static_runtime(model: nn.Module) -> StaticRuntime:
 def install_static(model: nn.Module, plan: VescalePlan, ir: PlanIR, plan_hooks: frozenset = frozenset(),
                    scheduler: GatherScheduler | None = None,
                    gathered_modules: dict | None = None, batch_local: dict | None = None) -> list:
-    """Create the runtime (``model._vescale_static``) and install its hooks; returns the handles.
+    """Create the runtime (``state_of(model).static``) and install its hooks; returns the handles.
     ``plan_hooks``: the ids of the hooks parallelize installed before (the plan's and the root's);
     ``scheduler`` (ZeRO-3's GatherScheduler) and ``gathered_modules`` (path -> (gather entries, plan
     hook ids) of modules whose plan hooks only gather): the ZeRO-3 units static steps run as one;
@@ -57,7 +58,7 @@ def install_static(model: nn.Module, plan: VescalePlan, ir: PlanIR, plan_hooks: 
     where = {"forward_pre": "in", "forward": "out"}
     grad_dst_spots = {(m, where[h], e.key): e.grad_targets for (m, h), entries in hooks.items() if h in where for e in entries if e.grad_targets}
     rt = StaticRuntime(model, eager, planned_pre, planned_post, annotated, grad_dst_spots, batch_local)
-    model._vescale_static = rt
+    state_of(model).static = rt
     listen_to_regions(rt)  # checkpointed regions recompute from their forward's state (recompute.py)
     handles = []
     for path, mod in model.named_modules():

@@ -49,9 +49,9 @@ from vescale._torch import DTensorSpec
 from vescale._torch import TorchDispatchMode, _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..dispatch.local import data_moves, decisions_remembered, why_rule_not_local
+from ..dispatch.local import data_moves, decisions_remembered, handler_runs_locally, why_rule_not_local
 from ..parallel.faults import _first_line
-from ..parallel.hooks import IO_PLACED, _register_once_on_grads, _tensors_in, release_gathered
+from ..parallel.hooks import _register_once_on_grads, call_state, _tensors_in, release_gathered
 from ..plan.ir import PlanError
 from ..parallel.placing import grad_layout
 from ..parallel.zero import GatherScheduler
@@ -235,8 +235,7 @@ def _why_not_local(func, args, kwargs) -> str | None:
     handler = dispatcher._custom_op_handlers.get(func)
     if handler is not None:
         # A handler may say when it computes on the local shards as they are (vescale's SDPA does).
-        runs_locally = getattr(handler, "runs_locally", None)
-        if runs_locally is not None and runs_locally(func, args, kwargs):
+        if handler_runs_locally(handler, func, args, kwargs):
             return None
         return f"{func} has a custom DTensor handler"
     return why_rule_not_local(func, args, kwargs)
@@ -657,7 +656,7 @@ def _unwrap(t: torch.Tensor, c: Crossing | None):
 
 
 class StaticRuntime:
-    """Static Eager state of one parallelised model (``model._vescale_static``)."""
+    """Static Eager state of one parallelised model (``state_of(model).static``)."""
 
     def __init__(
         self,
@@ -1086,15 +1085,15 @@ class StaticRuntime:
             if steps.root_in is not None and self._root_hooks_ours(mod):
                 # The plan's hook leaves the inputs alone; inside() moves them, once every other
                 # root pre-hook (the input contract) has seen the global tensors.
-                mod.__dict__[IO_PLACED] = True
+                call_state(mod).io_placed = True
                 return None
             if steps.moves_in is not None:
-                mod.__dict__[IO_PLACED] = True  # the plan's hook leaves the placed tensors alone
+                call_state(mod).io_placed = True  # the plan's hook leaves the placed tensors alone
                 return _map_io(steps.moves_in, args, kwargs)
             if steps.wrap_in:
                 return _map_io(self._wrapper(path, "in"), args, kwargs)
             if steps.placed_in:
-                mod.__dict__[IO_PLACED] = True
+                call_state(mod).io_placed = True
             return None
         wraps = self.parent_static(path) and (path in self.planned_pre or not self.is_static(path))
         if self.state is State.RECORD:
@@ -1116,14 +1115,14 @@ class StaticRuntime:
         moved = None
         # Unless enter() handed over local tensors already, unwrap whatever arrives as a DTensor
         # (from an eager caller, or placed by the plan's hook).
-        placed = mod.__dict__.pop(IO_PLACED, False)
+        placed = call_state(mod).take_io_placed()
         if placed and steps.root_in is not None:  # the root's plain inputs, left alone by the plan's hook
             moved = _map_io(steps.root_in, args, kwargs)
         elif not placed and (_any_dtensor(args) or _any_dtensor(kwargs)):
             moved = _map_io(self._unwrapper(path, "body"), args, kwargs)
         swapped = self._local_parameters(mod, path, steps)
         if swapped:
-            mod.__dict__["_vescale_swapped"] = swapped
+            call_state(mod).swapped = swapped
             self.live_swaps.append((mod, swapped))  # a region starting in its body finds them (recompute.py)
         if steps.lookups is not None:
             steps.lookups.enter(mod)
@@ -1162,7 +1161,7 @@ class StaticRuntime:
                 uses.append(rec.shares.expect(p, path, f"parameter {name!r}", False,
                                               lambda g, key=key: rec.param_grads.__setitem__(key, g)))
         if uses:
-            mod.__dict__["_vescale_shares"] = uses
+            call_state(mod).shares = uses
         self._body_starts(path)
         return args, kwargs
 
@@ -1246,12 +1245,12 @@ class StaticRuntime:
 
     def restore(self, mod, path: str) -> None:
         """Always called after forward: the module gets its own parameters back."""
-        state = mod.__dict__
-        state.pop(IO_PLACED, None)  # set only if forward raised between leave and handed_back
-        uses = state.pop("_vescale_shares", None)
+        call = call_state(mod)
+        call.io_placed = False  # set only if forward raised between leave and handed_back
+        uses, call.shares = call.shares, None
         if uses:
             GradientShares.end(uses)
-        swapped = state.pop("_vescale_swapped", None)
+        swapped, call.swapped = call.swapped, None
         if swapped:
             _put_back(mod, swapped)
             live = self.live_swaps
@@ -1276,15 +1275,15 @@ class StaticRuntime:
         if self.state is State.STATIC:
             steps = self._steps(path)
             if steps.root_out is not None and self._root_hooks_ours(mod):
-                mod.__dict__[IO_PLACED] = True  # already as the root's hooks would leave them
+                call_state(mod).io_placed = True  # already as the root's hooks would leave them
                 return _map_out(steps.root_out, output)
             if steps.moves_out is not None:
-                mod.__dict__[IO_PLACED] = True
+                call_state(mod).io_placed = True
                 return _map_out(steps.moves_out, output)
             if steps.wrap_out:
                 return _map_out(self._wrapper(path, "out"), output)
             if steps.placed_out:
-                mod.__dict__[IO_PLACED] = True
+                call_state(mod).io_placed = True
             return None
         wraps = self.is_static(path) and (path in self.planned_post or not self.parent_static(path))
         if self.state is State.RECORD:
@@ -1402,7 +1401,7 @@ class StaticRuntime:
         if self.state is State.STATIC:
             if not self._steps(path).parent_static:
                 return None
-            if mod.__dict__.pop(IO_PLACED, False):  # leave() already moved them, as local tensors
+            if call_state(mod).take_io_placed():  # leave() already moved them, as local tensors
                 return None
             if not _any_dtensor(output):
                 return None

@@ -1,0 +1,42 @@
+"""What vescale holds for a model it parallelised: one typed object per model, not attributes on it.
+
+``parallelize`` (and ``apply_mixed_precision`` for a plain model) fill a ``ModelState``; the rest of
+vescale reads it through ``state_of(model)``. The states live in a weak table keyed by the model, so
+they go when the model goes and ``model.__dict__`` holds nothing of vescale's.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.nn as nn
+
+__all__ = ["ModelState", "state_of"]
+
+
+@dataclass
+class ModelState:
+    """A parallelised model's plan and runtime objects (None where not in use)."""
+
+    ir: Any = None  # the lowered plan (vescale.plan.PlanIR); None: not parallelised
+    mesh: Any = None  # the DeviceMesh it was parallelised on
+    handles: list = field(default_factory=list)  # hook handles parallelize installed
+    reducer: Any = None  # vescale.comm.GradReducer (bucketed gradient reduction), or None
+    step_check: Any = None  # vescale.parallel.faults.StepCheck
+    gathers: Any = None  # vescale.parallel.zero.GatherScheduler (ZeRO-3), or None
+    mixed_precision: Any = None  # vescale.MixedPrecision, or None
+    mixed_precision_handles: list = field(default_factory=list)  # apply_mixed_precision's hooks (one device)
+    static: Any = None  # vescale.static.StaticRuntime (mode="static"), or None
+
+
+_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def state_of(model: nn.Module) -> ModelState:
+    """``model``'s state; an empty one (``ir`` None) for a model vescale has not parallelised."""
+    state = _STATES.get(model)
+    if state is None:
+        state = _STATES[model] = ModelState()
+    return state
