@@ -65,11 +65,40 @@ def pytest_sessionstart(session):
                 build()
             except ImportError:  # transformers / diffusers not installed: their tests skip
                 pass
+        _warm_fake_tensor_cache(zoo)
     forget_dtensor_caches()  # imports DTensor's debug and redistribute modules, which each rank clears
     # What was imported lives as long as the process: out of the garbage collector's sight (full
     # collections in tests and in forked ranks do not walk it).
     gc.collect()
     gc.freeze()
+
+
+def _warm_fake_tensor_cache(zoo) -> None:
+    """One training step of the zoo's LLaMA (4 x 16 tokens) and HF Mixtral (4 x 8), on a fake
+    4-rank world, so that PyTorch's FakeTensor cache holds the output metadata of their ops.
+
+    DTensor computes an op's output metadata on fake tensors of the *global* shapes the first time
+    it meets the op (a miss of its sharding cache), and ranks forked from this process inherit the
+    cache: their first step, most of a short test's time, then costs ~40% less (a 4-rank tiny LLaMA:
+    0.84 -> 0.46 s of CPU per rank), on any mesh. The entries are functions of shapes and dtypes
+    only, so they hold for every rank. Everything else the step changed is put back."""
+    import vescale
+    from vescale.testing import _start_afresh, fake_world
+
+    with fake_world(4):
+        for build, plan, seq in ((zoo.tiny_llama, zoo.llama_plan, 16), (zoo.tiny_hf_mixtral, zoo.moe_plan, 8)):
+            try:
+                model = build()
+            except ImportError:
+                continue
+            mesh = vescale.init_mesh((2, 2), ("DP", "TP"))
+            vescale.manual_seed(0)
+            vescale.parallelize(model, plan(mesh, model.config, zero3=True), mesh)
+            ids = torch.randint(0, model.config.vocab_size, (4, seq))
+            model(input_ids=ids, labels=ids).loss.backward()
+            torch.optim.AdamW(model.parameters()).step()
+    vescale.uninstall()
+    _start_afresh()
 
 
 # Module scope too: a module-scoped fixture (a model parallelised once for a file's tests) changes

@@ -175,9 +175,10 @@ def test_a_member_run_outside_its_unit_keeps_per_member_hooks():
 
 
 def test_local_taker_only_where_nothing_else_sees_the_gradient():
-    """A gathered copy's hook takes the local gradient directly (``takes_local``) only where the
+    """A gathered copy's hook takes the local gradient directly (its role's ``takes_local``) only where the
     DTensor gradient would reach nothing else: no tensor hook, no gradient already held, no other
     post-accumulate hook. Otherwise the hand-over goes through ``accumulate_grad``."""
+    from vescale.comm.grad import declare_grad_hook
     from vescale.static.boundary import _local_taker
 
     taken = []
@@ -185,10 +186,13 @@ def test_local_taker_only_where_nothing_else_sees_the_gradient():
     def hook(p):
         raise AssertionError("the DTensor path is not taken here")
 
-    hook.takes_local = lambda local, spec: taken.append((local, spec))
+    def take(local, spec):
+        taken.append((local, spec))
+
+    declare_grad_hook(hook, takes_local=take)
     p = torch.zeros(3, requires_grad=True)
     p.register_post_accumulate_grad_hook(hook)
-    assert _local_taker(p) is hook.takes_local
+    assert _local_taker(p) is take
     p.grad = torch.ones(3)
     assert _local_taker(p) is None  # a gradient held: it must be added to
     p.grad = None
