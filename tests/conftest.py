@@ -65,40 +65,11 @@ def pytest_sessionstart(session):
                 build()
             except ImportError:  # transformers / diffusers not installed: their tests skip
                 pass
-        _warm_fake_tensor_cache(zoo)
     forget_dtensor_caches()  # imports DTensor's debug and redistribute modules, which each rank clears
     # What was imported lives as long as the process: out of the garbage collector's sight (full
     # collections in tests and in forked ranks do not walk it).
     gc.collect()
     gc.freeze()
-
-
-def _warm_fake_tensor_cache(zoo) -> None:
-    """One training step of the zoo's LLaMA (4 x 16 tokens) and HF Mixtral (4 x 8), on a fake
-    4-rank world, so that PyTorch's FakeTensor cache holds the output metadata of their ops.
-
-    DTensor computes an op's output metadata on fake tensors of the *global* shapes the first time
-    it meets the op (a miss of its sharding cache), and ranks forked from this process inherit the
-    cache: their first step, most of a short test's time, then costs ~40% less (a 4-rank tiny LLaMA:
-    0.84 -> 0.46 s of CPU per rank), on any mesh. The entries are functions of shapes and dtypes
-    only, so they hold for every rank. Everything else the step changed is put back."""
-    import vescale
-    from vescale.testing import _start_afresh, fake_world
-
-    with fake_world(4):
-        for build, plan, seq in ((zoo.tiny_llama, zoo.llama_plan, 16), (zoo.tiny_hf_mixtral, zoo.moe_plan, 8)):
-            try:
-                model = build()
-            except ImportError:
-                continue
-            mesh = vescale.init_mesh((2, 2), ("DP", "TP"))
-            vescale.manual_seed(0)
-            vescale.parallelize(model, plan(mesh, model.config, zero3=True), mesh)
-            ids = torch.randint(0, model.config.vocab_size, (4, seq))
-            model(input_ids=ids, labels=ids).loss.backward()
-            torch.optim.AdamW(model.parameters()).step()
-    vescale.uninstall()
-    _start_afresh()
 
 
 # Module scope too: a module-scoped fixture (a model parallelised once for a file's tests) changes
@@ -156,6 +127,27 @@ LONG_SUITE = {
         "its [llama] variant (the zoo LLaMA: the same layers)",
     "tests/static/test_static_equal.py::test_more_static_steps_equal_eager_steps_bit_for_bit[qwen3-moe]":
         "its [mixtral] variant (the same MoE plan)",
+    # Static Eager's fast paths against their general path, bit for bit (a reference path kept for
+    # these tests): test_static_equal.py holds every fast path on against eager mode, bit for bit.
+    "tests/static/test_static_units.py::test_units_match_per_member_hooks_bit_for_bit":
+        "test_static_equal.py (ZeRO-3 units on, DP=2xTP=2+SP+ZeRO-3, static == eager bit for bit)",
+    "tests/static/test_static_root.py::test_root_moves_match_the_general_path_bit_for_bit":
+        "test_static_equal.py (root moves on, static == eager bit for bit)",
+    "tests/static/test_static_quiet.py::test_quiet_modules_match_hooked_training_bit_for_bit":
+        "test_static_equal.py (quiet modules on, static == eager bit for bit)",
+    "tests/static/test_static_zoo.py::test_zoo_model_runs_static_and_matches_one_device[llama-DP]":
+        "its [llama-TP] variant; static on DP=2xTP=2+ZeRO-3: test_static_equal.py[llama]",
+    "tests/static/test_static_zoo.py::test_zoo_model_runs_static_and_matches_one_device[gpt2-DP]":
+        "its [gpt2-TP] variant; static on DP=2xTP=2+ZeRO-3: test_static_equal.py[gpt2]",
+    "tests/static/test_static_zoo.py::test_zoo_model_runs_static_and_matches_one_device[dit-DP]":
+        "its [dit-TP] variant; static on DP=2xTP=2+ZeRO-3: test_static_equal.py[dit]",
+    "tests/comm/test_layout_scale.py::test_plans_equal_the_exhaustive_computation[1]": "its seed 0",
+    "tests/comm/test_layout_scale.py::test_plans_equal_the_exhaustive_computation[2]": "its seed 0",
+    "tests/parallel/test_zero3.py::test_keeping_the_last_unit_changes_no_result[eager]":
+        "its [static] variant (the same scheduler option)",
+    "tests/random/test_multiproc_rng.py::test_every_op_matches_single_device_on_real_ranks[(2,)]":
+        "its [(4,)] and [(2, 2)] variants",
+    "tests/checkpoint/test_resume.py::test_resume_tp2": "test_resume_dp2_tp2_zero3 (TP with DP and ZeRO-3)",
 }
 
 

@@ -25,7 +25,7 @@ from fuzz_run import _line, run_cases
 
 # Examples per world size in CI (fixed seeds): with the regression cases, about 2.5 minutes on an
 # idle 2-core machine (see docs/testing.md for the measured cost).
-CI_EXAMPLES = {2: 8, 4: 4}
+CI_EXAMPLES = {2: 6, 4: 3}
 SEED_BASE = {2: 0, 4: 100_000}
 
 

@@ -22,7 +22,7 @@ test fails if any of them is kept eager).
   vocabulary-sharded logits with the config's vocabulary size, rewritten to the local one) run
   static too.
 
-Losses within 1e-5 of the single device and of eager mode over 6 SGD steps, and the last step's
+Losses within 1e-5 of the single device and of eager mode over 4 SGD steps, and the last step's
 gradients within 1e-5 (fp32: sharded matmuls and collectives sum in another order, and a static step
 reduces some gradients at module boundaries where eager mode reduces their sum once, which moves the
 loss by about 1e-6).
@@ -41,7 +41,7 @@ import vescale
 from vescale.testing import run_on_ranks
 from vescale.zoo import moe_plan, synthetic_batches, tiny_hf_mixtral, tiny_hf_qwen3_moe
 
-STEPS, LR, TOL = 6, 0.05, 1e-5
+STEPS, LR, TOL = 4, 0.05, 1e-5
 BATCH, SEQ = 4, 16
 EXPERTS = ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts")
 
