@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import collections
 import threading
 import warnings
 
@@ -157,6 +158,7 @@ class PatchLayer:
     def __init__(self):
         self._places: dict[tuple, _Place] = {}
         self._removers: dict[str, list] = {}  # owner -> callables that undo a hook or registration
+        self._held: collections.Counter = collections.Counter()  # owner -> places it holds: owners() in O(owners)
 
     # -- making changes --------------------------------------------------------------------------
     def set_item(self, owner: str, table: dict, key, value, where: str = "") -> None:
@@ -199,8 +201,10 @@ class PatchLayer:
         if place.layers and place.layers[-1].value is value:
             if owner not in place.layers[-1].owners:
                 place.layers[-1].owners.append(owner)
+                self._held[owner] += 1
         else:
             place.layers.append(_Layer(value, owner))
+            self._held[owner] += 1
         if place.read() is not value:
             place.write(value)
 
@@ -212,18 +216,23 @@ class PatchLayer:
         for name in [o for o in self._removers if mine(o)][::-1]:
             for remove in self._removers.pop(name)[::-1]:
                 remove()
+        if not any(mine(o) for o in self._held):
+            return
         for key, place in list(self._places.items())[::-1]:
-            kept = [layer for layer in place.layers if any(not mine(o) for o in layer.owners)]
-            if len(kept) == len(place.layers):
-                for layer in kept:
-                    layer.owners = [o for o in layer.owners if not mine(o)]
+            if not any(mine(o) for layer in place.layers for o in layer.owners):
                 continue
+            kept = [layer for layer in place.layers if any(not mine(o) for o in layer.owners)]
             if kept and any(layer not in kept for layer in place.layers[:place.layers.index(kept[-1])]):
                 # a layer vescale keeps was built over one being undone (a wrapper over a wrapper)
                 raise RuntimeError(f"vescale: undo {kept[-1].owners} before {owner!r} at {place.where}")
-            before = place.top()
-            for layer in kept:
+            for layer in place.layers:
+                for o in layer.owners:
+                    if mine(o):
+                        self._held[o] -= 1
                 layer.owners = [o for o in layer.owners if not mine(o)]
+            if len(kept) == len(place.layers):
+                continue
+            before = place.top()
             place.layers = kept
             if place.read() is before:  # nobody changed it after vescale
                 place.write(place.top())
@@ -232,8 +241,7 @@ class PatchLayer:
 
     def owners(self, prefix: str = "") -> list[str]:
         """The owners with changes in effect (under ``prefix``)."""
-        found = {o for p in self._places.values() for layer in p.layers for o in layer.owners}
-        found |= set(self._removers)
+        found = {o for o, n in self._held.items() if n > 0} | set(self._removers)
         return sorted(o for o in found if not prefix or o == prefix or o.startswith(prefix + "."))
 
     def changes(self) -> list[str]:
