@@ -11,9 +11,23 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch.nn as nn
 
-__all__ = ["ModelState", "state_of"]
+__all__ = ["ModelState", "state_of", "WeakStates"]
+
+
+class WeakStates:
+    """One state object per key (a module), made by ``make()`` on first use and kept in a weak table:
+    vescale's typed state, without attributes on the key."""
+
+    def __init__(self, make):
+        self._make = make
+        self._table: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def __call__(self, key):
+        state = self._table.get(key)
+        if state is None:
+            state = self._table[key] = self._make()
+        return state
 
 
 @dataclass
@@ -31,12 +45,5 @@ class ModelState:
     static: Any = None  # vescale.static.StaticRuntime (mode="static"), or None
 
 
-_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def state_of(model: nn.Module) -> ModelState:
-    """``model``'s state; an empty one (``ir`` None) for a model vescale has not parallelised."""
-    state = _STATES.get(model)
-    if state is None:
-        state = _STATES[model] = ModelState()
-    return state
+# ``state_of(model)``: the model's state; an empty one (``ir`` None) for a model vescale has not parallelised.
+state_of = WeakStates(ModelState)

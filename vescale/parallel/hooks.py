@@ -16,7 +16,6 @@ parameter with DTensor's ``redistribute``; bucketed mode gathers whole units thr
 from __future__ import annotations
 
 import dataclasses
-import weakref
 import re
 from typing import Callable
 
@@ -32,6 +31,7 @@ from .placing import _fmt, agrees, moves_nothing, place, place_entry, relabel
 from .faults import FaultReporter, note_peer_failures
 from .zero import GatheredParam, next_forward, per_tensor_gather
 from .._torch import PATCHES
+from ..model_state import WeakStates
 
 __all__ = ["install_module_hooks", "GatheredParam", "CallState", "call_state"]
 
@@ -51,15 +51,7 @@ class CallState:
         return placed
 
 
-_CALL_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def call_state(mod: nn.Module) -> CallState:
-    """``mod``'s ``CallState`` (made on first use)."""
-    state = _CALL_STATES.get(mod)
-    if state is None:
-        state = _CALL_STATES[mod] = CallState()
-    return state
+call_state = WeakStates(CallState)  # call_state(mod): the module's CallState, made on first use
 
 
 # ---------------------------------------------------------------------------------------------
@@ -379,6 +371,8 @@ def enable_implicit_replication() -> None:
     The flag is thread-local, and autograd runs backward with the thread-local state captured when
     ``backward()`` is called, so it must be on in the thread that drives training, not only inside
     forward."""
+    if torch._C._get_dtensor_allow_implicit_replication():
+        return  # on already (by vescale, recorded then, or by the user): nothing to change or record
     PATCHES.set_flag("parallel.implicit_replication", "DTensor implicit replication",
                      torch._C._get_dtensor_allow_implicit_replication, torch._C._set_dtensor_allow_implicit_replication, True)
 
