@@ -7,6 +7,7 @@
 # Output goes to out/demo, or to $VESCALE_DEMO_OUT (the test suite's short run: tests/examples).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+unset PYTHONDONTWRITEBYTECODE  # compile torch's sources once, not in each of the demo's 6 processes
 bash scripts/setup_env.sh test
 
 out="${VESCALE_DEMO_OUT:-out/demo}"

@@ -5,6 +5,11 @@
 # install: vescale itself is installed editable, so code changes need no reinstall.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Python writes the bytecode of what it imports (its default): with PYTHONDONTWRITEBYTECODE set, as on
+# some CI machines, and no .pyc installed (--no-compile below), every process (each test worker, each
+# torchrun rank, each example run by a test) would compile torch's sources again: `import vescale`
+# takes 14-17 s instead of 5-6 s on a 2-core machine. scripts/test.sh and demo.sh do the same.
+unset PYTHONDONTWRITEBYTECODE
 extras="${1:-test}"
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
@@ -23,6 +28,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   }
   pip_install "torch==2.13.0"
   pip_install -e ".[${extras}]"
+  # Also writes the bytecode of torch and vescale's imports, once, before the tests' processes start.
   .venv/bin/python -c "import torch, vescale; assert torch.__version__.startswith('2.13'), torch.__version__"
   echo "$want" > "$stamp"
 fi
