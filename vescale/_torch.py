@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 import warnings
 
@@ -81,7 +82,7 @@ from torch.utils._python_dispatch import (
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 __all__ = [
-    "register_fake_backend", "TESTED_TORCH", "clear_sharding_prop_cache", "version_warning", "PATCHES",
+    "register_fake_backend", "fake_mode_runs_meta_kernel", "TESTED_TORCH", "clear_sharding_prop_cache", "version_warning", "PATCHES",
     "PatchLayer", "AllToAllOptions", "AllgatherOptions", "AllreduceOptions", "BarrierOptions", "DTensorSpec",
     "InputDim", "OpInfo", "OpSchema", "OpSpec", "OpStrategy", "OutputSharding", "ReduceScatterOptions",
     "RuntimeSchemaInfo", "TensorMeta", "TorchDispatchMode", "TupleStrategy", "_PreparedSingleDimStrategy",
@@ -106,6 +107,35 @@ def clear_sharding_prop_cache() -> None:
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     _clear_sharding_prop_cache()
+
+
+@functools.cache
+def fake_mode_runs_meta_kernel(op) -> bool:
+    """Whether ``FakeTensorMode`` (PyTorch 2.13, sizes without symbols) answers ``op`` by running its
+    Meta kernel, as a call on meta-device tensors does: not a prim, no FakeTensor-specific rule
+    (constructors, device moves, data-dependent outputs, foreach ops), no registered fake kernel,
+    and no Python decomposition it would prefer (``FakeTensorMode._dispatch_impl``'s order). Then
+    the meta call gives DTensor's propagation its answer without FakeTensor's bookkeeping."""
+    from torch._decomp import decomposition_table, meta_table
+    from torch._subclasses.fake_impls import has_meta, op_implementations_checks
+    from torch._subclasses.fake_tensor import (
+        _DISPATCH_HANDLE_DIRECTLY, _DISPATCH_META_HANDLERS, FakeTensorMode, torch_decomp_decompositions,
+    )
+
+    if not isinstance(op, torch._ops.OpOverload) or "prims::" in op._schema.name or not has_meta(op):
+        return False
+    if op in _DISPATCH_META_HANDLERS or op in _DISPATCH_HANDLE_DIRECTLY:
+        return False
+    if any(check(op) for check, _ in op_implementations_checks):
+        return False
+    if torch._library.simple_registry.singleton.find(op.name()).fake_impl.kernel is not None:
+        return False
+    if op not in meta_table and not FakeTensorMode.cpp_meta_supports_symint(FakeTensorMode, op):
+        # FakeTensorMode prefers torch._decomp's decomposition, or CompositeImplicitAutograd's, to the kernel
+        if (op in decomposition_table and torch_decomp_decompositions(op)) or torch._C._dispatch_has_kernel_for_dispatch_key(
+                op.name(), "CompositeImplicitAutograd"):
+            return False
+    return True
 
 
 def register_fake_backend() -> None:

@@ -42,7 +42,7 @@ from vescale._torch import compute_local_shape_and_global_offset
 
 from .cache import shape_free_cache
 from .local import runs_locally_when, why_rule_not_local
-from .metas import contiguous_strides, grouped_mm_shape, miss_outputs
+from .metas import contiguous_strides, grouped_mm_shape, kernel_outputs, miss_outputs
 from .semantics import DTensorRule
 from vescale._torch import PATCHES
 
@@ -276,8 +276,9 @@ class _MetaWithGroupedMM:
     """Replaces the propagator's ``_propagate_tensor_meta_non_cached`` (an instance attribute, as
     ``vescale.dispatch.cache`` does for the miss path): the metadata the shape-free cache vouches
     for (a miss of a key whose metadata it checked against PyTorch's once), ``_grouped_mm``
-    metadata from shapes, and ``metas.miss_outputs``' arithmetic for mm and embedding (a miss of a
-    new sequence length)."""
+    metadata from shapes, ``metas.miss_outputs``' arithmetic for mm and embedding (a miss of a
+    new sequence length), and ``metas.kernel_outputs``: the Meta kernel that PyTorch's FakeTensor
+    run would call, called on meta tensors."""
 
     def __init__(self, propagator):
         self.fallback = type(propagator)._propagate_tensor_meta_non_cached.__get__(propagator)
@@ -292,6 +293,8 @@ class _MetaWithGroupedMM:
             if meta is not None:
                 return meta
         meta = miss_outputs(op_schema)  # mm, embedding: arithmetic, no FakeTensor run (metas.py)
+        if meta is None:
+            meta = kernel_outputs(op_schema)  # the Meta kernel FakeTensor would run, without FakeTensor
         return meta if meta is not None else self.fallback(op_schema)
 
 
