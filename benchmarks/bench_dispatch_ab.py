@@ -21,7 +21,7 @@ interleaved round by round in one process, so the arms see the same machine load
   reduce-scattered (the zoo plans under DP before HF's body ran static there: ``llama_plan`` /
   ``moe_plan`` stated ``plan.eager("model")``; the logits as now);
 * ``static-hooks``: Static Eager mode running the batch-local MoE blocks' hooks
-  (``runtime.relabels = False``; ``vescale.static.relabel`` replaces them by precompiled relabels);
+  (the runtime's ``_find_relabelled`` replaced to find none; ``vescale.static.relabel`` replaces them by precompiled relabels);
 * ``eager-pertensor``, ``static-pertensor``: the optimiser step per tensor on local shards, without
   ``vescale.optim.flat``'s flat runs (``optim.flat_allowed`` answering no around the arm's steps).
 
@@ -150,7 +150,7 @@ def main() -> None:
         runners[arm] = B.Runner(_variant(arm), mesh, *shape, sp, zero3, args.model)
         B._vescale_plan = _PLAN
         if arm == "static-hooks":
-            state_of(runners[arm].model).static.relabels = False
+            state_of(runners[arm].model).static._find_relabelled = lambda rec: frozenset()  # hooks always run
         if arm == "eager-gradR":
             _replicate_routing_grads(runners[arm].model)
     times = {arm: [] for arm in arms}

@@ -1,6 +1,6 @@
 """A crash during save leaves the previous checkpoint loadable; latest and keep-last-N.
 
-The crash is real: a child process saves step 1, then starts saving step 2 and is killed with
+The crash is real: a child process (forked) saves step 1, then starts saving step 2 and is killed with
 SIGKILL while writing DCP's shard files, or after everything is written but before the folder is
 published. The parent then loads: it must get step 1's values, ignore the half-written folder,
 and a later save of step 2 must succeed over the debris.
@@ -8,11 +8,11 @@ and a later save of step 2 must succeed over the debris.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
-import subprocess
-import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,39 +21,38 @@ import torch.distributed as dist
 from vescale import checkpoint
 from vescale.testing import run_on_ranks
 
-CHILD = r"""
-import os, sys, time, torch
-from pathlib import Path
-import torch.distributed.checkpoint.filesystem as fs
-from vescale import checkpoint
-from vescale.checkpoint import layout
-root, where = Path(sys.argv[1]), sys.argv[2]
-model = torch.nn.Linear(4, 4)
-with torch.no_grad():
-    model.weight.fill_(1.0)
-checkpoint.save(root, model, step=1, note="first")
-with torch.no_grad():
-    model.weight.fill_(2.0)
+def _save_then_hang(root: Path, where: str) -> None:
+    """The child: saves step 1, then hangs in the middle of saving step 2 (where the parent kills it)."""
+    import torch.distributed.checkpoint.filesystem as fs
 
-def hang():
-    (root / "crash-point").write_text(where)
-    time.sleep(600)
+    from vescale.checkpoint import layout
 
-if where == "write":
-    original = fs.FileSystemWriter.write_data
-    def write_data(self, plan, planner):
-        (root / layout.temp_name(2) / "__0_0.distcp").write_bytes(b"partial")
-        hang()
-    fs.FileSystemWriter.write_data = write_data
-else:
-    original = layout.os.replace
-    def replace(src, dst):
-        if Path(src).name == layout.temp_name(2):
+    model = torch.nn.Linear(4, 4)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    checkpoint.save(root, model, step=1, note="first")
+    with torch.no_grad():
+        model.weight.fill_(2.0)
+
+    def hang():
+        (root / "crash-point").write_text(where)
+        time.sleep(600)
+
+    if where == "write":
+        def write_data(self, plan, planner):
+            (root / layout.temp_name(2) / "__0_0.distcp").write_bytes(b"partial")
             hang()
-        return original(src, dst)
-    layout.os.replace = replace
-checkpoint.save(root, model, step=2, note="second")
-"""
+        fs.FileSystemWriter.write_data = write_data  # the child's own copy of the class: it dies with it
+    else:
+        original = layout.os.replace
+
+        def replace(src, dst):
+            if Path(src).name == layout.temp_name(2):
+                hang()
+            return original(src, dst)
+        layout.os.replace = replace
+    checkpoint.save(root, model, step=2, note="second")
+    os._exit(0)  # not reached: killed while hanging
 
 
 def _weight(model) -> float:
@@ -62,16 +61,19 @@ def _weight(model) -> float:
 
 @pytest.mark.parametrize("where", ["write", "publish"])
 def test_kill_during_save_keeps_previous_checkpoint(tmp_path, where):
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path), where])
+    # A forked child (it inherits the test process's imports; a fresh interpreter cost ~10 s of CPU)
+    child = multiprocessing.get_context("fork").Process(target=_save_then_hang, args=(tmp_path, where))
+    child.start()
     try:
         deadline = time.time() + 120
         while not (tmp_path / "crash-point").exists():
-            assert child.poll() is None, f"child exited early with {child.returncode}"
+            assert child.is_alive(), f"child exited early with {child.exitcode}"
             assert time.time() < deadline, "child never reached the crash point"
             time.sleep(0.1)
         os.kill(child.pid, signal.SIGKILL)
     finally:
-        child.wait(timeout=30)
+        child.join(timeout=30)
+    assert child.exitcode == -signal.SIGKILL
     assert (tmp_path / ".tmp-step_00000002").is_dir()  # the debris is really there
     model = torch.nn.Linear(4, 4)
     assert checkpoint.load(tmp_path, model) == {"step": 1, "note": "first"}

@@ -712,9 +712,8 @@ class StaticRuntime:
         self.own_hooks: dict[str, tuple[nn.Module, frozenset]] = {}
         self.silenced: dict[str, tuple[nn.Module, list]] = {}
         self.swapped_at_root: list = []
-        self.quiet_modules = True  # False: every module keeps its hooks (tests compare the two bit for bit)
-        # False: every parameter goes through ``local_of`` (an autograd node per use, a DTensor
-        # gradient per use), the path ParamShadow replaces; tests compare the two bit for bit.
+        # A user option (docs/static.md): False gives every use of a parameter its own autograd node
+        # (``local_of``), so that ``torch.autograd.grad(loss, params)`` reaches the parameters.
         self.param_leaves = True
         self.hand_overs = HandOvers()  # shadows' hand-overs that wait for the end of backward
         # The root's inputs and outputs as precompiled moves (see _root_moves); None: never. The
@@ -729,13 +728,10 @@ class StaticRuntime:
         self.unit_of_member: dict[str, str] = {}
         self.unit_hooks: dict[str, frozenset] = {}
         self.active_units: dict[str, list] = {}
-        self.zero3_units = True  # False: every member keeps its own hooks (tests compare the two bit for bit)
         # Batch-local modules (path -> vescale.parallel.batch_local.Scope), and the scope of every
-        # module at or inside one. False: static steps run their hooks (tests compare the two bit
-        # for bit); see relabel.py.
+        # module at or inside one; see relabel.py.
         self.scopes = dict(batch_local or {})
         self.scope_of = {inner: path for path, scope in self.scopes.items() for inner, _ in scope.module.named_modules(prefix=path)}
-        self.relabels = True
         self.unit_state: dict[str, tuple] = {}  # unit -> (gathered parameters, swaps) while its body runs
         # Activation checkpointing (recompute.py): whether a root forward runs now, the checkpointed
         # regions whose forward runs now, the region being recomputed, and what its recomputation
@@ -849,8 +845,6 @@ class StaticRuntime:
         (relabel.py): static, with a static caller and everything inside static, every tensor at
         their boundary relabelled. Their moves go into ``rec.moves`` now (in a derived record, moves
         compiled at their first call, once the sizes settle)."""
-        if not self.relabels:
-            return frozenset()
         found = set()
         for path, scope in self.scopes.items():
             inside = [p for p, s in self.scope_of.items() if s == path]
@@ -1482,7 +1476,7 @@ class StaticRuntime:
 
     def _quiet_now(self) -> dict:
         rec = self.record
-        if not self.quiet_modules or self.state is not State.STATIC or self.watcher is not None or rec.quiet is None:
+        if self.state is not State.STATIC or self.watcher is not None or rec.quiet is None:
             return {}
         return rec.quiet
 
@@ -1681,7 +1675,7 @@ class StaticRuntime:
     def _unit_member(self, rec: Record, path: str, hooks: set, own: frozenset):
         """(unit, gather entries) if ``path`` can run as a quiet member of its unit, else None."""
         unit = self.unit_of_member.get(path)
-        if unit is None or unit in rec.units_off or not self.zero3_units:
+        if unit is None or unit in rec.units_off:
             return None
         unit_steps = rec.steps.get(unit)
         if unit_steps is None or not unit_steps.static:
