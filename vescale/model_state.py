@@ -7,21 +7,23 @@ they go when the model goes and ``model.__dict__`` holds nothing of vescale's.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
+
+from torch.utils.weak import WeakIdKeyDictionary
 
 
 __all__ = ["ModelState", "state_of", "WeakStates"]
 
 
 class WeakStates:
-    """One state object per key (a module), made by ``make()`` on first use and kept in a weak table:
-    vescale's typed state, without attributes on the key."""
+    """One state object per key (a module, a parameter, an optimiser), made by ``make()`` on first
+    use and kept in a weak table: vescale's typed state, without attributes on the key. Keyed by
+    identity (a tensor's ``==`` compares values)."""
 
     def __init__(self, make):
         self._make = make
-        self._table: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._table = WeakIdKeyDictionary()
 
     def __call__(self, key):
         state = self._table.get(key)

@@ -18,6 +18,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from vescale.optim.flat import FlatLayout
+from vescale.optim.local_step import step_state
 
 OPTIMIZERS = [
     (torch.optim.SGD, {"lr": 0.1}),  # no state at all
@@ -119,7 +120,7 @@ def test_flat_steps_equal_the_per_tensor_steps(mesh, cls, kw, foreach):
 
 
 def _layouts(opt):
-    return [layout for kept in opt._vescale_flat.values() for layout in kept[2]]
+    return [layout for kept in step_state(opt).flat_layouts.values() for layout in kept[2]]
 
 
 def test_shards_and_state_live_in_the_flat_buffers(mesh):
@@ -217,7 +218,7 @@ def test_fused_steps_stay_per_tensor(mesh, kw):
         opt.step()
         ref.step()
         _assert_same(opt, params, ref, twins, f"step {step}")
-    assert "_vescale_flat" not in opt.__dict__ or not _layouts(opt)
+    assert not _layouts(opt)
 
 
 def test_a_parameter_added_later_gets_a_layout(mesh):

@@ -8,6 +8,8 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
+from vescale.optim.local_step import step_state
+
 
 def _local(t):
     return t._local_tensor if isinstance(t, DTensor) else t
@@ -49,9 +51,9 @@ def _twin_models(mode: str, zero3: bool):
             torch.equal(_local(oa.state[p][k]), _local(ob.state[q][k])) for p, q in zip(a, b) for k in ob.state[q]
         )
         equal.append(same)
-    flat_used = bool(getattr(opts[0], "_vescale_flat", None)) and not getattr(opts[1], "_vescale_flat", None)
+    flat_used = bool(step_state(opts[0]).flat_layouts) and not step_state(opts[1]).flat_layouts
     homed = sum(
-        1 for layout in (l for v in opts[0]._vescale_flat.values() for l in v[2])
+        1 for layout in (l for v in step_state(opts[0]).flat_layouts.values() for l in v[2])
         for i, p in enumerate(layout.params) if layout._homed(i, _local(p), layout._buf_ptr)
     )
     return equal, flat_used, homed, len(a)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import vescale
 from vescale.debug import bytes_at_rest
 from vescale.parallel.hooks import GatheredParam
-from vescale.parallel.zero import unit_of
+from vescale.parallel.zero import unit_of, zero_state
 from vescale.testing import run_on_ranks
 from vescale.zoo import llama_plan, synthetic_batches, tiny_llama
 from vescale.model_state import state_of
@@ -38,14 +38,14 @@ def _one_step(zero3: bool, spy: dict | None = None, keep: bool = True):
     input_ids, labels = synthetic_batches(1, 4, 16, 128, seed=1)[0]
     loss = model(input_ids=input_ids, labels=labels).loss
     if spy is not None:
-        gathered = [g for p in model.parameters() for g in getattr(p, "_vescale_gathered", [])]
+        gathered = [g for p in model.parameters() for g in zero_state(p).gathered]
         spy["weights"] = len(list(model.parameters()))  # the tiny LLaMA has only weights
         spy["kept"] = sum(bool(_KEPT.match(n)) for n, _ in model.named_parameters()) if keep else 0
         spy["after_forward"] = (len(gathered), sum(g.resident for g in gathered))
         allocated = _ALLOCATED["gathered"]
     loss.backward()
     if spy is not None:
-        spy["after_backward"] = sum(len(getattr(p, "_vescale_gathered", [])) for p in model.parameters())
+        spy["after_backward"] = sum(len(zero_state(p).gathered) for p in model.parameters())
         spy["refills"] = _ALLOCATED["gathered"] - allocated
     opt.step()
     return bytes_at_rest(model, opt)

@@ -22,12 +22,15 @@ state of another shape) gets its local tensor as above.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .flat import flat_allowed, layouts_for
 from vescale._torch import PATCHES
+from vescale.model_state import WeakStates
 
 __all__ = ["install_local_optimizer_step", "uninstall_local_optimizer_step", "ELEMENTWISE_OPTIMIZERS", "given_params"]
 
@@ -38,6 +41,19 @@ ELEMENTWISE_OPTIMIZERS = (
 )
 
 _OWNER = "dispatch.fast.optim"
+
+
+@dataclass
+class LocalStepState:
+    """What the local step keeps per optimiser (in a weak table, ``step_state(opt)``, not on it)."""
+
+    swapped: list = field(default_factory=list)  # while a step runs: (group, its params, (param, local) pairs)
+    state_dtensors: dict = field(default_factory=dict)  # local tensor -> its parameter's state as DTensors
+    flat_begun: list = field(default_factory=list)  # flat layouts with runs in this step
+    flat_layouts: dict = field(default_factory=dict)  # id(param group) -> (group, params, layouts, alone)
+
+
+step_state = WeakStates(LocalStepState)
 
 
 def _uses_local_step(opt: torch.optim.Optimizer) -> bool:
@@ -69,9 +85,8 @@ def _to_local(opt: torch.optim.Optimizer) -> None:
         pairs = [(p, _local_entry(opt, p, as_dtensors)) for p in alone]
         swapped.append((group, params, pairs))
         group["params"] = [local for _, local in pairs] + runs
-    opt._vescale_local_step = swapped
-    opt._vescale_state_dtensors = as_dtensors
-    opt._vescale_flat_begun = begun
+    state = step_state(opt)
+    state.swapped, state.state_dtensors, state.flat_begun = swapped, as_dtensors, begun
 
 
 def _local_entry(opt: torch.optim.Optimizer, p: torch.Tensor, as_dtensors: dict) -> torch.Tensor:
@@ -92,7 +107,7 @@ def _flat_runs(opt: torch.optim.Optimizer, group: dict, begun: list) -> tuple[li
     """The group's parameters left to the per-tensor step and the flat run tensors for the rest.
     Layouts are kept per group and rebuilt when its parameter list or a local shard's shape,
     dtype or device changed."""
-    cache = opt.__dict__.setdefault("_vescale_flat", {})
+    cache = step_state(opt).flat_layouts
     params = group["params"]
     kept = cache.get(id(group))
     for attempt in range(2):
@@ -129,10 +144,12 @@ def _same_list(a: list, b: list) -> bool:
 def _to_dtensor(opt: torch.optim.Optimizer, finished: bool = True) -> None:
     """Put the parameters back; ``finished``: the step ran to its end (else it raised, and flat runs
     are dropped without writing their copies back)."""
-    for layout in opt.__dict__.pop("_vescale_flat_begun", []):
+    state = step_state(opt)
+    begun, before, swapped = state.flat_begun, state.state_dtensors, state.swapped
+    state.flat_begun, state.state_dtensors, state.swapped = [], {}, []
+    for layout in begun:
         layout.finish(opt) if finished else layout.abandon(opt)
-    before = opt.__dict__.pop("_vescale_state_dtensors", {})
-    for group, params, pairs in opt.__dict__.pop("_vescale_local_step", []):
+    for group, params, pairs in swapped:
         group["params"] = params
         for p, local in pairs:
             if local is p or not isinstance(p, DTensor):
@@ -168,7 +185,7 @@ def _post_hook(opt, args, kwargs):
 def given_params(opt: torch.optim.Optimizer) -> list:
     """The optimiser's parameters as it was given them, also during a step that swapped their local
     tensors in (global step hooks of others may run inside that swap)."""
-    swapped = opt.__dict__.get("_vescale_local_step")
+    swapped = step_state(opt).swapped
     if swapped:
         return [p for _, params, _ in swapped for p in params]
     return [p for group in opt.param_groups for p in group["params"]]

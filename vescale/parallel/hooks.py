@@ -29,7 +29,7 @@ from ..plan.ir import Entry, PlanError
 from ..plan.lower import KeyPattern, forward_arg_names
 from .placing import _fmt, agrees, moves_nothing, place, place_entry, relabel
 from .faults import FaultReporter, note_peer_failures
-from .zero import GatheredParam, next_forward, per_tensor_gather
+from .zero import GatheredParam, next_forward, per_tensor_gather, zero_state
 from .._torch import PATCHES
 from ..model_state import WeakStates
 
@@ -62,16 +62,17 @@ call_state = WeakStates(CallState)  # call_state(mod): the module's CallState, m
 def _free_after_grad(param: nn.Parameter) -> None:
     """Per-tensor mode: once the parameter's gradient is accumulated, its gathered copies are no
     longer needed."""
-    if getattr(param, "_vescale_free_hook", False):
+    state = zero_state(param)
+    if state.free_hook:
         return
 
     def hook(p):
-        for g in p._vescale_gathered:
+        for g in state.gathered:
             g.free()
-        p._vescale_gathered.clear()
+        state.gathered.clear()
 
     param.register_post_accumulate_grad_hook(hook)
-    param._vescale_free_hook = True
+    state.free_hook = True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,13 +245,11 @@ def release_gathered(gathered: list[GatheredParam], output, scheduler, path: str
     if not gathered or not torch.is_grad_enabled() or not any(g.value.requires_grad for g in gathered):
         return
     for g in gathered:
-        if not hasattr(g.param, "_vescale_gathered"):
-            g.param._vescale_gathered = []
         if scheduler is None:
             _free_after_grad(g.param)
             g.free()
-        if not any(g is h for h in g.param._vescale_gathered):  # a copy several modules share: once
-            g.param._vescale_gathered.append(g)
+        if not any(g is h for h in g.state.gathered):  # a copy several modules share: once
+            g.state.gathered.append(g)
     if scheduler is None:
         _register_once_on_grads(output, lambda: [g.refill() for g in gathered], f"the ZeRO-3 re-gather of {path or '<root>'} in backward")
     else:

@@ -42,6 +42,7 @@ its module's forward.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import itertools
 import re
@@ -57,6 +58,7 @@ from ..comm.gather import GatherProgram, GroupGather, gather
 from ..comm.grad import _in_dtype, declare_grad_hook
 from ..comm.layout import NOTHING
 from ..precision import compute_dtype_of, reduce_dtype_of
+from ..model_state import WeakStates
 
 __all__ = ["GatheredParam", "GatherScheduler", "unit_of", "per_tensor_gather", "next_forward"]
 
@@ -68,6 +70,19 @@ def next_forward() -> None:
     """A root forward begins (``vescale.parallel.hooks.root_hooks``): per-tensor gathered copies of
     earlier forwards are not shared with this one (they may hold values from before an optimiser step)."""
     _forward[0] = next(_FORWARDS)
+
+
+@dataclasses.dataclass
+class ZeroParamState:
+    """What ZeRO-3 keeps per parameter (in a weak table, ``zero_state(param)``, not on the parameter)."""
+
+    gathered: list = dataclasses.field(default_factory=list)  # its copies a forward used, waiting for backward
+    free_hook: bool = False  # per-tensor mode: the post-accumulate hook that frees those copies is on
+    shared_gather: "GatheredParam | None" = None  # per-tensor mode: the copy one forward's uses share
+    run_spec: DTensorSpec | None = None  # bucketed mode: the gathered copy's spec, made once
+
+
+zero_state = WeakStates(ZeroParamState)
 
 
 class GatheredParam:
@@ -82,6 +97,7 @@ class GatheredParam:
 
     def __init__(self, param: DTensor, mesh: DeviceMesh, run_placements, reducer=None, local=None, policy=None):
         self.param, self.mesh, self.run_placements = param, mesh, tuple(run_placements)
+        self.state = zero_state(param)
         self.reducer = reducer
         self.forward = _forward[0]  # the root forward it was gathered in (per-tensor sharing)
         # Mixed precision (a vescale.MixedPrecision): gathered in the compute dtype, the shard cast
@@ -165,7 +181,7 @@ class GatheredParam:
         if plan is None:  # no bucketed form: reduced on its own
             grad = self.reducer.reduce_alone(self.param, DTensor(local, spec, requires_grad=False))
             local, spec, plan = grad._local_tensor, grad._spec, NOTHING
-        gathered = getattr(self.param, "_vescale_gathered", [])
+        gathered = self.state.gathered
         more = any(g is not self and g.value.requires_grad for g in gathered)
         self.reducer.add_local(self.param, local, spec.placements, plan, more_coming=more, outside_autograd=True)
         self.free()
@@ -213,24 +229,26 @@ def per_tensor_gather(param: DTensor, mesh: DeviceMesh, run_placements, policy=N
     (a tied parameter's modules, a module called twice) share one copy, gathered again in place
     if it was freed in between: one autograd node, so the contributions are summed before its one
     reduction."""
-    g = param.__dict__.get("_vescale_shared_gather")
+    state = zero_state(param)
+    g = state.shared_gather
     run = tuple(run_placements)
     if g is not None and g.forward == _forward[0] and g.run_placements == run and torch.is_grad_enabled():
         g.refill()
         return g
     g = GatheredParam(param, mesh, run, policy=policy)
     if torch.is_grad_enabled():
-        param.__dict__["_vescale_shared_gather"] = g
+        state.shared_gather = g
     return g
 
 
 def _run_spec(param: DTensor, mesh: DeviceMesh, placements: tuple, dtype: torch.dtype) -> DTensorSpec:
-    cached = getattr(param, "_vescale_run_spec", None)
+    state = zero_state(param)
+    cached = state.run_spec
     if cached is None or (cached.placements is not placements and cached.placements != placements) or (
         cached.mesh is not mesh and cached.mesh != mesh
     ) or cached.tensor_meta.dtype != dtype:
         meta = TensorMeta(param.shape, param.stride(), dtype)
-        cached = param._vescale_run_spec = DTensorSpec(mesh, placements, tensor_meta=meta)
+        cached = state.run_spec = DTensorSpec(mesh, placements, tensor_meta=meta)
     return cached
 
 
@@ -286,7 +304,7 @@ class GatherScheduler:
         self._reset_forward()
 
     def release(self, gathered: list[GatheredParam]) -> None:
-        """Forward is done with ``gathered`` (they wait for backward in ``param._vescale_gathered``):
+        """Forward is done with ``gathered`` (they wait for backward in ``zero_state(param).gathered``):
         free them now, or, with ``keep_for_backward``, when this forward gathers another unit.
         A copy another module of its unit has still to take (a tied parameter) stays gathered."""
         if self.keep_for_backward and torch.is_grad_enabled():
@@ -459,7 +477,7 @@ class GatherScheduler:
 def _awaited(g: GatheredParam) -> bool:
     """Freed, and its gradient not yet taken (a kept unit's members that backward is done with are
     freed too by then, and must not be gathered again)."""
-    return not g.resident and g in getattr(g.param, "_vescale_gathered", ())
+    return not g.resident and g in g.state.gathered
 
 
 def _slots_fit(slots: list, items: list, dtypes: list) -> bool:
