@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import vescale
 from vescale._torch import DTensorSpec, OpSchema, TensorMeta, fake_mode_runs_meta_kernel
-from vescale.dispatch import datadep
+from vescale.dispatch import cache
 from vescale.dispatch.metas import kernel_outputs
 from vescale.testing import fake_world, forget_dtensor_caches
 from vescale.zoo import (
@@ -77,7 +77,7 @@ def test_first_step_metadata_from_meta_kernels_equals_fake_tensor_propagation(na
                 differ.append(f"{op_schema}: meta kernel {_as_tuple(ours)}, FakeTensor {_as_tuple(theirs)}")
         return ours
 
-    monkeypatch.setattr(datadep, "kernel_outputs", checked)
+    monkeypatch.setattr(cache, "kernel_outputs", checked)
     with fake_world(4):
         forget_dtensor_caches()  # every op of the step is a first miss
         try:
@@ -117,3 +117,23 @@ def test_a_device_argument_or_an_active_dispatch_mode_leaves_the_answer_to_pytor
 
         with Watching():  # a tracing or counting mode must not see these calls
             assert kernel_outputs(OpSchema(aten.mm.default, (a, b), {})) is None
+
+
+def test_the_metadata_step_holds_coverage_below_and_the_fast_path_above():
+    """``uninstall(keep_coverage=True)`` leaves datadep's fp32 ``_grouped_mm`` metadata over PyTorch's
+    FakeTensor step (what comparisons with PyTorch run); ``install()`` puts the fast path on top."""
+    from vescale import dispatch
+    from vescale.dispatch.cache import _FastOutputMetadata
+    from vescale.dispatch.datadep import _GroupedMMMetadata
+
+    prop = DTensor._op_dispatcher.sharding_propagator
+    dispatch.install()
+    try:
+        step = prop._propagate_tensor_meta_non_cached
+        assert type(step) is _FastOutputMetadata and type(step.fallback) is _GroupedMMMetadata
+        dispatch.uninstall(keep_coverage=True)
+        assert type(prop._propagate_tensor_meta_non_cached) is _GroupedMMMetadata
+        dispatch.uninstall()
+        assert "_propagate_tensor_meta_non_cached" not in vars(prop)  # PyTorch's own method again
+    finally:
+        dispatch.install()

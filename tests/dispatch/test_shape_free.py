@@ -616,7 +616,7 @@ def _partial_plus_shard(mesh, n):
 
 def test_a_searched_miss_runs_no_fake_tensor_at_a_new_length_and_gives_pytorchs_answer(mesh, monkeypatch):
     prop = DTensor._op_dispatcher.sharding_propagator
-    step = prop._propagate_tensor_meta_non_cached  # datadep's, in front of PyTorch's FakeTensor run
+    step = prop._propagate_tensor_meta_non_cached  # the fast path's (cache._FastOutputMetadata), over datadep's and PyTorch's
     fake_runs = []
     real = step.fallback
     monkeypatch.setattr(step, "fallback", lambda schema: fake_runs.append(schema.op) or real(schema))

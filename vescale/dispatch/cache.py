@@ -71,7 +71,7 @@ from .interleaved import (
     _SPLIT_OPS, SIZE_DEPENDENT_OPS, _local_slice_args, _local_slice_backward_args, _local_split_args, grouped_mm_layout_key,
     slice_backward_layout,
 )
-from .metas import fast_outputs, local_shape, meta_outputs, with_meta
+from .metas import fast_outputs, kernel_outputs, local_shape, meta_outputs, miss_outputs, with_meta
 from .unitdims import lift, mesh_shape, reduce_schema, reducible_mesh, unit_placements
 from .viewkey import decision as view_decision
 from .zerocost import SameRoom, embedding_key, free_move, scatter_axes
@@ -744,6 +744,26 @@ class ShapeFreeCache:
         self.entries.clear()
 
 
+class _FastOutputMetadata:
+    """Replaces the propagator's ``_propagate_tensor_meta_non_cached`` (the tensor-metadata step of
+    PyTorch's miss path, an instance attribute as the miss path itself is) with answers that need no
+    FakeTensor run: metadata this cache vouches for (a miss of a key whose metadata it checked
+    against PyTorch's once), ``metas.miss_outputs``' arithmetic for mm and embedding, and
+    ``metas.kernel_outputs`` (the Meta kernel FakeTensor would run, called directly). Anything else
+    goes to the step below it (PyTorch's, or datadep's, which answers fp32 ``_grouped_mm``)."""
+
+    def __init__(self, cache: ShapeFreeCache, below):
+        self.cache, self.fallback = cache, below
+
+    def __call__(self, op_schema: OpSchema):
+        meta = self.cache.known_outputs(op_schema)
+        if meta is None:
+            meta = miss_outputs(op_schema)
+        if meta is None:
+            meta = kernel_outputs(op_schema)
+        return meta if meta is not None else self.fallback(op_schema)
+
+
 def install_shape_free_cache() -> ShapeFreeCache:
     """Put the cache in front of DTensor's miss path (idempotent); returns it (for its counters).
     A cache set aside by ``uninstall_shape_free_cache(keep_learned=True)`` comes back as it was."""
@@ -754,6 +774,8 @@ def install_shape_free_cache() -> ShapeFreeCache:
             # An instance attribute shadows the method for this propagator only; DTensor's C++
             # dispatcher calls it on every miss of its own cache.
             PATCHES.set_attr("dispatch.fast.cache", prop, "propagate_op_sharding_non_cached", cache)
+            PATCHES.set_attr("dispatch.fast.cache", prop, "_propagate_tensor_meta_non_cached",
+                             _FastOutputMetadata(cache, prop._propagate_tensor_meta_non_cached))
             _INSTALLED.append(cache)
         return _INSTALLED[0]
 

@@ -40,9 +40,8 @@ from vescale._torch import DTensorSpec, TensorMeta
 from vescale._torch import redistribute_local_tensor
 from vescale._torch import compute_local_shape_and_global_offset
 
-from .cache import shape_free_cache
 from .local import runs_locally_when, why_rule_not_local
-from .metas import contiguous_strides, grouped_mm_shape, kernel_outputs, miss_outputs
+from .metas import contiguous_strides, grouped_mm_shape
 from .semantics import DTensorRule
 from vescale._torch import PATCHES
 
@@ -272,30 +271,21 @@ def _grouped_mm_meta(op_schema) -> TensorMeta | None:
     return TensorMeta(torch.Size(shape), contiguous_strides(shape), dtype)
 
 
-class _MetaWithGroupedMM:
-    """Replaces the propagator's ``_propagate_tensor_meta_non_cached`` (an instance attribute, as
-    ``vescale.dispatch.cache`` does for the miss path): the metadata the shape-free cache vouches
-    for (a miss of a key whose metadata it checked against PyTorch's once), ``_grouped_mm``
-    metadata from shapes, ``metas.miss_outputs``' arithmetic for mm and embedding (a miss of a
-    new sequence length), and ``metas.kernel_outputs``: the Meta kernel that PyTorch's FakeTensor
-    run would call, called on meta tensors."""
+class _GroupedMMMetadata:
+    """Replaces the propagator's ``_propagate_tensor_meta_non_cached`` (an instance attribute):
+    ``_grouped_mm`` metadata from shapes, which PyTorch's FakeTensor run cannot give for fp32 (its
+    meta function insists on bf16); every other op goes to PyTorch's step. Op coverage; the fast
+    path's metadata (``cache._FastOutputMetadata``) sits in front of it."""
 
     def __init__(self, propagator):
         self.fallback = type(propagator)._propagate_tensor_meta_non_cached.__get__(propagator)
 
     def __call__(self, op_schema):
-        cache = shape_free_cache()
-        known = cache.known_outputs(op_schema) if cache is not None else None
-        if known is not None:
-            return known
         if op_schema.op is aten._grouped_mm.default:
             meta = _grouped_mm_meta(op_schema)
             if meta is not None:
                 return meta
-        meta = miss_outputs(op_schema)  # mm, embedding: arithmetic, no FakeTensor run (metas.py)
-        if meta is None:
-            meta = kernel_outputs(op_schema)  # the Meta kernel FakeTensor would run, without FakeTensor
-        return meta if meta is not None else self.fallback(op_schema)
+        return self.fallback(op_schema)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -345,7 +335,7 @@ def install_datadep_handlers() -> None:
     handlers = DTensor._op_dispatcher._custom_op_handlers
     for op, handler in _HANDLERS.items():
         PATCHES.set_item(_OWNER, handlers, op, handler, f"DTensor custom handler {op}")
-    PATCHES.set_attr(_OWNER, prop, "_propagate_tensor_meta_non_cached", _MetaWithGroupedMM(prop))
+    PATCHES.set_attr(_OWNER, prop, "_propagate_tensor_meta_non_cached", _GroupedMMMetadata(prop))
 
 
 def uninstall_datadep_handlers() -> None:
