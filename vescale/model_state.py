@@ -31,6 +31,10 @@ class WeakStates:
             state = self._table[key] = self._make()
         return state
 
+    def peek(self, key):
+        """``key``'s state if one was made, else None (makes none)."""
+        return self._table.get(key)
+
 
 @dataclass
 class ModelState:

@@ -56,3 +56,17 @@ def test_a_plain_model_has_an_empty_state():
     model = nn.Linear(2, 2)
     assert state_of(model).ir is None and state_of(model).static is None
     assert state_of(model) is state_of(model)
+
+
+def test_a_plain_optimizer_step_leaves_no_local_step_state():
+    """The local step's global hooks run for every optimiser; one they never swapped gets no state."""
+    from vescale import dispatch
+    from vescale.optim.local_step import step_state
+
+    dispatch.install()  # registers the global optimiser step hooks
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    assert step_state.peek(opt) is None
+    assert opt.param_groups[0]["params"][0] is model.weight  # its parameters as given

@@ -144,7 +144,9 @@ def _same_list(a: list, b: list) -> bool:
 def _to_dtensor(opt: torch.optim.Optimizer, finished: bool = True) -> None:
     """Put the parameters back; ``finished``: the step ran to its end (else it raised, and flat runs
     are dropped without writing their copies back)."""
-    state = step_state(opt)
+    state = step_state.peek(opt)
+    if state is None:  # an optimiser the local step never swapped (its pre-hook runs for every one)
+        return
     begun, before, swapped = state.flat_begun, state.state_dtensors, state.swapped
     state.flat_begun, state.state_dtensors, state.swapped = [], {}, []
     for layout in begun:
@@ -185,9 +187,9 @@ def _post_hook(opt, args, kwargs):
 def given_params(opt: torch.optim.Optimizer) -> list:
     """The optimiser's parameters as it was given them, also during a step that swapped their local
     tensors in (global step hooks of others may run inside that swap)."""
-    swapped = step_state(opt).swapped
-    if swapped:
-        return [p for _, params, _ in swapped for p in params]
+    state = step_state.peek(opt)
+    if state is not None and state.swapped:
+        return [p for _, params, _ in state.swapped for p in params]
     return [p for group in opt.param_groups for p in group["params"]]
 
 

@@ -29,7 +29,7 @@ from ..plan.ir import Entry, PlanError
 from ..plan.lower import KeyPattern, forward_arg_names
 from .placing import _fmt, agrees, moves_nothing, place, place_entry, relabel
 from .faults import FaultReporter, note_peer_failures
-from .zero import GatheredParam, next_forward, per_tensor_gather, zero_state
+from .zero import GatheredParam, next_forward, per_tensor_gather
 from .._torch import PATCHES
 from ..model_state import WeakStates
 
@@ -59,10 +59,10 @@ call_state = WeakStates(CallState)  # call_state(mod): the module's CallState, m
 # ---------------------------------------------------------------------------------------------
 
 
-def _free_after_grad(param: nn.Parameter) -> None:
-    """Per-tensor mode: once the parameter's gradient is accumulated, its gathered copies are no
+def _free_after_grad(g: GatheredParam) -> None:
+    """Per-tensor mode: once ``g``'s parameter's gradient is accumulated, its gathered copies are no
     longer needed."""
-    state = zero_state(param)
+    state = g.state
     if state.free_hook:
         return
 
@@ -71,7 +71,7 @@ def _free_after_grad(param: nn.Parameter) -> None:
             g.free()
         state.gathered.clear()
 
-    param.register_post_accumulate_grad_hook(hook)
+    g.param.register_post_accumulate_grad_hook(hook)
     state.free_hook = True
 
 
@@ -246,7 +246,7 @@ def release_gathered(gathered: list[GatheredParam], output, scheduler, path: str
         return
     for g in gathered:
         if scheduler is None:
-            _free_after_grad(g.param)
+            _free_after_grad(g)
             g.free()
         if not any(g is h for h in g.state.gathered):  # a copy several modules share: once
             g.state.gathered.append(g)

@@ -111,7 +111,7 @@ class GatheredParam:
                 local = gather(param, mesh, self.run_placements, reducer.stats, self.dtype)._local_tensor
             # A leaf DTensor over the gathered local tensor, with the spec made once per parameter
             # (from_local would build and hash a new spec and an autograd node on every call).
-            self.value = DTensor(local, _run_spec(param, mesh, self.run_placements, self.dtype), requires_grad=False)
+            self.value = DTensor(local, _run_spec(self.state, param, mesh, self.run_placements, self.dtype), requires_grad=False)
             if param.requires_grad:
                 self.value.requires_grad_(True)
                 self.value.register_post_accumulate_grad_hook(self._grad_hook())
@@ -241,8 +241,7 @@ def per_tensor_gather(param: DTensor, mesh: DeviceMesh, run_placements, policy=N
     return g
 
 
-def _run_spec(param: DTensor, mesh: DeviceMesh, placements: tuple, dtype: torch.dtype) -> DTensorSpec:
-    state = zero_state(param)
+def _run_spec(state: ZeroParamState, param: DTensor, mesh: DeviceMesh, placements: tuple, dtype: torch.dtype) -> DTensorSpec:
     cached = state.run_spec
     if cached is None or (cached.placements is not placements and cached.placements != placements) or (
         cached.mesh is not mesh and cached.mesh != mesh
