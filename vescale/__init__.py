@@ -19,7 +19,7 @@ from . import dispatch, static  # packages users reach as vescale.dispatch / ves
 from . import checkpoint  # vescale.checkpoint.save / load
 from . import data  # vescale.data.GlobalBatchSampler: per-rank batches
 from .comm.grad import no_grad_sync
-from .mesh import init_mesh
+from .mesh import adopt_mesh, init_mesh
 from .parallel import OutOfStepError, explain, parallelize
 from .placement import InterleavedShard
 from .plan import INIT, RUN, PlanError, VescalePlan
@@ -45,7 +45,7 @@ def manual_seed(seed: int) -> None:
 
 
 __all__ = [
-    "init_mesh", "VescalePlan", "parallelize", "explain", "manual_seed", "no_grad_sync",
+    "init_mesh", "adopt_mesh", "VescalePlan", "parallelize", "explain", "manual_seed", "no_grad_sync",
     "Shard", "Replicate", "Partial", "INIT", "RUN", "PlanError", "InterleavedShard",
     "checkpoint", "data", "dispatch", "static", "OutOfStepError", "uninstall", "MixedPrecision", "apply_mixed_precision",
 ]

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import threading
 import warnings
@@ -83,7 +84,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 __all__ = [
     "register_fake_backend", "fake_mode_runs_meta_kernel", "TESTED_TORCH", "clear_sharding_prop_cache", "version_warning", "PATCHES",
-    "PatchLayer", "AllToAllOptions", "AllgatherOptions", "AllreduceOptions", "BarrierOptions", "DTensorSpec",
+    "PatchLayer", "root_mesh", "AllToAllOptions", "AllgatherOptions", "AllreduceOptions", "BarrierOptions", "DTensorSpec",
     "InputDim", "OpInfo", "OpSchema", "OpSpec", "OpStrategy", "OutputSharding", "ReduceScatterOptions",
     "RuntimeSchemaInfo", "TensorMeta", "TorchDispatchMode", "TupleStrategy", "_PreparedSingleDimStrategy",
     "_ViewShardingPropagator", "_are_we_tracing", "_device_constructors",
@@ -136,6 +137,11 @@ def fake_mode_runs_meta_kernel(op) -> bool:
                 op.name(), "CompositeImplicitAutograd"):
             return False
     return True
+
+
+def root_mesh(mesh):
+    """The mesh ``mesh`` was sliced or flattened from (itself if it was built whole)."""
+    return mesh._get_root_mesh()
 
 
 def register_fake_backend() -> None:
@@ -237,6 +243,26 @@ class PatchLayer:
             self._held[owner] += 1
         if place.read() is not value:
             place.write(value)
+
+    @contextlib.contextmanager
+    def original(self, kind: str, obj, key):
+        """PyTorch's own value in one place vescale changed (``kind`` "item": ``obj[key]``, "attr":
+        ``obj.key``) for the duration of the block, vescale's again after it: how a vescale handler
+        lets DTensor's own rule (or PyTorch's RNG tracker) answer a call. A value PyTorch puts there
+        meanwhile (a tracker it makes on first use) becomes its original, the one ``undo`` restores.
+        Nested blocks over one place leave it to the outermost."""
+        place = self._places.get((kind, id(obj), key))
+        if place is None or not place.layers or place.read() is not place.top():
+            yield
+            return
+        place.write(place.original)
+        try:
+            yield
+        finally:
+            now = place.read()
+            if now is not place.original and now is not place.top():
+                place.original = now
+            place.write(place.top())
 
     # -- undoing them ----------------------------------------------------------------------------
     def undo(self, owner: str = "") -> None:

@@ -13,11 +13,13 @@ still releasing a collective's tensors during interpreter finalisation aborts th
 from __future__ import annotations
 
 import atexit
+import functools
 import math
 import os
 import socket
 import sys
 import time
+import weakref
 from datetime import timedelta
 from typing import Sequence
 
@@ -25,7 +27,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["init_mesh", "DEFAULT_TIMEOUT", "run_timeout", "apply_run_timeout", "communicates", "TEARDOWN"]
+from ._torch import root_mesh
+
+__all__ = ["init_mesh", "adopt_mesh", "is_vescale_mesh", "DEFAULT_TIMEOUT", "run_timeout", "apply_run_timeout", "communicates", "TEARDOWN"]
 
 # How long a collective may wait for its peers before it fails. PyTorch's gloo default is 30 minutes,
 # which turns one crashed or diverged rank into a half-hour hang; 10 minutes (NCCL's default) still
@@ -91,7 +95,38 @@ def init_mesh(
     for group in mesh.get_all_groups():
         apply_run_timeout(group)
         TEARDOWN.track(group)
+    return adopt_mesh(mesh)
+
+
+# ---- which meshes vescale answers for ----------------------------------------------------------------
+# vescale's op handlers (random ops, item(), losses over a split batch, coverage for SDPA, convolutions
+# and data-dependent ops) apply to DTensors on the meshes vescale was given, and to the meshes sliced
+# or flattened from them; a DTensor program on any other mesh gets PyTorch's own answers.
+
+_ADOPTED: dict[int, weakref.ref] = {}  # id(root mesh) -> a weak reference to it
+
+
+def adopt_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """Give vescale's op semantics (single-device random numbers, a global ``item()``, global loss
+    means) to DTensors on ``mesh`` and on every mesh sliced or flattened from it; returns ``mesh``.
+    ``init_mesh``, ``parallelize`` and deferred init adopt their mesh; call this for a mesh built
+    with ``init_device_mesh`` that carries DTensors of your own, outside a parallelized model."""
+    root = root_mesh(mesh)
+    key = id(root)
+    if key not in _ADOPTED:
+        _ADOPTED[key] = weakref.ref(root, functools.partial(_forget, key))
     return mesh
+
+
+def _forget(key: int, _ref: weakref.ref) -> None:
+    _ADOPTED.pop(key, None)
+
+
+def is_vescale_mesh(mesh: DeviceMesh) -> bool:
+    """Whether vescale answers for DTensors on ``mesh`` (see :func:`adopt_mesh`)."""
+    root = root_mesh(mesh)
+    ref = _ADOPTED.get(id(root))
+    return ref is not None and ref() is root
 
 
 class GroupTeardown:

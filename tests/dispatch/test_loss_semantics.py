@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 import vescale
 from vescale.dispatch import semantics
-from vescale.dispatch.semantics import DTensorRule
+from vescale.dispatch.scope import DTensorRule
 from vescale.testing import run_on_ranks
 
 aten = torch.ops.aten

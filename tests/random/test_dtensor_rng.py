@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from vescale.mesh import adopt_mesh
 import vescale.random as vr
 from vescale.random import dtensor as vr_dtensor
 from vescale.testing import forget_dtensor_caches
@@ -60,7 +61,7 @@ def as_rank(rank: int, mesh_shape) -> object:
     destroy_process_group_if_any()
     dist.init_process_group("fake", rank=rank, world_size=math.prod(mesh_shape))
     _forget_other_ranks()
-    return init_device_mesh("cpu", mesh_shape)
+    return adopt_mesh(init_device_mesh("cpu", mesh_shape))  # vescale answers for the meshes it is given
 
 
 def state_tensor(seed: int, offset: int, profile) -> torch.Tensor:

@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from vescale.mesh import adopt_mesh
 import vescale.random as vr
 from vescale.testing import run_on_ranks
 from rng_cases import CASES, Dist, compare, reference, run_distributed
@@ -52,7 +53,7 @@ def _configs(mesh_shape, case):
 
 
 def _sweep(mesh_shape):
-    mesh = init_device_mesh("cpu", mesh_shape)
+    mesh = adopt_mesh(init_device_mesh("cpu", mesh_shape))  # vescale answers for the meshes it is given
     vr.set_device_profile(1, 256)  # 256 virtual threads: threads wrap and later Philox calls are used
     vr.manual_seed(2024)
     failures, checks = [], 0
@@ -133,7 +134,7 @@ def _checkpoint_round_trip(path):
     import torch.distributed.checkpoint as dcp
     import torch.distributed.tensor as dtensor_api
 
-    mesh = init_device_mesh("cpu", (2,))
+    mesh = adopt_mesh(init_device_mesh("cpu", (2,)))  # vescale answers for the meshes it is given
     vr.manual_seed(7)
     dtensor_api.randn(6, 4, device_mesh=mesh, placements=[Shard(0)])
     dcp.save({"rng": vr.get_state()}, checkpoint_id=path)
@@ -160,7 +161,7 @@ def _views_of_sharded_tensors():
         ((2, 2), (4, 6), (24,), [Shard(0), Shard(1)]),  # [Shard(0), _StridedShard(0, sf=2)]
         ((2, 2), (6, 4, 2), (6, 8), [Replicate(), Shard(1)]),
     ]:
-        mesh = init_device_mesh("cpu", mesh_shape)
+        mesh = adopt_mesh(init_device_mesh("cpu", mesh_shape))  # vescale answers for the meshes it is given
         vr.manual_seed(3)
         y = distribute_tensor(torch.zeros(shape), mesh, placements).view(view)
         y.normal_()

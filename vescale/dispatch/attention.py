@@ -49,6 +49,7 @@ from vescale._torch import _matrix_ops
 from vescale._torch import expand_to_full_mesh_op_strategy
 from vescale._torch import PATCHES
 from .local import runs_locally_when
+from .scope import for_vescale_meshes
 
 __all__ = [
     "install_attention_rules", "sdpa_layout", "CPU_SDPA_OPS", "FUSED_DROPOUT_ARG", "FusedDropoutError",
@@ -132,6 +133,7 @@ def clear_sdpa_decisions() -> None:
     _SDPA_DECISIONS.clear()
 
 
+@for_vescale_meshes
 def _cpu_sdpa_handler(op, args, kwargs):
     """CPU flash SDPA, forward or backward, on DTensors (see module doc): every tensor argument is
     brought to one layout (no communication when the inputs already follow the rule), the kernel runs

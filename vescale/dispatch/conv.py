@@ -36,6 +36,7 @@ from vescale._torch import DTensorSpec, TensorMeta
 
 from .errors import MissingShardingRule, running_module
 from .attention import _stride_like
+from .scope import for_vescale_meshes
 from vescale._torch import PATCHES
 
 __all__ = ["install_conv_handlers"]
@@ -77,6 +78,7 @@ def _wrap(local: torch.Tensor, like: DTensor, placements, shape) -> DTensor:
     return DTensor._op_dispatcher.wrap(local, spec)
 
 
+@for_vescale_meshes
 def _convolution(op, args, kwargs):
     x, weight, bias, *rest = _as_dtensors(args, 1)
     layout = _batch_layout(x)
@@ -85,6 +87,7 @@ def _convolution(op, args, kwargs):
     return _wrap(local, x, layout, (x.shape[0], *local.shape[1:]))
 
 
+@for_vescale_meshes
 def _convolution_backward(op, args, kwargs):
     grad_out, x, weight, *rest = _as_dtensors(args, 2)
     layout = _batch_layout(x)

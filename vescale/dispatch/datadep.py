@@ -42,7 +42,7 @@ from vescale._torch import compute_local_shape_and_global_offset
 
 from .local import runs_locally_when, why_rule_not_local
 from .metas import contiguous_strides, grouped_mm_shape
-from .semantics import DTensorRule
+from .scope import DTensorRule, for_vescale_meshes, mesh_of_call
 from vescale._torch import PATCHES
 
 __all__ = ["install_datadep_handlers", "uninstall_datadep_handlers", "DATADEP_OPS"]
@@ -79,14 +79,6 @@ def _wrap(local: torch.Tensor, mesh, placements, global_shape=None) -> DTensor:
     return DTensor(local, spec, requires_grad=False)
 
 
-def _mesh_of(args, kwargs):
-    for a in (*args, *kwargs.values()):
-        for x in (a if isinstance(a, (list, tuple)) else (a,)):
-            if isinstance(x, DTensor):
-                return x.device_mesh
-    return None
-
-
 def _map(fn, obj):
     if isinstance(obj, (list, tuple)):
         return type(obj)(_map(fn, o) for o in obj)
@@ -100,9 +92,10 @@ def _map(fn, obj):
 # ---------------------------------------------------------------------------------------------
 
 
+@for_vescale_meshes
 def _replicated(op, args, kwargs):
     """Run on the global values; every tensor output is Replicate on the inputs' mesh."""
-    mesh = _mesh_of(args, kwargs)
+    mesh = mesh_of_call(args, kwargs)
     out = op(*_map(_full, args), **_map(_full, kwargs))
     replicate = (Replicate(),) * mesh.ndim
     return _map(lambda o: _wrap(o, mesh, replicate) if isinstance(o, torch.Tensor) else o, out)
@@ -138,6 +131,7 @@ def _long_indices(indices):
     return out
 
 
+@for_vescale_meshes
 def _masked_index(op, args, kwargs):
     self, indices, *rest = args
     if any(_is_mask(i) for i in indices):
@@ -216,6 +210,7 @@ def _slice(t: torch.Tensor, mesh, placements) -> torch.Tensor:
     return redistribute_local_tensor(t, spec, DTensorSpec(mesh, tuple(placements), tensor_meta=spec.tensor_meta))
 
 
+@for_vescale_meshes
 def _index_add(op, args, kwargs):
     self, dim, index, source = args[:4]
     alpha = args[4] if len(args) > 4 else kwargs.get("alpha", 1)
@@ -223,6 +218,7 @@ def _index_add(op, args, kwargs):
     return _accumulate_op(op, "index_add_" if inplace else "index_add", self, dim, index, source, alpha, False, inplace)
 
 
+@for_vescale_meshes
 def _scatter_add(op, args, kwargs):
     self, dim, index, src = args[:4]
     inplace = op is aten.scatter_add_.default

@@ -22,7 +22,8 @@
   sum's backward on the arriving gradient divided by the same count: the single device's value and
   gradient.
 
-Handlers go into DTensor's own per-op extension table when parallelize() runs, never at import.
+Handlers go into DTensor's own per-op extension table when parallelize() runs, never at import, and
+answer for DTensors on vescale's meshes only (``scope.py``).
 """
 
 from __future__ import annotations
@@ -31,32 +32,17 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .local import runs_locally_when, why_rule_not_local
+from .scope import DTensorRule, for_vescale_meshes
 from vescale._torch import PATCHES
 
-__all__ = ["install_semantic_handlers", "DTensorRule"]
+__all__ = ["install_semantic_handlers"]
 
 aten = torch.ops.aten
 
 _MEAN, _SUM = 1, 2  # at::Reduction
 
 
-class DTensorRule:
-    """Call ``op`` with vescale's handler for it taken out of DTensor's table (so DTensor's own rule
-    runs), and put the handler back afterwards."""
-
-    def __init__(self, op):
-        self.op = op
-
-    def __call__(self, *args, **kwargs):
-        table = DTensor._op_dispatcher._custom_op_handlers
-        handler = table.pop(self.op, None)
-        try:
-            return self.op(*args, **kwargs)
-        finally:
-            if handler is not None:
-                table[self.op] = handler
-
-
+@for_vescale_meshes
 def _global_scalar(op, args, kwargs):
     (t,) = args
     if all(p.is_replicate() for p in t.placements):
@@ -93,6 +79,7 @@ def _splits_batch(op, args, kwargs) -> bool:
     return reduction == _MEAN and isinstance(logp, DTensor) and bool(_batch_split_dims(logp))
 
 
+@for_vescale_meshes
 def _global_mean_loss(op, args, kwargs):
     """nll_loss forward, mean reduction: the sum over this rank's labels divided by the count of
     labels (or their total weight) over all ranks — the single device's mean, as Partial("sum")."""
@@ -121,6 +108,7 @@ def _mean_over_split(op, args, kwargs) -> dict | None:
     return bound
 
 
+@for_vescale_meshes
 def _global_mean_pointwise_loss(op, args, kwargs):
     """A fused pointwise loss, mean reduction, over a split input: this rank's sum over the global
     element count (forward), and the sum's backward of the arriving gradient over that count."""

@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from .. import random as vescale_random
+from ..mesh import adopt_mesh
 from ..placement.blocks import local_shape_and_offset
 from .build import DrawAtRecordedOffsets, rebuildable, record_build
 
@@ -114,6 +115,7 @@ def materialize(model: nn.Module, mesh: DeviceMesh, placements: dict) -> str:
     build = record_build(model) if entry == "init_weights" and rebuildable(model) else None
     draws, build_end = build if build is not None else (None, None)
     _materialize_tensors(model, mesh, placements)
+    adopt_mesh(mesh)
     vescale_random.install()
     at_offsets = DrawAtRecordedOffsets(model, draws) if draws is not None else contextlib.nullcontext()
     with torch.no_grad(), vescale_random.consistent(), at_offsets:

@@ -18,7 +18,7 @@ from ..comm.grad import DEFAULT_BUCKET_MB, GradReducer, attach_grad_reduction
 from ..comm.groups import prepare_groups
 from .. import dispatch
 from ..init import has_meta, materialize
-from ..mesh import apply_run_timeout
+from ..mesh import adopt_mesh, apply_run_timeout
 from ..plan import PlanError, PlanIR, VescalePlan, lower
 from ..plan.lower import forward_arg_names
 from .contract import InputContract, checksum
@@ -186,6 +186,7 @@ def parallelize(
             "is sharded and no activation is split there, so every rank along them does the same work.\n"
             f"{ir.report()}\nShard the batch (plan.shard('<in>[input_ids]', Shard(0), mesh=...)) or parameters there"
         )
+    adopt_mesh(mesh)  # vescale's op semantics for the model's DTensors (and only for this mesh's)
     root_inputs = [e for e in ir.hooks().get(("", "forward_pre"), []) if e.tensor == "<in>"]
     contract = InputContract(root_inputs, forward_arg_names(model)[0], mesh, check_inputs)
     try:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 
+from vescale.dispatch.scope import mesh_of_call
+from vescale.mesh import is_vescale_mesh
 from vescale.random import dtensor, ops
 
 __all__ = ["consistent"]
@@ -26,12 +28,13 @@ class _ConsistentMode(ops.RandomOpMode):
     def on_dtensor(self, func, args, kwargs):
         if func in ops.UNSUPPORTED:
             raise ops.unsupported_error(func)
-        if dtensor.is_installed():
+        mesh = mesh_of_call(args, kwargs)
+        if dtensor.is_installed() and (mesh is None or is_vescale_mesh(mesh)):
             # DTensor's dispatch reaches the same handler; passing the op down also lets the
             # dispatch modes beneath this one see it (Static Eager's recording notes which modules
             # draw random numbers there, and replays their draws on local shards in static steps).
             return func(*args, **kwargs)
-        return dtensor.handle_random_op(func, args, kwargs)
+        return dtensor.draw_shard(func, args, kwargs)  # any mesh: the block asks for vescale's numbers
 
 
 @contextlib.contextmanager

@@ -23,6 +23,7 @@ stop at different iterations and their generators fall out of step.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Sequence
 
 import torch
@@ -32,12 +33,14 @@ from vescale._torch import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Partial
 
 from vescale.dispatch import install_semantic_handlers
+from vescale.dispatch.scope import for_vescale_meshes, mesh_of_call, pytorch_handling
+from vescale.mesh import is_vescale_mesh
 from vescale.dispatch.metas import contiguous_strides
 from vescale.placement.blocks import dim_ranges
 from vescale.random import kernel, ops
 from vescale._torch import PATCHES
 
-__all__ = ["VescaleRNGTracker", "install", "uninstall", "is_installed", "local_indices", "handle_random_op"]
+__all__ = ["VescaleRNGTracker", "install", "uninstall", "is_installed", "local_indices", "handle_random_op", "draw_shard"]
 
 
 # ---- which global elements a rank holds ------------------------------------------------------------------
@@ -162,8 +165,21 @@ def _local_operand(tensor, plan: _SpecPlan) -> torch.Tensor:
 # ---- the handlers -----------------------------------------------------------------------------------------
 
 
-def handle_random_op(op, args, kwargs):
-    """DTensor custom-op handler for every op in ``ops.SUPPORTED``: draws this rank's shard."""
+def _pytorch_random_op(op, args, kwargs):
+    """A random op on a DTensor over a mesh vescale was not given: PyTorch's own handling with
+    PyTorch's own RNG tracker, as without vescale (said once per mesh)."""
+    warnings.warn(
+        f"vescale.random: random ops on DTensors over {mesh_of_call(args, kwargs)} draw PyTorch's numbers "
+        "(as without vescale), not vescale's single-device ones: vescale was not given this mesh. For "
+        "vescale's, build it with vescale.init_mesh, parallelize a model on it, or call vescale.adopt_mesh(mesh).",
+        stacklevel=2,
+    )
+    with PATCHES.original("attr", dtensor_random, "_rng_tracker"):
+        return pytorch_handling(op, args, kwargs)
+
+
+def draw_shard(op, args, kwargs):
+    """Draw this rank's shard of a random op's DTensor result, with single-device values."""
     call = ops.read_call(op, args, kwargs or {})
     if call.generator is not None:
         raise ValueError(
@@ -189,6 +205,10 @@ def handle_random_op(op, args, kwargs):
     return DTensor(local, plan.result_spec(call.dtype), requires_grad=False)
 
 
+# DTensor's handler for every op in ``ops.SUPPORTED`` (vescale's meshes; PyTorch's rule elsewhere)
+handle_random_op = for_vescale_meshes(draw_shard, elsewhere=_pytorch_random_op)
+
+
 def _dropout(call: ops.RandomCall, plan: _SpecPlan):
     x = call.like
     x_local = _local_operand(x, plan) if plan.block is not None else x._local_tensor
@@ -204,6 +224,7 @@ def _dropout(call: ops.RandomCall, plan: _SpecPlan):
     )
 
 
+@for_vescale_meshes(elsewhere=_pytorch_random_op)
 def _refuse_unsupported(op, args, kwargs):
     raise ops.unsupported_error(op)
 
@@ -229,6 +250,15 @@ class _ShardBlock:
         return tuple(self.spec.shape), self.plan.block
 
 
+def _pytorch_tracker(mesh):
+    """The RNG tracker PyTorch would use for a DTensor factory on ``mesh``: its own if it made one,
+    else the one its factories make on first use where the device supports it (kept for next time)."""
+    with PATCHES.original("attr", dtensor_random, "_rng_tracker"):
+        if dtensor_random._rng_tracker is None and dtensor_random.is_rng_supported_mesh(mesh):
+            dtensor_random._rng_tracker = dtensor_random.OffsetBasedRNGTracker(mesh)
+        return dtensor_random._rng_tracker
+
+
 class VescaleRNGTracker(dtensor_random._RNGStateTracker):
     """DTensor RNG tracker whose region draws the local shard of a factory from vescale's generator."""
 
@@ -252,6 +282,12 @@ class VescaleRNGTracker(dtensor_random._RNGStateTracker):
         if not self.distribute_region_enabled:
             yield
             return
+        pytorch = None if is_vescale_mesh(spec.mesh) else _pytorch_tracker(spec.mesh)
+        if pytorch is not None:  # another program's mesh: PyTorch's tracker, as without vescale
+            with pytorch._distribute_region(spec, generator):
+                yield
+            return
+        # vescale's mesh, or one PyTorch has no tracker for (its factories refuse CPU meshes): vescale's numbers
         with ops.RandomOpMode(_ShardBlock(spec)):
             yield
 
