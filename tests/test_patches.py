@@ -174,3 +174,30 @@ def test_private_pytorch_names_are_imported_in_vescale_torch_only():
                for line in _private_torch_imports(path)]
     assert not outside, "import these through vescale._torch:\n" + "\n".join(outside)
     assert _private_torch_imports(package / "_torch.py"), "the check would find nothing"
+
+
+def test_original_shows_pytorchs_value_for_a_block_and_keeps_what_pytorch_put_there():
+    patches = PatchLayer()
+
+    class Module:
+        tracker = None
+
+    module = Module()
+    module.tracker = None
+    patches.set_attr("random", module, "tracker", "vescale's")
+    with patches.original("attr", module, "tracker"):
+        assert module.tracker is None
+        with patches.original("attr", module, "tracker"):  # nested: the outer block keeps the place
+            module.tracker = "made by PyTorch on first use"
+        assert module.tracker == "made by PyTorch on first use"
+    assert module.tracker == "vescale's"
+    patches.undo("random")
+    assert module.tracker == "made by PyTorch on first use"  # what PyTorch had made is what it gets back
+
+    table = {"op": "pytorch's handler"}
+    patches.set_item("dispatch", table, "op", "vescale's handler")
+    with patches.original("item", table, "op"):
+        assert table["op"] == "pytorch's handler"
+    assert table["op"] == "vescale's handler"
+    with patches.original("item", table, "not changed"):  # a place vescale never changed: nothing to do
+        assert "not changed" not in table

@@ -80,3 +80,32 @@ def test_a_plain_dtensor_program_beside_a_vescale_model_computes_what_stock_pyto
         # vescale says once that the program's random ops draw PyTorch's numbers, not its own
         random_notes = [w for w in found["warnings"] if "vescale.random" in w]
         assert len(random_notes) == 1 and "adopt_mesh" in random_notes[0], found["warnings"]
+
+
+def test_slices_and_flattened_meshes_of_an_adopted_mesh_are_vescale_meshes():
+    from vescale.mesh import adopt_mesh, is_vescale_mesh
+    from vescale.testing import fake_world
+
+    with fake_world(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("DP", "TP"))
+        other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("DP", "TP"))  # equal, not the same
+        assert not is_vescale_mesh(mesh) and not is_vescale_mesh(mesh["TP"])
+        assert adopt_mesh(mesh) is mesh
+        assert is_vescale_mesh(mesh) and is_vescale_mesh(mesh["TP"]) and is_vescale_mesh(mesh["DP", "TP"]._flatten("dp_tp"))
+        assert not is_vescale_mesh(other) and not is_vescale_mesh(other["DP"])
+
+
+def test_a_factory_on_a_mesh_pytorch_has_no_tracker_for_draws_vescale_numbers():
+    """PyTorch's factories refuse a CPU mesh without its tracker (a bare AssertionError); vescale,
+    which can draw there, answers instead of failing."""
+    import torch.distributed.tensor as dt
+
+    from vescale.testing import fake_world
+
+    with fake_world(2):
+        vescale.manual_seed(3)
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("other",))
+        w = dt.randn(4, 6, device_mesh=mesh, placements=[Replicate()])
+        vescale.manual_seed(3)
+        with vescale.random.consistent():
+            assert torch.equal(w.to_local(), torch.randn(4, 6))
