@@ -49,6 +49,7 @@ from vescale.dispatch import attention, sized
 from vescale.optim import local_step as optim
 from vescale.zoo import LlamaConfig
 from vescale.model_state import state_of
+from vescale.memo import Memo
 
 _HANDLERS = DTensor._op_dispatcher._custom_op_handlers
 _INSTALL = dispatch.install
@@ -91,11 +92,14 @@ def _flat_steps(arm: str) -> None:
 def _sdpa_forgetting(op, args, kwargs):
     """The SDPA handler deciding afresh (an empty table of its own: the other arms keep theirs)."""
     kept = attention._SDPA_DECISIONS
-    attention._SDPA_DECISIONS = {}
+    attention._SDPA_DECISIONS = Memo("SDPA decisions of one call", 1)
     try:
         return attention._cpu_sdpa_handler(op, args, kwargs)
     finally:
         attention._SDPA_DECISIONS = kept
+
+
+_SIZED_OPS: list = []
 
 
 def _installer(off: bool):
@@ -103,7 +107,9 @@ def _installer(off: bool):
 
     def install():
         _INSTALL()
-        for op in sized._INSTALLED:
+        if not _SIZED_OPS:  # the ops dispatch.install gave the sized-op handler (learnt with the extensions on)
+            _SIZED_OPS.extend(op for op, handler in _HANDLERS.items() if handler is sized.sized_op_handler)
+        for op in _SIZED_OPS:
             if off:
                 _HANDLERS.pop(op, None)
             else:

@@ -146,7 +146,7 @@ def test_moving_decision_stays_on_pytorch_path(mesh):
 
 
 def test_table_is_bounded(mesh, monkeypatch):
-    monkeypatch.setattr(sized, "SIZED_OPS_TABLE_LIMIT", 3)
+    monkeypatch.setattr(sized._TABLE, "limit", 3)
     sized.clear_sized_ops_table()
     x = _dt(mesh, (8, 16, 32), (Shard(0), Shard(2)))
     for n in (2, 4, 8, 16):

@@ -50,6 +50,7 @@ from vescale._torch import expand_to_full_mesh_op_strategy
 from vescale._torch import PATCHES
 from .local import runs_locally_when
 from .scope import for_vescale_meshes
+from vescale.memo import Memo
 
 __all__ = [
     "install_attention_rules", "sdpa_layout", "CPU_SDPA_OPS", "FUSED_DROPOUT_ARG", "FusedDropoutError",
@@ -125,8 +126,7 @@ def _decision_key(op, args, kwargs):
 # Decisions of repeated calls: per call the handler then only moves what is off the layout (nothing,
 # in a model whose q/k/v follow the rule), runs the kernel and wraps its outputs. Emptied at the limit
 # (global shapes are part of the key, as in PyTorch's own sharding cache).
-_SDPA_DECISIONS: dict = {}
-_SDPA_DECISIONS_LIMIT = 1024
+_SDPA_DECISIONS = Memo("CPU SDPA decisions", 1024)
 
 
 def clear_sdpa_decisions() -> None:
@@ -140,16 +140,11 @@ def _cpu_sdpa_handler(op, args, kwargs):
     on local shards, the outputs take that layout."""
     kwargs = dict(kwargs or {})
     key = _decision_key(op, args, kwargs)
-    try:
-        entry = _SDPA_DECISIONS.get(key) if key is not None else None
-    except TypeError:  # symbolic sizes (tracing) do not hash: decide every call
-        key, entry = None, None
+    entry = _SDPA_DECISIONS.get(key) if key is not None else None
     if entry is None:
         entry = _sdpa_decision(op, args, kwargs) + ({},)  # the last: output specs by local strides
         if key is not None:
-            if len(_SDPA_DECISIONS) >= _SDPA_DECISIONS_LIMIT:
-                _SDPA_DECISIONS.clear()
-            _SDPA_DECISIONS[key] = entry
+            _SDPA_DECISIONS.put(key, entry)
     mesh, layout, mask_layout, metas, specs = entry
 
     def place(t, placements):

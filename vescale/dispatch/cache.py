@@ -76,6 +76,7 @@ from .unitdims import lift, mesh_shape, reduce_schema, reducible_mesh, unit_plac
 from .viewkey import decision as view_decision
 from .zerocost import SameRoom, embedding_key, free_move, scatter_axes
 from vescale._torch import PATCHES
+from vescale.memo import Memo
 
 aten = torch.ops.aten
 # View-like ops and the function whose dim-mapping rule PyTorch uses for them.
@@ -139,7 +140,9 @@ def _shard_kind(cls):
 
 _TOKENS: dict = {}  # (mesh, placements) -> a number standing for them in keys (never reused)
 _NEXT_TOKEN = itertools.count()
-_LAYOUTS: dict = {}  # (id(mesh), id(placements)) -> (mesh, placements, token, shard counts, strided dims)
+# (id(mesh), id(placements)) -> (mesh, placements, token, shard counts, strided dims); layouts are few,
+# the bound is for programs that make many meshes
+_LAYOUTS = Memo("shape-free cache layouts", 8192)
 
 
 def _layout(spec: DTensorSpec) -> tuple:
@@ -163,9 +166,7 @@ def _layout(spec: DTensorSpec) -> tuple:
             strided.append(p.dim)
         elif kind is _SHARD:
             shards[p.dim] = shards.get(p.dim, 1) * mesh_size
-    if len(_LAYOUTS) >= 8192:  # layouts are few; a bound for programs that make many meshes
-        _LAYOUTS.clear()
-    found = _LAYOUTS[(id(mesh), id(placements))] = (mesh, placements, token, tuple(sorted(shards.items())), tuple(strided))
+    found = _LAYOUTS.put((id(mesh), id(placements)), (mesh, placements, token, tuple(sorted(shards.items())), tuple(strided)))
     return found
 
 
@@ -181,7 +182,7 @@ def _shard_fit(shape, layout: tuple) -> tuple:
     return fit
 
 
-_SHAPE_PARTS: dict = {}  # (shape, layout token) -> (size classes, shard fit)
+_SHAPE_PARTS = Memo("shape-free cache shape parts", 8192)  # (shape, layout token) -> (size classes, shard fit)
 
 
 def _shape_part(shape, layout: tuple) -> tuple:
@@ -190,10 +191,8 @@ def _shape_part(shape, layout: tuple) -> tuple:
     key = (shape, layout[2])
     found = _SHAPE_PARTS.get(key)
     if found is None:
-        if len(_SHAPE_PARTS) >= 8192:
-            _SHAPE_PARTS.clear()
         sizes = tuple([n if n < 2 else 2 for n in shape])  # _size_class per dim, inlined
-        found = _SHAPE_PARTS[key] = (sizes, _shard_fit(shape, layout))
+        found = _SHAPE_PARTS.put(key, (sizes, _shard_fit(shape, layout)))
     return found
 
 

@@ -45,6 +45,7 @@ from vescale._torch import _is_shard_like
 from ..placement import InterleavedShard, interleave_of, is_interleaved
 from .metas import local_shape
 from vescale._torch import PATCHES
+from vescale.memo import Memo
 
 __all__ = ["install_interleaved_rules", "uninstall_interleaved_rules", "SIZE_DEPENDENT_OPS", "grouped_mm_layout_key",
            "local_bounds", "slice_sections", "slice_backward_layout"]
@@ -342,7 +343,7 @@ def grouped_mm_layout_key(schema: OpSchema) -> tuple:
 # (sizes, strides, ids of dtype, mesh and placements) -> (mesh, placements, _layout_bits): weights
 # repeat at every length. Ids, not the objects: hashing a mesh or placements runs Python per call;
 # the entry keeps both objects alive, so their ids stay theirs (dtypes are singletons).
-_LAYOUT_BITS: dict = {}
+_LAYOUT_BITS = Memo("interleaved layout bits", 4096)
 
 
 def _layout_bits(spec: DTensorSpec) -> tuple:
@@ -350,9 +351,7 @@ def _layout_bits(spec: DTensorSpec) -> tuple:
     memo = (meta.shape, meta.stride, id(meta.dtype), id(mesh), id(placements))
     found = _LAYOUT_BITS.get(memo)
     if found is None or found[0] is not mesh or found[1] is not placements:
-        if len(_LAYOUT_BITS) >= 4096:
-            _LAYOUT_BITS.clear()
-        found = _LAYOUT_BITS[memo] = (mesh, placements, (_kernel_strides(spec), _aligned_rows(spec)))
+        found = _LAYOUT_BITS.put(memo, (mesh, placements, (_kernel_strides(spec), _aligned_rows(spec))))
     return found[2]
 
 

@@ -27,8 +27,6 @@ op: ``why_rule_not_local``).
 
 from __future__ import annotations
 
-import threading
-
 import torch
 from torch.distributed.tensor import DTensor
 from vescale._torch import DTensorSpec
@@ -37,17 +35,16 @@ from vescale._torch import return_and_correct_aliasing
 
 from .local import runs_locally_when, why_rule_not_local
 from vescale._torch import PATCHES
+from vescale.memo import Memo
 
-__all__ = ["sized_op_handler", "install_sized_ops", "uninstall_sized_ops", "clear_sized_ops_table", "SIZED_OPS_TABLE_LIMIT"]
+__all__ = ["sized_op_handler", "install_sized_ops", "uninstall_sized_ops", "clear_sized_ops_table"]
 
 _SLOW = object()  # a key whose decision moves an input: PyTorch's own path each time
 # Entries are a few hundred bytes; a run with many sequence lengths makes new keys (global sizes are
-# part of them, as in PyTorch's own cache). The table is emptied when it reaches this size. Like
-# PyTorch's caches, entries hold this rank's local sizes (uneven shards differ by rank) and the key
-# does not name the rank: ``vescale.testing.forget_dtensor_caches`` empties it with theirs.
-SIZED_OPS_TABLE_LIMIT = 8192
-_TABLE: dict = {}
-_LOCK = threading.Lock()
+# part of them, as in PyTorch's own cache): bounded. Like PyTorch's caches, entries hold this rank's
+# local sizes (uneven shards differ by rank) and the key does not name the rank:
+# ``vescale.testing.forget_dtensor_caches`` empties it with theirs.
+_TABLE = Memo("sized-op decisions", 8192)
 _OWNER = "dispatch.fast.sized"
 
 
@@ -132,20 +129,14 @@ def sized_op_handler(op, args, kwargs):
     """DTensor handler for an op with size arguments: PyTorch's decision replayed from the table."""
     kwargs = kwargs or {}
     key = _key(op, args, kwargs)
-    try:
-        entry = _TABLE.get(key) if key is not None else None
-    except TypeError:  # symbolic sizes (tracing) do not hash
-        key, entry = None, None
+    entry = _TABLE.get(key) if key is not None else None
     if entry is None:
         info, sharding = _decide(op, args, kwargs)
         if not isinstance(sharding, OutputSharding):
             return sharding
         entry = _learn(op, args, kwargs, info, sharding)
         if key is not None:
-            with _LOCK:
-                if len(_TABLE) >= SIZED_OPS_TABLE_LIMIT:
-                    _TABLE.clear()
-                _TABLE[key] = entry
+            _TABLE.put(key, entry)
     if entry[0] is _SLOW:
         return _slow_path(op, args, kwargs, entry[1])
     spec, template, slots, is_view = entry
@@ -176,8 +167,7 @@ def install_sized_ops() -> None:
 
 
 def clear_sized_ops_table() -> None:
-    with _LOCK:
-        _TABLE.clear()
+    _TABLE.clear()
 
 
 def uninstall_sized_ops() -> None:

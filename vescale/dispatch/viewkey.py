@@ -33,23 +33,21 @@ table kept across cases so that two calls sharing a summary must agree.
 
 from __future__ import annotations
 
-import threading
 
 from torch import Tensor, reshape
 from vescale._torch import dim_maps
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
+from vescale.memo import Memo
+
 from .viewrule import propagate_view
 
-__all__ = ["decision", "clear_view_decisions", "VIEW_DECISIONS_LIMIT"]
+__all__ = ["decision", "clear_view_decisions"]
 
 _RAISES = object()  # PyTorch's rule raises for this summary (a strict view of an uneven split)
-# Summaries are small; exact-size entries (the uncovered calls) grow with every new size, so the
-# table is emptied when it reaches this many entries.
-VIEW_DECISIONS_LIMIT = 8192
-_DECISIONS: dict = {}
+# Summaries are small; exact-size entries (the uncovered calls) grow with every new size: bounded.
+_DECISIONS = Memo("view decisions", 8192)
 _GROUPED = (Tensor.view, reshape)  # their ``dim_maps`` rule is ``view_groups``
-_LOCK = threading.Lock()
 
 
 def _target_shape(numel: int, sizes) -> tuple | None:
@@ -150,18 +148,11 @@ def decision(op_schema, rule_fn, strict: bool, mesh_sizes, layout) -> tuple:
         summary = None if dst is None else _summary(spec.placements, mesh_sizes, src, dst)
     key = (strict, rule_fn, layout, id(spec.tensor_meta.dtype), len(src),
            (src, tuple(tuple(a) if isinstance(a, list) else a for a in rest)) if summary is None else summary)
-    found = _DECISIONS.get(key)
-    if found is None:
-        found = _pytorch_decision(op_schema, rule_fn, strict, mesh_sizes)
-        with _LOCK:
-            if len(_DECISIONS) >= VIEW_DECISIONS_LIMIT:
-                _DECISIONS.clear()
-            _DECISIONS[key] = found
+    found = _DECISIONS.get_or_make(key, lambda: _pytorch_decision(op_schema, rule_fn, strict, mesh_sizes))
     if found is _RAISES:
         raise ValueError("PyTorch's view rule raises for this call")
     return found
 
 
 def clear_view_decisions() -> None:
-    with _LOCK:
-        _DECISIONS.clear()
+    _DECISIONS.clear()

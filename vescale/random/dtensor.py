@@ -34,6 +34,7 @@ from torch.distributed.tensor.placement_types import Partial
 
 from vescale.dispatch import install_semantic_handlers
 from vescale.dispatch.scope import for_vescale_meshes, mesh_of_call, pytorch_handling
+from vescale.memo import Memo
 from vescale.mesh import is_vescale_mesh
 from vescale.dispatch.metas import contiguous_strides
 from vescale.placement.blocks import dim_ranges
@@ -119,8 +120,7 @@ class _SpecPlan:
         return spec
 
 
-_PLANS_LIMIT = 1024  # distinct (spec, coordinate) pairs kept; a model has a few dozen
-_plans: dict = {}
+_plans = Memo("random-op spec plans", 1024)  # (spec, coordinate) pairs; a model has a few dozen
 
 
 def _plan_of(spec: DTensorSpec) -> _SpecPlan:
@@ -136,12 +136,7 @@ def _plan_of(spec: DTensorSpec) -> _SpecPlan:
         spec.shape,
         None if coordinate is None else tuple(coordinate),
     )
-    plan = _plans.get(key)
-    if plan is None:
-        if len(_plans) >= _PLANS_LIMIT:
-            _plans.clear()
-        plan = _plans[key] = _SpecPlan(spec, coordinate)
-    return plan
+    return _plans.get_or_make(key, lambda: _SpecPlan(spec, coordinate))
 
 
 def clear_plan_cache() -> None:
