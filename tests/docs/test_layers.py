@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "vescale"
 
 LAYERS = {
-    "_torch": 0, "model_state": 0,
+    "_torch": 0, "model_state": 0, "memo": 0,
     "placement": 1, "mesh": 1, "precision": 1, "data": 1, "optim": 1,
     "dispatch": 2, "plan": 2,
     "comm": 3, "random": 3, "zoo": 3,
