@@ -67,6 +67,7 @@ from torch.distributed.tensor.placement_types import Shard
 from vescale._torch import _StridedShard
 
 from .errors import is_missing_rule, missing_rule_error
+from .local import remember_decision
 from .interleaved import (
     _SPLIT_OPS, SIZE_DEPENDENT_OPS, _local_slice_args, _local_slice_backward_args, _local_split_args, grouped_mm_layout_key,
     slice_backward_layout,
@@ -522,7 +523,6 @@ class ShapeFreeCache:
         # While a Static Eager recording watches (``remembering``): the decision given for each schema
         # this step, so that its question "would this op run locally?" (``local.why_rule_not_local``),
         # asked after the op ran, does not propagate the op a second time.
-        self.recent: dict | None = None
 
     def _kind(self, op_schema: OpSchema, result: OutputSharding) -> str | None:
         """How a decision can be replayed: "plain" (runs on the local shards as they are), "moved"
@@ -601,8 +601,7 @@ class ShapeFreeCache:
 
     def __call__(self, op_schema: OpSchema) -> OutputSharding:
         result = self._decide(op_schema)
-        if self.recent is not None:
-            self.recent[op_schema] = result
+        remember_decision(op_schema, result)
         return result
 
     def _decide(self, op_schema: OpSchema) -> OutputSharding:

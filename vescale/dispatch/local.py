@@ -14,10 +14,8 @@ import contextlib
 
 from torch.distributed.tensor import DTensor
 
-from .cache import shape_free_cache
-
-__all__ = ["why_rule_not_local", "data_moves", "moves_data", "decisions_remembered", "runs_locally_when",
-           "handler_runs_locally"]
+__all__ = ["why_rule_not_local", "data_moves", "moves_data", "decisions_remembered", "remember_decision",
+           "runs_locally_when", "handler_runs_locally"]
 
 # vescale's custom op handlers that compute on the local shards as they are, under a condition:
 # handler -> predicate(op, args, kwargs). Static Eager asks before it runs a module on local tensors.
@@ -48,8 +46,7 @@ def data_moves(func, args, kwargs) -> list:
     shards as they are). Raises where DTensor has no decision for the call."""
     dispatcher = DTensor._op_dispatcher
     info = dispatcher.unwrap_to_op_info(func, args, kwargs)
-    cache = shape_free_cache()
-    sharding = cache.recent.get(info.schema) if cache is not None and cache.recent is not None else None
+    sharding = _remembered.get(info.schema) if _remembered is not None else None
     if sharding is None:
         sharding = dispatcher.sharding_propagator.propagate_op_sharding(info.schema)
     if not sharding.needs_redistribute:
@@ -67,19 +64,30 @@ def why_rule_not_local(func, args, kwargs) -> str | None:
     return f"{func} needs its inputs redistributed" if moves else None
 
 
+# op schema -> the sharding decision made for it, while ``decisions_remembered`` is open (else None)
+_remembered: dict | None = None
+
+
+def remember_decision(op_schema, sharding) -> None:
+    """Keep a decision made below DTensor's own caches (the shape-free cache, ``cache.py``, reports
+    each one it makes) while ``decisions_remembered`` is open."""
+    if _remembered is not None:
+        _remembered[op_schema] = sharding
+
+
 @contextlib.contextmanager
 def decisions_remembered():
-    """While open, DTensor's sharding decisions made below its own caches (``ShapeFreeCache``) are
-    kept, and ``why_rule_not_local`` for an op that already ran takes its decision from there:
-    DTensor's C++ cache and the Python propagator's LRU are separate, so asking the propagator
-    again after the op ran would search the op's strategies a second time (Static Eager's
-    recording asks for every op)."""
-    cache = shape_free_cache()
-    if cache is None or cache.recent is not None:  # no cache, or remembering already (the outer one clears)
+    """While open, DTensor's sharding decisions made below its own caches are kept
+    (``remember_decision``), and ``why_rule_not_local`` for an op that already ran takes its
+    decision from there: DTensor's C++ cache and the Python propagator's LRU are separate, so asking
+    the propagator again after the op ran would search the op's strategies a second time (Static
+    Eager's recording asks for every op). Nested blocks leave the decisions to the outermost."""
+    global _remembered
+    if _remembered is not None:
         yield
         return
-    cache.recent = {}
+    _remembered = {}
     try:
         yield
     finally:
-        cache.recent = None
+        _remembered = None
