@@ -31,7 +31,7 @@ class WeakStates:
             state = self._table[key] = self._make()
         return state
 
-    def peek(self, key):
+    def peek(self, key: object) -> Any:
         """``key``'s state if one was made, else None (makes none)."""
         return self._table.get(key)
 

@@ -27,7 +27,7 @@ import runpy
 import sys
 import traceback
 from contextlib import contextmanager, redirect_stdout
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,7 +41,7 @@ __all__ = [
 
 
 @contextmanager
-def fake_world(world_size: int, rank: int = 0):
+def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
     """This process as ``rank`` of a ``world_size``-rank world over PyTorch's ``fake`` process group
     (collectives return at once), for single-process tests and CPU-overhead benchmarks. A process
     group left over by an earlier test is torn down first; this one is torn down on exit."""
@@ -236,7 +236,8 @@ def run_script(path: str, *argv: str) -> str:
     return printed.getvalue()
 
 
-def train_losses(model, batches, opt) -> list[float]:
+def train_losses(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+                 opt: torch.optim.Optimizer) -> list[float]:
     """Train ``model`` on ``(input_ids, labels)`` batches (a causal LM returning ``.loss``) with the
     optimiser ``opt``, one step per batch; the losses, as global values (``loss.item()``)."""
     losses = []
@@ -256,7 +257,7 @@ def global_value(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
-def sgd_steps(model, batches, lr: float) -> dict:
+def sgd_steps(model: torch.nn.Module, batches: Sequence[tuple], lr: float) -> dict:
     """One SGD step per batch of ``model(*batch)`` (a scalar loss): ``{"losses": [...], "grads":
     {parameter name: gradient}}``, as global values, the gradients of the last step (parameters
     without one left out). For comparing a parallelised model with the single device."""
@@ -334,7 +335,7 @@ def input_shapes(module: torch.nn.Module, *paths: str) -> Iterator[dict[str, lis
     seen: dict[str, list[tuple[int, ...]]] = {path: [] for path in paths}
     handles = []
     for path in paths:
-        def record(mod, args, kwargs, path=path):
+        def record(mod: torch.nn.Module, args: tuple, kwargs: dict, path: str = path) -> None:
             first = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), None)
             if first is not None:
                 seen[path].append(tuple((first.to_local() if isinstance(first, DTensor) else first).shape))

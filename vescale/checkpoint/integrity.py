@@ -24,6 +24,7 @@ import os
 import threading
 import zlib
 from pathlib import Path
+from typing import Any, Iterator
 
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
@@ -48,7 +49,7 @@ class _Summing(io.RawIOBase):
     def writable(self) -> bool:
         return True
 
-    def write(self, b) -> int:
+    def write(self, b: Any) -> int:
         view = memoryview(b).cast("B")
         self.crc = zlib.crc32(view, self.crc)
         self.size += view.nbytes
@@ -73,7 +74,7 @@ class _SummingFileSystem(FileSystem):
         self._lock = threading.Lock()  # DCP may write files from several threads
 
     @contextlib.contextmanager
-    def create_stream(self, path, mode: str):
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
         if "w" not in mode:
             with super().create_stream(path, mode) as stream:
                 yield stream
@@ -84,7 +85,7 @@ class _SummingFileSystem(FileSystem):
         with self._lock:
             self.sums[Path(path).name] = {"crc32": summing.crc, "bytes": summing.size}
 
-    def rename(self, path, new_path) -> None:
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         super().rename(path, new_path)  # DCP writes .metadata as a temp file, then renames it
         with self._lock:
             if Path(path).name in self.sums:

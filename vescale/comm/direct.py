@@ -26,6 +26,7 @@ redistributions call it, and static steps must sum as they do).
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -125,7 +126,7 @@ def _all_to_all(out: torch.Tensor, t: torch.Tensor, group, kind: str, async_op: 
         _MEANT.kind = None
 
 
-def all_gather(out: torch.Tensor, t: torch.Tensor, group, async_op: bool = False):
+def all_gather(out: torch.Tensor, t: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False) -> Any:
     """``out`` (``group.size() * t.numel()`` elements) gets every member's ``t`` in rank order;
     returns the work to wait for when ``async_op`` (else None)."""
     if t.is_complex():
@@ -142,7 +143,7 @@ def all_gather(out: torch.Tensor, t: torch.Tensor, group, async_op: bool = False
     return _settle(group.all_gather_single(out, t, _OPTIONS["all_gather", async_op]), async_op)
 
 
-def reduce_scatter(out: torch.Tensor, t: torch.Tensor, group, async_op: bool = False):
+def reduce_scatter(out: torch.Tensor, t: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False) -> Any:
     """``out`` gets the sum over members of this rank's 1/size part of ``t`` (summed)."""
     if t.is_complex():
         return dist.reduce_scatter_single(out, t, group=group, async_op=async_op)
@@ -161,7 +162,7 @@ def reduce_scatter(out: torch.Tensor, t: torch.Tensor, group, async_op: bool = F
     return _settle(group.reduce_scatter_single(out, t, _OPTIONS["reduce_scatter", async_op]), async_op)
 
 
-def all_gather_dim(t: torch.Tensor, d: int, group) -> torch.Tensor:
+def all_gather_dim(t: torch.Tensor, d: int, group: dist.ProcessGroup) -> torch.Tensor:
     """Every member's ``t`` joined along dim ``d`` in rank order, as a new contiguous tensor.
 
     A non-leading dim goes through the backend's list form, which writes each member's part where
@@ -185,7 +186,7 @@ def all_gather_dim(t: torch.Tensor, d: int, group) -> torch.Tensor:
     return out if d == 0 else torch.cat(out.chunk(n, 0), dim=d)
 
 
-def reduce_scatter_dim(t: torch.Tensor, d: int, group) -> torch.Tensor:
+def reduce_scatter_dim(t: torch.Tensor, d: int, group: dist.ProcessGroup) -> torch.Tensor:
     """This rank's chunk along dim ``d`` (one of ``group.size()`` equal ones) of the sum over
     members of ``t``, as a new contiguous tensor.
 
@@ -214,7 +215,7 @@ def reduce_scatter_dim(t: torch.Tensor, d: int, group) -> torch.Tensor:
     return out
 
 
-def all_reduce(t: torch.Tensor, group, async_op: bool = False):
+def all_reduce(t: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False) -> Any:
     """``t`` summed over the members, in place."""
     if t.is_complex():
         return dist.all_reduce(t, group=group, async_op=async_op)
@@ -228,7 +229,7 @@ def _settle(work, async_op: bool):
     return None
 
 
-def wait(work) -> None:
+def wait(work: Any) -> None:
     """Wait for ``work`` (backends that synchronise in C++ return None)."""
     if work is not None:
         work.wait()

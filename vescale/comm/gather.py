@@ -12,10 +12,11 @@ autograd link to the parameter): its gradient is reduce-scattered by the reducer
 from __future__ import annotations
 
 import collections
+from typing import Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Placement
 
 from . import direct
 from .groups import group_of, group_size
@@ -24,7 +25,7 @@ from .layout import NOTHING, gather_plan, pack_gather, unpack_gather
 __all__ = ["gather", "GroupGather", "GatherProgram"]
 
 
-def gather(param: DTensor, mesh: DeviceMesh, placements, stats: collections.Counter | None = None,
+def gather(param: DTensor, mesh: DeviceMesh, placements: Sequence[Placement], stats: collections.Counter | None = None,
            dtype: torch.dtype | None = None) -> DTensor:
     """``param`` (detached) laid out as ``placements``; one all-gather where one is needed.
     ``dtype``: gathered in that dtype (mixed precision: the shard is cast first, so the collective

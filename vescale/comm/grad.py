@@ -33,7 +33,7 @@ import contextlib
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -45,6 +45,10 @@ from .groups import group_of
 from .layout import NOTHING, Transfer, pack_rows, reduce_plan, unpack_row
 from ..precision import reduce_dtype_of
 from vescale.model_state import state_of
+
+if TYPE_CHECKING:
+    from vescale._torch import DTensorSpec
+    from ..precision import MixedPrecision
 
 __all__ = ["GradReducer", "Route", "accumulate_grad", "attach_grad_reduction", "no_grad_sync", "DEFAULT_BUCKET_MB",
            "GradHookRole", "declare_grad_hook", "grad_hook_role"]
@@ -101,7 +105,7 @@ class _Bucket:
             self.work = direct.reduce_scatter(self.out, rows.reshape(-1), group_of(mesh, self.dims), async_op=True)
         stats[self.kind] += 1
 
-    def wait(self, mesh: DeviceMesh, stats: collections.Counter):
+    def wait(self, mesh: DeviceMesh, stats: collections.Counter) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Yields (param, reduced local tensor) per entry."""
         direct.wait(self.work)
         if self.kind == "all_reduce" and not self.fuse:
@@ -147,7 +151,7 @@ class GradReducer:
         bucketed form (the caller then redistributes it itself)."""
         return self.plan_of(param, grad._spec)
 
-    def plan_of(self, param: DTensor, spec) -> Transfer | Route | None:
+    def plan_of(self, param: DTensor, spec: DTensorSpec) -> Transfer | Route | None:
         """``plan`` for a gradient laid out as ``spec`` (a DTensorSpec)."""
         cached = self._plans.get(id(param))
         if cached is not None and cached[0] is param._spec and cached[1] is spec:
@@ -276,7 +280,7 @@ def _route(grad, param) -> Route | None:
     return Route(moves.compile_move(grad, target), plan)
 
 
-def accumulate_grad(param: torch.Tensor, grad: torch.Tensor, skip=lambda hook: False) -> None:
+def accumulate_grad(param: torch.Tensor, grad: torch.Tensor, skip: Callable[[Callable], bool] = lambda hook: False) -> None:
     """What autograd's AccumulateGrad does with ``grad`` on the leaf ``param`` (outside
     ``create_graph``): tensor hooks, then ``param.grad`` set (or added to in place), then the
     post-accumulate hooks; hooks for which ``skip`` is true are left out. For a gradient that
@@ -399,7 +403,7 @@ def _bucketed_hooks(param: DTensor, reducer: GradReducer) -> list:
 
     # Both hooks do nothing with a gradient that needs no reduction: Static Eager's parameter
     # hand-over may then wait for the end of backward (vescale.static.boundary.HandOvers).
-    def idle_for(spec) -> bool:
+    def idle_for(spec: DTensorSpec) -> bool:
         return reducer.plan_of(param, spec) is NOTHING
 
     declare_grad_hook(pre, idle_for=idle_for, reduction=True)
@@ -416,7 +420,9 @@ def _in_dtype(d: DTensor, dtype: torch.dtype) -> DTensor:
     return DTensor.from_local(local, d.device_mesh, d.placements, run_check=False, shape=d.shape, stride=d.stride())
 
 
-def attach_grad_reduction(params, reducer: GradReducer | None = None, policy=None) -> list:
+def attach_grad_reduction(
+    params: Iterable[torch.Tensor], reducer: GradReducer | None = None, policy: MixedPrecision | None = None
+) -> list:
     """Register the reduction on every DTensor parameter that requires grad: bucketed through
     ``reducer``, or per tensor when it is None (in ``policy``'s reduce dtype, a
     ``vescale.MixedPrecision`` or None). Returns the hook handles."""

@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -47,6 +48,9 @@ from vescale._torch import _is_shard_like, _StridedShard
 
 from ..placement import blockwise, splits
 from ..placement.blocks import local_block, representative_coords
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import Placement
 
 __all__ = [
     "Transfer", "NOTHING", "reduce_plan", "gather_plan", "pack_rows", "unpack_row", "pack_gather", "unpack_gather",
@@ -133,7 +137,7 @@ def _block(shape, mesh_shape, coord, placements) -> Block:
 def _member_coords(coord, mesh_shape, dims, index: int | None = None):
     """Coordinates of the group's members (row-major over ``dims``), others equal to ``coord``; with
     ``index``, that member's only."""
-    def at(r):
+    def at(r: int) -> tuple[int, ...]:
         c = list(coord)
         for d in reversed(dims):
             c[d] = r % mesh_shape[d]
@@ -328,12 +332,15 @@ def _gather_plan(shape, mesh_shape, coord, src, dst, dims) -> Transfer | None:
     return _plan("all_gather", shape, mesh_shape, coord, src, dst, dims)
 
 
-def reduce_plan(shape, mesh: DeviceMesh, src, dst) -> Transfer | None:
+def reduce_plan(shape: Sequence[int], mesh: DeviceMesh, src: Sequence[Placement], dst: Sequence[Placement]) -> Transfer | None:
     """How to reduce a gradient laid out as ``src`` to ``dst`` (a parameter's placements)."""
     return _reduce_plan(tuple(shape), tuple(mesh.shape), tuple(mesh.get_coordinate()), tuple(src), tuple(dst))
 
 
-def gather_plan(shape, mesh: DeviceMesh, src, dst, dims: tuple[int, ...] | None = None) -> Transfer | None:
+def gather_plan(
+    shape: Sequence[int], mesh: DeviceMesh, src: Sequence[Placement], dst: Sequence[Placement],
+    dims: tuple[int, ...] | None = None,
+) -> Transfer | None:
     """How to gather a parameter from ``src`` (at rest) to ``dst`` (to run); ``dims`` forces the
     group (a superset of the dims that change), so that several parameters share one collective."""
     return _gather_plan(tuple(shape), tuple(mesh.shape), tuple(mesh.get_coordinate()), tuple(src), tuple(dst), dims)

@@ -24,10 +24,10 @@ planner on every call, forward and backward.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from vescale._torch import DTensorSpec
 from vescale._torch import redistribute_local_tensor
 from vescale._torch import _is_shard_like, _StridedShard
@@ -142,7 +142,9 @@ def _local_selection(src: DTensorSpec, dst: DTensorSpec) -> Optional[LocalFn]:
 
 
 @functools.lru_cache(maxsize=4096)
-def picks_everywhere(shape, mesh_shape, src, dst) -> bool:
+def picks_everywhere(
+    shape: tuple[int, ...], mesh_shape: tuple[int, ...], src: tuple[Placement, ...], dst: tuple[Placement, ...]
+) -> bool:
     """Whether every coordinate's ``dst`` piece is inside its ``src`` piece (``local_picks`` finds
     it at each), decided without looking at every rank: a tensor dim ``src`` does not split is
     whole on every rank; one it splits must be one block in both layouts, and block containment is
@@ -161,7 +163,9 @@ def picks_everywhere(shape, mesh_shape, src, dst) -> bool:
     return True
 
 
-def local_picks(shape, mesh_shape, coord, src, dst) -> tuple | None:
+def local_picks(
+    shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int], src: Sequence[Placement], dst: Sequence[Placement]
+) -> tuple | None:
     """Per tensor dim that changes, the position ranges of the local tensor laid out as ``src`` at
     ``coord`` that hold its piece under ``dst``; None if that piece is not inside it."""
     picks = []
@@ -193,7 +197,7 @@ def _positions(have, want):
     return out
 
 
-def select(t: torch.Tensor, picks) -> torch.Tensor:
+def select(t: torch.Tensor, picks: tuple) -> torch.Tensor:
     """The part of ``t`` that ``local_picks`` names (contiguous)."""
     for d, positions in picks:
         if len(positions) == 1:
@@ -221,7 +225,7 @@ def split_steps(src: tuple, dst: tuple, mesh_shape: tuple) -> tuple | None:
     if a is None or b is None:
         return None  # a strided layout this does not read: DTensor's as before
 
-    def meaning(x):  # mesh dims of one rank split nothing
+    def meaning(x: Any) -> Any:  # mesh dims of one rank split nothing
         return (x[0], x[1], tuple(j for j in x[2] if mesh_shape[j] > 1)) if isinstance(x, tuple) else x
 
     changed = [i for i in range(len(src)) if mesh_shape[i] > 1 and meaning(a[i]) != meaning(b[i])]
@@ -229,7 +233,7 @@ def split_steps(src: tuple, dst: tuple, mesh_shape: tuple) -> tuple | None:
         return None  # one split made, undone or reduced: one step DTensor gets right
     steps, cur = [], list(src)
 
-    def step(i, p):
+    def step(i: int, p: Placement) -> None:
         if cur[i] != p:
             cur[i] = p
             steps.append(tuple(cur))
@@ -325,13 +329,13 @@ def _own(move: Optional[LocalFn], local: torch.Tensor) -> torch.Tensor:
 
 class _Redistribute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, d: DTensor, move, spec: DTensorSpec):
+    def forward(ctx: Any, d: DTensor, move: Optional[LocalFn], spec: DTensorSpec) -> DTensor:
         ctx.src = d._spec
         local = d._local_tensor
         return DTensor(_own(move, local), spec, requires_grad=d.requires_grad)
 
     @staticmethod
-    def backward(ctx, grad: DTensor):
+    def backward(ctx: Any, grad: DTensor) -> tuple[DTensor, None, None]:
         src = ctx.src
         want = grad_placements(grad.placements, src.placements)
         if torch.is_grad_enabled():  # a differentiable backward (double backward): DTensor's own
@@ -343,7 +347,7 @@ class _Redistribute(torch.autograd.Function):
         return DTensor(_own(move, local), spec, requires_grad=False), None, None
 
 
-def relayout(d: DTensor, placements) -> DTensor:
+def relayout(d: DTensor, placements: Sequence[Placement]) -> DTensor:
     """A gradient (no autograd) laid out as ``placements``: ``DTensor.redistribute``, except for the
     moves it gets wrong (``split_steps``), which go one split at a time."""
     placements = tuple(placements)

@@ -13,6 +13,7 @@ import os
 import socket
 import sys
 import threading
+from typing import Sequence
 
 
 def _print_replies(conn: socket.socket) -> None:
@@ -29,7 +30,7 @@ def _print_replies(conn: socket.socket) -> None:
         sys.stdout.flush()
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("address", help="HOST:PORT printed by the rank")
     parser.add_argument("--token", required=True, help="the token printed by the rank")

@@ -18,6 +18,7 @@ import dataclasses
 import json
 import os
 import sys
+from typing import Collection, Sequence
 
 import torch
 
@@ -80,7 +81,7 @@ def _check_comparable(a: str, ia: dict, b: str, ib: dict) -> None:
     keys_a = {(e["step"], e["key"]) for e in ia["entries"]}
     keys_b = {(e["step"], e["key"]) for e in ib["entries"]}
     if keys_a != keys_b:
-        def show(keys):
+        def show(keys: Collection[tuple[int, str]]) -> str:
             return ", ".join(f"step {s} {k}" for s, k in sorted(keys)[:5]) + (" ..." if len(keys) > 5 else "")
 
         only_a, only_b = keys_a - keys_b, keys_b - keys_a
@@ -239,7 +240,7 @@ def compare_runs(
     return result
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """``python -m vescale.debug.compare a/ b/``: exit 0 when the runs agree, 1 when not, 2 on bad input."""
     parser = argparse.ArgumentParser(
         prog="python -m vescale.debug.compare",

@@ -33,7 +33,8 @@ import select
 import socket
 import sys
 import time
-from typing import Callable, Iterable
+from types import FrameType
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -108,7 +109,7 @@ def _eval_with(node: ast.expr, value, frame):
     return eval(code, g, loc)
 
 
-def resolve(expr: str, frame):
+def resolve(expr: str, frame: FrameType) -> tuple[Any, Callable[[Any], Any]]:
     """What ``expr`` names in ``frame``, evaluated without tensor code.
 
     Returns ``(value, finish)``: ``finish(global_value)`` applies the links that come after the first
@@ -128,7 +129,7 @@ def resolve(expr: str, frame):
     return value, lambda global_value: global_value
 
 
-def describe(value) -> dict:
+def describe(value: object) -> dict:
     """What a rank reports about the value it found (JSON-able); ``error`` when it cannot be gathered."""
     if isinstance(value, DTensor):
         local = value._local_tensor
@@ -263,7 +264,7 @@ class _Rendezvous:
         self.store.set(self.key(f"req{rid}/decision"), decision)
         return decision
 
-    def gather(self, expr: str, depth: int, frame) -> tuple[torch.Tensor, dict]:
+    def gather(self, expr: str, depth: int, frame: FrameType) -> tuple[torch.Tensor, dict]:
         """The global tensor ``expr`` names (asked by this rank, in ``frame`` = breakpoint frame + depth)."""
         value, finish = resolve(expr, frame)  # errors here concern this rank only: nothing is posted
         report = describe(value)
@@ -503,7 +504,7 @@ class DistributedPdb(pdb.Pdb):
             )
         return depth
 
-    def do_continue(self, arg: str):
+    def do_continue(self, arg: str) -> bool | None:
         if self.breaks:
             self.clear_all_breaks()
             self.message("*** pdb breakpoints stop one rank only and were cleared; put vescale.debug.breakpoint() in the code")
@@ -529,7 +530,7 @@ class DistributedPdb(pdb.Pdb):
 
     do_c = do_cont = do_continue
 
-    def do_quit(self, arg: str):
+    def do_quit(self, arg: str) -> bool | None:
         if self.session is not None:
             self.session.abort(f"rank {self.session.rank} quit the debugger")
         if self.terminal is not None:

@@ -25,6 +25,7 @@ import json
 import os
 import warnings
 from collections import defaultdict
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -155,7 +156,7 @@ class Recorder:
                 self._save("param", name, p, name=name)
 
     def _output_hook(self, path: str):
-        def hook(module, args, output):
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
             if not self.recording:
                 return
             call = self.calls[path]
@@ -165,10 +166,12 @@ class Recorder:
                 for t in _tensors_in(output):
                     if t.requires_grad:
                         t.register_hook(self._on_backward)
-            _map_named_tensors(
-                lambda field, t: self._save("out", f"{module_name}#{call}{field}", t, module=module_name, call=call) or t,
-                output,
-            )
+
+            def save(field: str, t: torch.Tensor) -> torch.Tensor:
+                self._save("out", f"{module_name}#{call}{field}", t, module=module_name, call=call)
+                return t
+
+            _map_named_tensors(save, output)
 
         return hook
 

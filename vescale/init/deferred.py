@@ -23,12 +23,13 @@ garbage. A model built on the meta device used to be accepted and fail in forwar
 from __future__ import annotations
 
 import contextlib
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Placement, Replicate
 
 from .. import random as vescale_random
 from ..mesh import adopt_mesh
@@ -55,7 +56,9 @@ def init_entry_point(model: nn.Module) -> str | None:
     return None
 
 
-def empty_shard(shape, dtype, mesh: DeviceMesh, placements, fill=float("nan")) -> DTensor:
+def empty_shard(
+    shape: Sequence[int], dtype: torch.dtype, mesh: DeviceMesh, placements: Sequence[Placement], fill: float = float("nan")
+) -> DTensor:
     """A DTensor of global ``shape`` whose local tensor is this rank's shard only, filled with ``fill``."""
     local_shape, _ = local_shape_and_offset(shape, mesh, placements, skip_offset=True)
     local = torch.full(local_shape, fill, dtype=dtype, device=mesh.device_type)

@@ -158,7 +158,7 @@ class FlatLayout:
     # ---- before the step ------------------------------------------------------------------------
 
     @torch.no_grad()  # hooks run outside the step's no_grad; plain parameters require grad
-    def begin(self, opt) -> list | None:
+    def begin(self, opt: torch.optim.Optimizer) -> list | None:
         """Copy this step's gradients (and shards no longer in their slots) in and put one run
         tensor per run in ``opt.state``; returns the parameters to step per tensor, or None where a
         local tensor changed shape, dtype or device (the caller rebuilds the layout)."""
@@ -288,7 +288,7 @@ class FlatLayout:
     # ---- after the step -------------------------------------------------------------------------
 
     @torch.no_grad()
-    def finish(self, opt) -> None:
+    def finish(self, opt: torch.optim.Optimizer) -> None:
         """Copy the stepped shards back and keep each run's state as the parameters' state."""
         if self.copied:
             torch._foreach_copy_([t for _, t in self.copied], [self.param_views[i] for i, _ in self.copied])
@@ -301,7 +301,7 @@ class FlatLayout:
                 self._keep(opt, i, j, state)
         self.runs, self.copied, self.homed, self.grad_buf = [], [], [], None
 
-    def abandon(self, opt) -> None:
+    def abandon(self, opt: torch.optim.Optimizer) -> None:
         """A step that raised: drop the runs. Shards in their slots and per-element state keep
         what the step wrote into them, as after a per-tensor step that raised; shards stepped on
         a copy are not written back; scalar state (``step``) is left as it was."""

@@ -31,6 +31,7 @@ module and the fix.
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.nn as nn
@@ -45,10 +46,15 @@ from ..plan.ir import PlanError
 from ..plan.lower import runs_forward
 from .hooks import _map_tensors
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import Placement
+
+    from ..plan import VescalePlan
+
 __all__ = ["install_batch_local", "batch_local_paths", "Scope"]
 
 
-def batch_local_paths(plan, model: nn.Module) -> dict[str, Statement]:
+def batch_local_paths(plan: VescalePlan, model: nn.Module) -> dict[str, Statement]:
     """Module path -> its ``plan.batch_local`` statement (each statement must match a module that runs)."""
     modules = [p for p, m in model.named_modules() if runs_forward(m)]
     found: dict[str, Statement] = {}
@@ -66,7 +72,7 @@ def batch_local_paths(plan, model: nn.Module) -> dict[str, Statement]:
     return found
 
 
-def install_batch_local(model: nn.Module, plan, mesh: DeviceMesh) -> tuple[list, dict]:
+def install_batch_local(model: nn.Module, plan: VescalePlan, mesh: DeviceMesh) -> tuple[list, dict]:
     """Hooks for every ``plan.batch_local`` statement; returns the handles and the scopes (module
     path -> ``Scope``). Call after the plan's own hooks (the parameter views must see ZeRO-3's
     gathered copies)."""
@@ -116,7 +122,7 @@ def _without(placements, i: int) -> tuple:
     return tuple(p for j, p in enumerate(placements) if j != i)
 
 
-def _with(placements, i: int, p) -> tuple:
+def _with(placements: Sequence[Placement], i: int, p: Placement) -> tuple:
     out = list(placements)
     out.insert(i, p)
     return tuple(out)
@@ -136,7 +142,9 @@ class _ToSub(torch.autograd.Function):
     Backward: the gradient's sub-mesh placements, with ``grad_dp`` on DP."""
 
     @staticmethod
-    def forward(ctx, x: DTensor, sub, dp: int, shape, grad_dp):
+    def forward(
+        ctx: Any, x: DTensor, sub: DeviceMesh | None, dp: int, shape: Sequence[int], grad_dp: Placement
+    ) -> torch.Tensor:
         ctx.spec, ctx.dp, ctx.grad_dp = x._spec, dp, grad_dp
         ctx.set_materialize_grads(False)
         local = x._local_tensor
@@ -146,7 +154,7 @@ class _ToSub(torch.autograd.Function):
         return _dtensor(local, sub, _without(x.placements, dp), shape, stride)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor | None) -> tuple:
         if grad is None:
             return None, None, None, None, None
         spec = ctx.spec
@@ -160,7 +168,7 @@ class _FromSub(torch.autograd.Function):
     on DP. Backward: the gradient moved to ``Shard(dim)`` on DP if it is not, then DP dropped."""
 
     @staticmethod
-    def forward(ctx, y, mesh: DeviceMesh, dp: int, dim: int):
+    def forward(ctx: Any, y: torch.Tensor, mesh: DeviceMesh, dp: int, dim: int) -> DTensor:
         ctx.dp, ctx.dim, ctx.sub_spec = dp, dim, y._spec if isinstance(y, DTensor) else None
         ctx.set_materialize_grads(False)
         sub_placements = y.placements if isinstance(y, DTensor) else ()
@@ -170,7 +178,7 @@ class _FromSub(torch.autograd.Function):
         return _dtensor(local, mesh, _with(sub_placements, dp, Shard(dim)), shape, contiguous_strides(shape))
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: DTensor | None) -> tuple:
         if grad is None:
             return None, None, None, None
         if grad.placements[ctx.dp] != Shard(ctx.dim):
@@ -242,7 +250,7 @@ class Scope:
 
     # -- inputs and outputs -----------------------------------------------------------------
 
-    def enter(self, mod, args, kwargs):
+    def enter(self, mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if self.bypass:
             return None
         if mod.training not in self.checked:  # watched once per mode: models turn randomness on with train()
@@ -252,7 +260,7 @@ class Scope:
             self.guards.append(guard)
         where = iter(range(1 << 30))
 
-        def to_sub(t):
+        def to_sub(t: torch.Tensor) -> torch.Tensor:
             return self._input(t, next(where))
 
         return tuple(_map_tensors(to_sub, list(args))), {k: _map_tensors(to_sub, v) for k, v in kwargs.items()}
@@ -276,7 +284,7 @@ class Scope:
             )
         return _ToSub.apply(t, self.sub, self.dp, tuple(shape), grad_dp)
 
-    def leave(self, mod, args, kwargs, output):
+    def leave(self, mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         self.close_guard()
         return None if self.bypass else _map_tensors(self._output, output)
 
@@ -288,7 +296,7 @@ class Scope:
             )
         return _FromSub.apply(t, self.mesh, self.dp, self.dim)
 
-    def close_guard(self, *_):
+    def close_guard(self, *_: object) -> None:
         while self.guards:
             self.guards.pop().__exit__(None, None, None)
 

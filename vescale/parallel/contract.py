@@ -195,7 +195,7 @@ class InputContract:
         """Whether this call compares the inputs across ranks (first calls, a shape change, or always)."""
         return self.mode == "always" or self.calls < FIRST_STEPS or signature != self.signature
 
-    def fingerprint(self, args, kwargs) -> int:
+    def fingerprint(self, args: tuple, kwargs: dict) -> int:
         """The step check's fingerprint (``fingerprint_parts``) of this forward call's global plain
         inputs; 0 with ``check_inputs="off"``, where the ranks' inputs may differ by design.
 

@@ -27,6 +27,7 @@ experts a zero gradient, as a single device gives unused experts.
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -38,12 +39,15 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from ..plan.ir import PlanError
 from ..plan.lower import forward_arg_names
 
+if TYPE_CHECKING:
+    from ..plan import VescalePlan
+
 __all__ = ["install_expert_parallel"]
 
 _INPUTS = ("hidden_states", "top_k_index", "top_k_weights")
 
 
-def install_expert_parallel(model: nn.Module, plan, mesh: DeviceMesh) -> list:
+def install_expert_parallel(model: nn.Module, plan: VescalePlan, mesh: DeviceMesh) -> list:
     """Hooks for every ``plan.experts`` statement; returns the handles."""
     handles = []
     modules = dict(model.named_modules())
@@ -137,7 +141,7 @@ class _ExpertParallel:
 
     # -- hooks ------------------------------------------------------------------------------
 
-    def pre_hook(self, mod, args, kwargs):
+    def pre_hook(self, mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         values, names = dict(kwargs), forward_arg_names(mod)[0]
         values.update(zip(names, args))
         missing = [n for n in _INPUTS if n not in values]
@@ -179,7 +183,7 @@ class _ExpertParallel:
         rest = {n: v for n, v in values.items() if n not in _INPUTS}
         return new_args, rest
 
-    def post_hook(self, mod, args, kwargs, output):
+    def post_hook(self, mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         if not self.calls:
             return output
         call = self.calls.pop()

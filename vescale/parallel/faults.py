@@ -56,6 +56,7 @@ import time
 import traceback
 import weakref
 from datetime import timedelta
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
@@ -136,7 +137,7 @@ def publish(text: str) -> bool:
             return False
 
 
-def read_reports(ranks, wait_s: float = 0.0) -> dict[int, str]:
+def read_reports(ranks: Iterable[int], wait_s: float = 0.0) -> dict[int, str]:
     """What ``ranks`` published (their failure, else where their step check is waiting), waiting up
     to ``wait_s`` for the first of them to appear."""
     found: dict[int, str] = {}
@@ -259,7 +260,7 @@ def _steps_parallel_parameters(optimizer) -> bool:
 _STAMP_GROUP: list = []
 
 
-def stamp_group():
+def stamp_group() -> dist.ProcessGroup | None:
     """The gloo group the step check's stamps travel on, made (collectively: every rank calls it, in
     ``parallelize``) once per process group; None where the check cannot run (no process group, one
     rank, or a backend that does not communicate, such as the fake one of unit tests)."""
@@ -328,7 +329,7 @@ class StepCheck:
         # the collectives vescale.debug.CollectiveCounter (or a profiler's op list) counts for a step.
         return self.backend.allreduce([stamp], self.options), stamp
 
-    def before_forward(self, call: int, last_failed: bool, args, kwargs) -> None:
+    def before_forward(self, call: int, last_failed: bool, args: tuple, kwargs: dict) -> None:
         """At the start of forward call ``call`` (``last_failed``: this rank's previous call raised):
         send this rank's stamp, wait for every rank's, raise ``OutOfStepError`` where they differ.
         A rank that cannot go on still sends its stamp (so that the others learn why, at once),
@@ -463,7 +464,7 @@ class FaultReporter:
         self.last_failed = False  # the previous forward call raised
         PROGRESS.install()
 
-    def pre_hook(self, mod, args, kwargs) -> None:
+    def pre_hook(self, mod: nn.Module, args: tuple, kwargs: dict) -> None:
         self.calls += 1
         PROGRESS.last_call = f"forward call {self.calls}"
         if self.reducer is not None and self.reducer.unfinished():
@@ -483,7 +484,7 @@ class FaultReporter:
         PROGRESS.stop(why)
         publish(f"rank {rank}: {why}")
 
-    def hook(self, mod, args, output) -> None:
+    def hook(self, mod: nn.Module, args: tuple, output: Any) -> None:
         e = sys.exc_info()[1]
         self.last_failed = e is not None
         if e is None or getattr(e, "_vescale_fault_noted", False) or not dist.is_initialized():

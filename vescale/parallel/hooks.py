@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn as nn
@@ -32,6 +32,13 @@ from .faults import FaultReporter, note_peer_failures
 from .zero import GatheredParam, next_forward, per_tensor_gather
 from .._torch import PATCHES
 from ..model_state import WeakStates
+
+if TYPE_CHECKING:
+    from ..comm.grad import GradReducer
+    from ..precision import MixedPrecision
+    from .contract import InputContract
+    from .faults import StepCheck
+    from .zero import GatherScheduler
 
 __all__ = ["install_module_hooks", "GatheredParam", "CallState", "call_state"]
 
@@ -66,7 +73,7 @@ def _free_after_grad(g: GatheredParam) -> None:
     if state.free_hook:
         return
 
-    def hook(p):
+    def hook(p: torch.Tensor) -> None:
         for g in state.gathered:
             g.free()
         state.gathered.clear()
@@ -171,13 +178,13 @@ class _FactoryMode(TorchFunctionMode):
 # ---------------------------------------------------------------------------------------------
 
 
-def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj):
+def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
     """Apply ``fn`` to every tensor in a module output: tensors, tuples/lists, dicts (incl. HF
     ModelOutput) and dataclasses (the last two are updated in place, as their identity may matter)."""
     return _map_named_tensors(lambda _, t: fn(t), obj)
 
 
-def _map_named_tensors(fn: Callable[[str, torch.Tensor], torch.Tensor], obj, path: str = ""):
+def _map_named_tensors(fn: Callable[[str, torch.Tensor], torch.Tensor], obj: Any, path: str = "") -> Any:
     """``_map_tensors`` that also tells ``fn`` where each tensor sits: ``""`` for the output itself,
     ``[0]`` for a tuple item, ``.loss`` for a dict key or dataclass field (nested: ``.hidden[1]``)."""
     if isinstance(obj, torch.Tensor):
@@ -194,7 +201,7 @@ def _map_named_tensors(fn: Callable[[str, torch.Tensor], torch.Tensor], obj, pat
     return obj
 
 
-def _tensors_in(obj) -> list[torch.Tensor]:
+def _tensors_in(obj: Any) -> list[torch.Tensor]:
     """The tensors ``_map_tensors`` visits, in its order; builds nothing else (it runs on every
     module output of a ZeRO-3 step)."""
     found: list[torch.Tensor] = []
@@ -216,14 +223,14 @@ def _collect_tensors(obj, found: list) -> None:
             _collect_tensors(getattr(obj, f.name), found)
 
 
-def _register_once_on_grads(output, fn: Callable[[], object], where: str | None = None) -> None:
+def _register_once_on_grads(output: Any, fn: Callable[[], object], where: str | None = None) -> None:
     """Call ``fn`` once, when backward first reaches any tensor of ``output``. ``where`` names what
     ``fn`` does for the fault note of a collective failing in it (``note_peer_failures``)."""
     tensors = [output] if isinstance(output, torch.Tensor) else _tensors_in(output)
     tensors = [t for t in tensors if t.requires_grad]
     fired = [False]
 
-    def hook(grad):
+    def hook(grad: torch.Tensor) -> torch.Tensor:
         if not fired[0]:
             fired[0] = True
             try:
@@ -238,7 +245,7 @@ def _register_once_on_grads(output, fn: Callable[[], object], where: str | None 
         t.register_hook(hook)
 
 
-def release_gathered(gathered: list[GatheredParam], output, scheduler, path: str) -> None:
+def release_gathered(gathered: list[GatheredParam], output: Any, scheduler: GatherScheduler | None, path: str) -> None:
     """After the forward that used ``gathered`` (and made ``output``): free them (with the scheduler:
     when it sees fit, ``GatherScheduler.release``), and gather them again when backward first
     reaches ``output`` (with the scheduler: ``path``'s whole unit, what of it is freed)."""
@@ -267,7 +274,8 @@ def gather_only(hook_entries: dict[str, list[Entry]]) -> list[Entry] | None:
 
 
 def install_module_hooks(
-    module: nn.Module, path: str, hook_entries: dict[str, list[Entry]], mesh: DeviceMesh, scheduler=None, policy=None
+    module: nn.Module, path: str, hook_entries: dict[str, list[Entry]], mesh: DeviceMesh,
+    scheduler: GatherScheduler | None = None, policy: MixedPrecision | None = None,
 ) -> list:
     """Install the fused hooks of one module; returns the handles. ``scheduler``: the model's
     ``GatherScheduler`` (bucketed mode: unit gathers with prefetch, gradients to the reducer), or
@@ -284,7 +292,7 @@ def install_module_hooks(
     call = call_state(module)  # what this call carries between the hooks (Static Eager sets io_placed)
     modes: list[_FactoryMode] = []
 
-    def pre_hook(mod, args, kwargs):
+    def pre_hook(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         live.clear()  # left over only if the previous forward raised
         if scheduler is not None and gathers:
             live.extend(scheduler.take(mod, path, gathers))
@@ -306,7 +314,7 @@ def install_module_hooks(
         calls[0] += 1
         return args, kwargs
 
-    def cleanup_hook(mod, args, kwargs, output):
+    def cleanup_hook(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """Runs even when forward raised: the module must get its own parameters back."""
         if modes:
             modes.pop().__exit__(None, None, None)
@@ -317,7 +325,7 @@ def install_module_hooks(
             store = mod._parameters if e.tensor in mod._parameters else mod._buffers
             store[e.tensor] = g.param
 
-    def post_hook(mod, args, kwargs, output):
+    def post_hook(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         if outputs and not call.io_placed:
             output = _place_outputs(output, outputs, mesh, path)
         gathered = list(live)
@@ -348,7 +356,7 @@ def _check_grads_once(mod: nn.Module, path: str, notes: list[Entry]) -> None:
         view = param.view_as(param)
         name = f"{path}.{e.tensor}" if path else e.tensor
 
-        def check(grad, e=e, name=name):
+        def check(grad: torch.Tensor, e: Entry = e, name: str = name) -> torch.Tensor:
             have = tuple(grad.placements) if isinstance(grad, DTensor) else None
             if have is None or not all(agrees(w, h) for w, h in zip(e.targets, have)):
                 raise PlanError(
@@ -376,7 +384,10 @@ def enable_implicit_replication() -> None:
                      torch._C._get_dtensor_allow_implicit_replication, torch._C._set_dtensor_allow_implicit_replication, True)
 
 
-def root_hooks(root: nn.Module, scheduler=None, contract=None, reducer=None, step_check=None) -> list:
+def root_hooks(
+    root: nn.Module, scheduler: GatherScheduler | None = None, contract: InputContract | None = None,
+    reducer: GradReducer | None = None, step_check: StepCheck | None = None,
+) -> list:
     """Hooks on the root module: implicit replication for whichever thread runs forward, and Partial
     outputs (a loss reduced over a sharded batch) resolved to Replicate, so that ``loss.item()`` and
     ``loss.backward()`` mean what they mean on one device. With a ZeRO-3 gather scheduler, they also
@@ -385,7 +396,7 @@ def root_hooks(root: nn.Module, scheduler=None, contract=None, reducer=None, ste
     reported to the other ranks, and ``step_check`` (a ``StepCheck``) compares the ranks' progress at
     the start of every forward call (``FaultReporter``; its pre-hook runs first, before any collective)."""
 
-    def pre_hook(mod, args, kwargs):
+    def pre_hook(mod: nn.Module, args: tuple, kwargs: dict) -> None:
         enable_implicit_replication()
         next_forward()
         if contract is not None:
@@ -393,7 +404,7 @@ def root_hooks(root: nn.Module, scheduler=None, contract=None, reducer=None, ste
         if scheduler is not None:
             scheduler.begin_forward()
 
-    def post_hook(mod, args, output):
+    def post_hook(mod: nn.Module, args: tuple, output: Any) -> Any:
         if scheduler is not None:
             scheduler.end_forward()
         return _map_tensors(_resolve_partial, output)

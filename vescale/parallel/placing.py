@@ -8,7 +8,7 @@ redistributed only along the mesh dimensions the plan names (``None`` = leave as
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -21,6 +21,9 @@ from ..comm import moves
 from ..placement import InterleavedShard, interleave_of, is_interleaved
 from ..plan.ir import PlanError
 
+if TYPE_CHECKING:
+    from ..plan.ir import Entry
+
 __all__ = ["as_dtensor", "place", "place_entry", "grad_layout", "relabel", "moves_nothing"]
 
 
@@ -31,7 +34,7 @@ def as_dtensor(t: torch.Tensor, mesh: DeviceMesh) -> DTensor:
     return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
-def place(t, mesh: DeviceMesh, targets: Sequence[Optional[Placement]], what: str) -> DTensor:
+def place(t: object, mesh: DeviceMesh, targets: Sequence[Optional[Placement]], what: str) -> DTensor:
     """Redistribute ``t`` to ``targets`` (one entry per mesh dim; None keeps the current one)."""
     if not isinstance(t, torch.Tensor):
         raise PlanError(f"{what}: the plan places a tensor here, but the value is a {type(t).__name__}")
@@ -67,7 +70,7 @@ def _counted_from_start(p: Placement, ndim: int) -> Placement:
     return p
 
 
-def moves_nothing(mesh: DeviceMesh, src, dst) -> bool:
+def moves_nothing(mesh: DeviceMesh, src: Sequence[Placement], dst: Sequence[Placement]) -> bool:
     """Whether ``src`` and ``dst`` differ only on mesh dims of one rank. There every placement holds
     the same local tensor (a Partial over one rank is its own sum, a Shard the whole dim), so going
     from one to the other moves no data: the batch split over a DP of 1 (a ``(1, TP)`` mesh), or a
@@ -86,14 +89,14 @@ def relabel(d: DTensor, placements: tuple) -> DTensor:
 
 class _Relabel(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: DTensor, placements: tuple):
+    def forward(ctx: Any, x: DTensor, placements: tuple) -> DTensor:
         ctx.src = x._spec
         local = x._local_tensor
         spec = DTensorSpec(x.device_mesh, placements, tensor_meta=x._spec.tensor_meta)
         return DTensor(local.view_as(local), spec, requires_grad=x.requires_grad)
 
     @staticmethod
-    def backward(ctx, grad: DTensor):
+    def backward(ctx: Any, grad: DTensor) -> tuple[DTensor, None]:
         # What Redistribute's backward hands back: the source placements, except that a Partial
         # source takes a gradient that arrives Shard or Replicate as Replicate.
         src, mesh = ctx.src, ctx.src.mesh
@@ -130,7 +133,7 @@ def _arrives_as(t: torch.Tensor, mesh: DeviceMesh) -> tuple:
     return tuple(Shard(p.dim % t.ndim) if type(p) is Shard else p for p in t.placements)
 
 
-def agrees(stated, have) -> bool:
+def agrees(stated: Placement | None, have: Placement) -> bool:
     """Whether placement ``have`` is what a statement's ``stated`` placement says (None: anything).
     A stated Partial matches any Partial with its reduce op, e.g. the masked Partial of a
     vocabulary-parallel embedding's output, which DTensor keeps as a Partial subclass."""
@@ -145,7 +148,7 @@ def _statements(e) -> str:
     return "plan statement(s) #" + ", #".join(map(str, e.statements))
 
 
-def place_entry(t, mesh: DeviceMesh, e, what: str):
+def place_entry(t: object, mesh: DeviceMesh, e: Entry, what: str) -> torch.Tensor:
     """Apply one activation entry of the Plan IR (``plan.shard``, ``plan.redistribute`` or
     ``plan.annotate``) to ``t``."""
     if not isinstance(t, torch.Tensor):
@@ -198,12 +201,12 @@ class _RedistributeWithGrad(torch.autograd.Function):
     ``grad_dst``, not to DTensor's default."""
 
     @staticmethod
-    def forward(ctx, x: DTensor, dst: tuple, grad_src, grad_dst: tuple):
+    def forward(ctx: Any, x: DTensor, dst: tuple, grad_src: tuple | None, grad_dst: tuple) -> DTensor:
         ctx.mesh, ctx.grad_src, ctx.grad_dst = x.device_mesh, grad_src, grad_dst
         return x.redistribute(x.device_mesh, dst)
 
     @staticmethod
-    def backward(ctx, grad: DTensor):
+    def backward(ctx: Any, grad: DTensor) -> tuple[DTensor, None, None, None]:
         if ctx.grad_src is not None:
             arrived = tuple(grad.placements)
             want = tuple(a if s is None else s for a, s in zip(arrived, ctx.grad_src))

@@ -14,6 +14,8 @@ the single-device model.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
@@ -31,7 +33,7 @@ def _needs_relayout(value) -> bool:
     return not blockwise(tuple(value.shape), tuple(value.device_mesh.shape), tuple(value.placements))
 
 
-def checkpointable(value):
+def checkpointable(value: Any) -> Any:
     """``value`` with every interleaved mesh dim laid out as ``Shard`` on the same tensor dim, where
     its shards are not blocks DCP can describe."""
     if not _needs_relayout(value):

@@ -46,6 +46,7 @@ import dataclasses
 import functools
 import itertools
 import re
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import torch
 import torch.nn as nn
@@ -59,6 +60,13 @@ from ..comm.grad import _in_dtype, declare_grad_hook
 from ..comm.layout import NOTHING
 from ..precision import compute_dtype_of, reduce_dtype_of
 from ..model_state import WeakStates
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import Placement
+
+    from ..comm.grad import GradReducer
+    from ..plan.ir import Entry
+    from ..precision import MixedPrecision
 
 __all__ = ["GatheredParam", "GatherScheduler", "unit_of", "per_tensor_gather", "next_forward"]
 
@@ -122,7 +130,10 @@ class GatheredParam:
         self.owns_storage = storage.data_ptr() != param._local_tensor.untyped_storage().data_ptr()
 
     @classmethod
-    def slot(cls, param: DTensor, mesh: DeviceMesh, run_placements, reducer, shape, policy=None) -> "GatheredParam":
+    def slot(
+        cls, param: DTensor, mesh: DeviceMesh, run_placements: Sequence[Placement], reducer: GradReducer,
+        shape: Sequence[int], policy: MixedPrecision | None = None,
+    ) -> "GatheredParam":
         """A gathered parameter kept from step to step (bucketed mode): its leaf, hook and spec are
         made once, its storage is allocated only while gathered (``refill_target``) and freed as
         any gathered copy's is, and a static step's plain leaf over it is made once too."""
@@ -214,17 +225,19 @@ class _CastGather(torch.autograd.Function):
     forward's dtype: reducing in another dtype needs one node for the whole gather.)"""
 
     @staticmethod
-    def forward(ctx, param: DTensor, placements: tuple, dtype: torch.dtype, reduce_dtype: torch.dtype):
+    def forward(ctx: Any, param: DTensor, placements: tuple, dtype: torch.dtype, reduce_dtype: torch.dtype) -> DTensor:
         ctx.placements, ctx.dtype, ctx.reduce_dtype = tuple(param.placements), param.dtype, reduce_dtype
         return _redistributed(_cast(param.detach(), dtype), param.device_mesh, placements)
 
     @staticmethod
-    def backward(ctx, grad: DTensor):
+    def backward(ctx: Any, grad: DTensor) -> tuple[DTensor, None, None, None]:
         grad = moves.relayout(_in_dtype(grad, ctx.reduce_dtype), ctx.placements)
         return _in_dtype(grad, ctx.dtype), None, None, None
 
 
-def per_tensor_gather(param: DTensor, mesh: DeviceMesh, run_placements, policy=None) -> GatheredParam:
+def per_tensor_gather(
+    param: DTensor, mesh: DeviceMesh, run_placements: Sequence[Placement], policy: MixedPrecision | None = None
+) -> GatheredParam:
     """Per-tensor mode: ``param``'s gathered copy for this use. Uses within one training forward
     (a tied parameter's modules, a module called twice) share one copy, gathered again in place
     if it was freed in between: one autograd node, so the contributions are summed before its one
@@ -284,7 +297,7 @@ class GatherScheduler:
         self.keep_for_backward = True
         self._released: list[GatheredParam] = []  # used by this forward, freed at its next unit gather
 
-    def register(self, module: nn.Module, path: str, entries) -> None:
+    def register(self, module: nn.Module, path: str, entries: Iterable[Entry]) -> None:
         self.units.setdefault(unit_of(path), []).extend((module, e.tensor, tuple(e.targets)) for e in entries)
 
     # -- forward ---------------------------------------------------------------------------------
@@ -376,7 +389,7 @@ class GatherScheduler:
             program = self._programs[(unit, direction)] = GatherProgram(items, self.mesh, dtype_of)
         return GroupGather(items, self.mesh, self.reducer.stats, program)
 
-    def take(self, module: nn.Module, path: str, entries) -> list[GatheredParam]:
+    def take(self, module: nn.Module, path: str, entries: Sequence[Entry]) -> list[GatheredParam]:
         """The module's gathered parameters, from its unit's gather (made now, or prefetched)."""
         unit = unit_of(path)
         if unit not in self._ready and unit not in self._fwd:

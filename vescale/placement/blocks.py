@@ -29,9 +29,13 @@ representatives of that mesh dim, chosen again below each of them for the next m
 from __future__ import annotations
 
 import functools
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from vescale._torch import _is_shard_like, _StridedShard
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Placement
 
 __all__ = ["local_block", "local_shape_and_offset", "dim_ranges", "representative_coords", "is_blockwise"]
 
@@ -94,7 +98,7 @@ def _split(ranges: Ranges, p, k: int, c: int) -> Ranges:
     return tuple(out)
 
 
-def dim_ranges(size: int, dim: int, mesh_shape: Sequence[int], coord: Sequence[int], placements) -> Ranges:
+def dim_ranges(size: int, dim: int, mesh_shape: Sequence[int], coord: Sequence[int], placements: Sequence[Placement]) -> Ranges:
     """The global indices along tensor dim ``dim`` (of length ``size``) that the shard at ``coord``
     holds, in local order, as merged ``(start, length)`` ranges."""
     ranges: Ranges = ((0, size),) if size else ()
@@ -104,7 +108,9 @@ def dim_ranges(size: int, dim: int, mesh_shape: Sequence[int], coord: Sequence[i
     return _merged(ranges)
 
 
-def local_block(shape, mesh_shape, coord, placements) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def local_block(
+    shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int], placements: Sequence[Placement]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(local shape, global offset) of the shard at ``coord``: DTensor's
     ``_compute_local_shape_and_global_offset``, offsets included (an empty shard's offset is the
     dim's global size; a ``_StridedShard`` shard's is its first index)."""
@@ -116,7 +122,9 @@ def local_block(shape, mesh_shape, coord, placements) -> tuple[tuple[int, ...], 
     return tuple(sizes), tuple(offsets)
 
 
-def local_shape_and_offset(shape, mesh, placements, skip_offset: bool = False):
+def local_shape_and_offset(
+    shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement], skip_offset: bool = False
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """DTensor's ``compute_local_shape_and_global_offset(shape, mesh, placements, skip_offset)``, same
     arguments and results (``((0,), ())`` off the mesh), by arithmetic: no index tensors, no chunk
     per rank of a ``_StridedShard`` mesh dim."""
@@ -148,7 +156,8 @@ def _critical(ranges: Ranges, p, k: int) -> set[int]:
     return out
 
 
-def representative_coords(shape, mesh_shape, layouts, dims: Sequence[int] | None = None,
+def representative_coords(shape: Sequence[int], mesh_shape: Sequence[int], layouts: Sequence[Sequence[Placement]],
+                          dims: Sequence[int] | None = None,
                           fixed: Sequence[int] | None = None) -> list[tuple[int, ...]]:
     """Coordinates standing for all coordinates of the mesh (or, with ``dims``, for all values of
     those mesh dims, the others as in ``fixed``) as far as the blocks of ``layouts`` (placement
@@ -166,7 +175,7 @@ def _walk(shape, mesh_shape, layouts, vary, base) -> Iterator[tuple[int, ...]]:
     split_dims = [sorted({p.dim for p in pl if _is_shard_like(p)}) for pl in layouts]
     start = [{d: (((0, shape[d]),) if shape[d] else ()) for d in dims} for dims in split_dims]
 
-    def go(i: int, coord: list[int], state) -> Iterator[tuple[int, ...]]:
+    def go(i: int, coord: list[int], state: Any) -> Iterator[tuple[int, ...]]:
         if i == len(mesh_shape):
             yield tuple(coord)
             return

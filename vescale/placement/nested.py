@@ -35,6 +35,7 @@ take such moves one split at a time, each of them one DTensor gets right.
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 from torch.distributed.tensor import Placement, Shard
@@ -50,7 +51,7 @@ def _plain_shard(p, dim: int) -> bool:
     return type(p) is Shard and p.dim == dim
 
 
-def nest_zero_shards(init: tuple, run: tuple, shape, mesh_shape) -> tuple:
+def nest_zero_shards(init: tuple, run: tuple, shape: Sequence[int], mesh_shape: Sequence[int]) -> tuple:
     """``init`` (at-rest placements, one per mesh dim) with each ZeRO shard nested inside the RUN
     shards of later mesh dims on the same tensor dim (see the module docstring); unchanged where
     that does not apply (other placements, several ZeRO dims on one tensor dim, uneven sizes)."""
@@ -70,7 +71,9 @@ def nest_zero_shards(init: tuple, run: tuple, shape, mesh_shape) -> tuple:
     return tuple(out)
 
 
-def shard_indices(size: int, dim: int, mesh_shape, coord, placements) -> torch.Tensor:
+def shard_indices(
+    size: int, dim: int, mesh_shape: Sequence[int], coord: Sequence[int], placements: Sequence[Placement]
+) -> torch.Tensor:
     """The global indices along tensor dim ``dim`` (of length ``size``) that the shard at mesh
     coordinate ``coord`` holds, in local order (each placement's own split, left to right, as
     ``distribute_tensor`` applies them)."""

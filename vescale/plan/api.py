@@ -96,7 +96,7 @@ class Statement:
     def __str__(self) -> str:
         where = f", mesh={self.mesh_dim!r}" if self.mesh_dim else ""
         when = f", phase={self.phase.value}" if self.phase else ""
-        def fmt(ps):
+        def fmt(ps: Sequence[Placement]) -> Sequence[Placement] | str:
             return ps and (placement_str(ps[0]) if len(ps) == 1 else "[" + ", ".join(map(placement_str, ps)) + "]")
 
         if self.source:  # src, dst: one placement or a list each

@@ -272,11 +272,11 @@ def _lower_module_statement(st, modules, dims, all_paths) -> list[RawEntry]:
     """Activation and factory statements: one raw entry per matched (running) module and mesh dim."""
     pattern = re.compile(st.module_pattern)
     if st.kind == "factory":
-        def candidate(m): return m
+        def candidate(m: str) -> str: return m
         suggestions = [m for m, mod in modules.items() if runs_forward(mod)]
     else:
         direction = st.activation[0]
-        def candidate(m): return activation_path(m, direction)
+        def candidate(m: str) -> str: return activation_path(m, direction)
         suggestions = all_paths
     matched = [m for m in modules if pattern.fullmatch(candidate(m))]
     running = [m for m in matched if runs_forward(modules[m])]

@@ -22,9 +22,12 @@ import tempfile
 import threading
 import warnings
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from vescale.random.kernel import Block, Draw, Launch
 
 _SOURCE = Path(__file__).with_name("csrc") / "vescale_rng.c"
 _ABI_VERSION = 2
@@ -133,14 +136,18 @@ class NativeKernel:
         step_one = self._lib.vrng_scan_index(index.data_ptr(), index.numel(), min_max)
         return IndexScan(min_max[0], min_max[1], bool(step_one))
 
-    def philox(self, c0, c1, c2, c3, k0: int, k1: int) -> torch.Tensor:
+    def philox(
+        self, c0: torch.Tensor | int, c1: torch.Tensor | int, c2: torch.Tensor | int, c3: torch.Tensor | int, k0: int, k1: int
+    ) -> torch.Tensor:
         """Philox4x32-10 of int64 tensors of counter words (values < 2**32): an (n, 4) int64 tensor."""
         words = [torch.as_tensor(c, dtype=torch.int64).reshape(-1).to(torch.int32).contiguous() for c in (c0, c1, c2, c3)]
         out = torch.empty((words[0].numel(), 4), dtype=torch.int32)
         self._lib.vrng_philox(words[0].numel(), *[w.data_ptr() for w in words], k0, k1, out.data_ptr())
         return out.to(torch.int64) & 0xFFFFFFFF
 
-    def fill(self, out, draw, seed: int, launches, block, prob) -> None:
+    def fill(
+        self, out: torch.Tensor, draw: Draw, seed: int, launches: Sequence[Launch], block: Block, prob: torch.Tensor | None
+    ) -> None:
         """Fill ``out`` with ``block`` (a kernel.Block) of the draw. The launch tables are small ctypes arrays
         (a torch.tensor each would cost more than the rest of the call for a small block)."""
         row_base, inner_off, run = block.layout()
@@ -165,7 +172,9 @@ class IndexScan(NamedTuple):
     step_one: bool  # index[i + 1] == index[i] + 1 throughout (and not empty)
 
 
-def local_layout(global_shape, dim_indices, scans):
+def local_layout(
+    global_shape: Sequence[int], dim_indices: Sequence[torch.Tensor] | None, scans: Sequence[IndexScan] | None
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(row_base, inner_off, run) such that local element (r, p, c) in C order, e = (r * P + p) * run + c,
     is global flat index row_base[r] + inner_off[p] + c.
 
@@ -178,7 +187,8 @@ def local_layout(global_shape, dim_indices, scans):
     zero = torch.zeros(1, dtype=torch.int64)
     if dim_indices is None:
         return zero, zero, numel
-    strides, stride = [], 1
+    strides: list[int] = []
+    stride = 1
     for size in reversed(global_shape):
         strides.insert(0, stride)
         stride *= size

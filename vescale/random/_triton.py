@@ -19,10 +19,15 @@ import importlib.util
 import math
 import sys
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from vescale.random import _native
+
+if TYPE_CHECKING:
+    from vescale.random.kernel import Block, Draw, Launch
 
 _KERNEL_SOURCE = Path(__file__).with_name("_triton_kernel.py")
 BLOCK = 512  # elements per program instance
@@ -38,7 +43,7 @@ def available() -> bool:
 
 
 @functools.lru_cache(maxsize=2)
-def load(interpret: bool):
+def load(interpret: bool) -> ModuleType:
     """The kernel module, compiled for the GPU (``interpret=False``) or run by Triton's interpreter."""
     from triton import knobs
 
@@ -63,7 +68,9 @@ def _is_identity(draw) -> bool:
     return math.copysign(1.0, draw.a) > 0 and draw.a == 0.0 and draw.b == 1.0
 
 
-def fill(out, draw, seed: int, launches, block, prob) -> None:
+def fill(
+    out: torch.Tensor, draw: Draw, seed: int, launches: Sequence[Launch], block: Block, prob: torch.Tensor | None
+) -> None:
     """Fill the contiguous ``out`` (CUDA: compiled; CPU: interpreted) with ``block`` (a kernel.Block) of the
     draw, as ``NativeKernel.fill`` does. The block's layout stays on the device between calls."""
     module = load(interpret=out.device.type != "cuda")
@@ -102,7 +109,7 @@ def _constants(draw, dtype: torch.dtype, nlaunch: int) -> dict:
                 IDENTITY=_is_identity(draw), BLOCK=BLOCK)
 
 
-def compile_ptx(draw, dtype: torch.dtype, nlaunch: int = 1, capability: int = 90) -> str:
+def compile_ptx(draw: Draw, dtype: torch.dtype, nlaunch: int = 1, capability: int = 90) -> str:
     """The PTX of the variant ``fill`` launches for ``draw`` on an sm_<capability> GPU, compiled with the same
     options. Needs no GPU (Triton's compiler and the ptxas it ships run on any machine): it lets the test
     suite check which floating-point instructions the GPU will execute."""

@@ -23,6 +23,7 @@ adds PyTorch's selective checkpointing (``create_selective_checkpoint_contexts``
 from __future__ import annotations
 
 import weakref
+from typing import Any, Callable, Sequence
 
 from vescale._torch import _get_current_dispatch_mode_stack
 
@@ -37,7 +38,7 @@ __all__ = ["checkpoint_context", "listen_to_regions"]
 _listeners: "weakref.WeakSet" = weakref.WeakSet()
 
 
-def listen_to_regions(listener) -> None:
+def listen_to_regions(listener: object) -> None:
     """Have ``listener.region_start()`` called at the start of every checkpointed region's forward
     run under ``checkpoint_context`` (vescale.static's runtime registers itself)."""
     _listeners.add(listener)
@@ -122,7 +123,7 @@ class _Both:
             self.first.__exit__(*exc)
 
 
-def checkpoint_context(policy=None) -> tuple:
+def checkpoint_context(policy: Callable[..., Any] | Sequence[Any] | None = None) -> tuple:
     """``context_fn`` for ``torch.utils.checkpoint`` (``use_reentrant=False``): a checkpointed
     region's recomputation draws the numbers its forward drew from vescale's generator (and, in
     Static Eager mode, runs from the state its forward started in: ``vescale.static.recompute``).

@@ -423,7 +423,7 @@ class Block:
         self.dim_indices, self.scans = _checked_indices(global_shape, dim_indices, scan_index or _scan_index_torch)
         self.shape = tuple(index.numel() for index in self.dim_indices)
 
-    def layout(self, device: torch.device | None = None):
+    def layout(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(row_base, inner_off, run) of ``_native.local_layout``, the tensors on ``device`` (default CPU)."""
         key = None if device is None or device.type == "cpu" else device
         layout = self._layouts.get(key)

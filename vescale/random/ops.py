@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from vescale._torch import _len_torch_dispatch_stack_pre_dispatch
@@ -70,7 +70,7 @@ def _schema_arguments(op: torch._ops.OpOverload) -> tuple:
     )
 
 
-def without_dispatch_modes():
+def without_dispatch_modes() -> contextlib.AbstractContextManager:
     """``_disable_current_modes()`` when a dispatch mode is active, else a no-op context: plain tensor code
     run by vescale.random itself must not reach any mode (ours included), and toggling an empty mode
     stack costs more than a small random op."""
@@ -172,7 +172,7 @@ def _on_self(op, b, inplace, kind, params) -> RandomCall:
 
 
 def _like(kind: str, params_of: Callable[[dict, torch.dtype], dict], default_dtype=None):
-    def read(op, b, inplace):
+    def read(op: torch._ops.OpOverload, b: dict, inplace: bool) -> RandomCall:
         _check_layout(b, op)
         self = b["self"]
         dtype = _dtype_of(b, default_dtype or self.dtype)
@@ -185,7 +185,7 @@ def _like(kind: str, params_of: Callable[[dict, torch.dtype], dict], default_dty
 
 
 def _factory(kind: str, params_of: Callable[[dict, torch.dtype], dict], default_dtype=None):
-    def read(op, b, inplace):
+    def read(op: torch._ops.OpOverload, b: dict, inplace: bool) -> RandomCall:
         _check_layout(b, op)
         dtype = _dtype_of(b, default_dtype or torch.get_default_dtype())
         call = RandomCall(op, kind, params_of(b, dtype), dtype, tuple(int(s) for s in b["size"]))
@@ -280,7 +280,7 @@ UNSUPPORTED: frozenset = frozenset(
 ) - frozenset(SUPPORTED)
 
 
-def unsupported_error(op) -> NotImplementedError:
+def unsupported_error(op: torch._ops.OpOverload) -> NotImplementedError:
     hint = ""
     if op.name() == "aten::normal":
         hint = " Write torch.randn_like(mean) * std + mean instead."
@@ -292,7 +292,7 @@ def unsupported_error(op) -> NotImplementedError:
     )
 
 
-def read_call(op, args: tuple, kwargs: dict) -> RandomCall:
+def read_call(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> RandomCall:
     reader, inplace = SUPPORTED[op]
     return reader(op, bind(op, args, kwargs), inplace)
 
@@ -339,7 +339,7 @@ def fill(
                 out.copy_(buf)
 
 
-def select_block(tensor: torch.Tensor, shape: Sequence[int], dim_indices: Sequence[torch.Tensor] | None):
+def select_block(tensor: torch.Tensor, shape: Sequence[int], dim_indices: Sequence[torch.Tensor] | None) -> torch.Tensor:
     """The block ``dim_indices`` of ``tensor`` broadcast to the global ``shape`` (a plain tensor)."""
     full = tensor.expand(tuple(shape))
     if dim_indices is None:
@@ -358,12 +358,12 @@ def dropout_output(x: torch.Tensor, mask_f32: torch.Tensor, scale: float) -> tup
 Block = Callable[[Sequence[int]], tuple[Sequence[int], Sequence[torch.Tensor] | None]]
 
 
-def whole_tensor(shape: Sequence[int]):
+def whole_tensor(shape: Sequence[int]) -> tuple[tuple[int, ...], None]:
     """The block of a plain tensor in consistent(): the whole tensor is the global tensor."""
     return tuple(shape), None
 
 
-def run_on_plain(call: RandomCall, block: Block = whole_tensor):
+def run_on_plain(call: RandomCall, block: Block = whole_tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Run ``call`` on plain tensors; ``block(local_shape)`` says which block of which global tensor
     the op's tensor is (the whole tensor in consistent(), the rank's shard in a DTensor factory)."""
     if not call.train:
@@ -406,7 +406,7 @@ class RandomOpMode(TorchDispatchMode):
         super().__init__()
         self.block = block
 
-    def on_dtensor(self, func, args, kwargs):
+    def on_dtensor(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
         return func(*args, **kwargs)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -42,7 +42,9 @@ def _mulhilo(a, multiplier: int):
     return (x >> 32) + (high_part >> 16), x & MASK32
 
 
-def philox4x32_10(c0, c1, c2, c3, k0: int, k1: int):
+def philox4x32_10(
+    c0: torch.Tensor | int, c1: torch.Tensor | int, c2: torch.Tensor | int, c3: torch.Tensor | int, k0: int, k1: int
+) -> tuple[torch.Tensor | int, torch.Tensor | int, torch.Tensor | int, torch.Tensor | int]:
     """Philox4x32-10 of the counter (c0, c1, c2, c3) under the key (k0, k1); returns four words.
 
     Counter words may be int64 tensors (broadcasting) or Python ints, each in [0, 2**32); the key is
@@ -244,7 +246,9 @@ def normal_float(u_word: torch.Tensor, v_word: torch.Tensor, want_cos: torch.Ten
     return (radius * det_sin_or_cos(v.to(torch.float64), want_cos)).to(torch.float32)
 
 
-def normal_double(w0, w1, w2, w3, want_cos: torch.Tensor) -> torch.Tensor:
+def normal_double(
+    w0: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, want_cos: torch.Tensor
+) -> torch.Tensor:
     """Standard normal float64 as curand_normal2_double: u from (w0, w1), v = z * 2**-52 + 2**-53 from
     (w2, w3), sqrt(-2 log u) * sinpi|cospi(v) (element 0 of the pair: sin, element 1: cos)."""
     u = uniform_double(w0, w1)
@@ -274,7 +278,8 @@ def u64_mod(value: torch.Tensor, modulus: int) -> torch.Tensor:
     q_est = torch.floor(as_float / float(modulus)).to(torch.int64)
     m_hi, m_lo = modulus >> 32, modulus & MASK32
 
-    def times_modulus(q):  # q * modulus as (high, low) 32-bit limbs; q < 2**18 keeps partials < 2**50
+    # q * modulus as (high, low) 32-bit limbs; q < 2**18 keeps partials < 2**50
+    def times_modulus(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         low_product = q * m_lo
         return q * m_hi + (low_product >> 32), low_product & MASK32
 

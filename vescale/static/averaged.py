@@ -30,14 +30,19 @@ by the global label count there, a ``Partial("sum")`` loss, and a module computi
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, Callable
+
 import torch
 from torch.distributed.tensor import DTensor
 from vescale._torch import tree_leaves
 
+if TYPE_CHECKING:
+    from vescale._torch import DTensorSpec
+
 __all__ = ["averaged_dims", "wrap_divisor", "wrap_refusal", "consumes_average", "divide_grad"]
 
 
-def averaged_dims(spec) -> list[int]:
+def averaged_dims(spec: DTensorSpec | None) -> list[int]:
     """Mesh dims (of more than one rank) on which ``spec`` is a non-sum Partial."""
     if spec is None:
         return []
@@ -47,13 +52,13 @@ def averaged_dims(spec) -> list[int]:
     ]
 
 
-def describe(spec) -> str | None:
+def describe(spec: DTensorSpec | None) -> str | None:
     """The first averaged placement of ``spec`` as text (None if it has none)."""
     dims = averaged_dims(spec)
     return f"{spec.placements[dims[0]]} on mesh dim {dims[0]}" if dims else None
 
 
-def wrap_divisor(spec) -> int:
+def wrap_divisor(spec: DTensorSpec | None) -> int:
     """What a local gradient is divided by where a local value becomes the DTensor ``spec``: the
     number of ranks it is averaged over (1 when it is not averaged)."""
     n = 1
@@ -62,7 +67,7 @@ def wrap_divisor(spec) -> int:
     return n
 
 
-def wrap_refusal(spec, grad_placements: tuple | None) -> str | None:
+def wrap_refusal(spec: DTensorSpec | None, grad_placements: tuple | None) -> str | None:
     """Why an averaged value cannot leave static code with gradients in ``grad_placements`` (None:
     from_local's default, Replicate on the averaged dims, which the rule needs)."""
     for i in averaged_dims(spec):
@@ -73,7 +78,7 @@ def wrap_refusal(spec, grad_placements: tuple | None) -> str | None:
     return None
 
 
-def consumes_average(func, args, kwargs) -> str | None:
+def consumes_average(func: Callable[..., Any], args: tuple, kwargs: dict) -> str | None:
     """Why ``func`` (a DTensor op of a module's body, while recording) must not run in static code:
     one of its inputs is an averaged Partial (see the module docstring)."""
     for a in tree_leaves((args, kwargs)):
@@ -88,12 +93,12 @@ class _DivideGrad(torch.autograd.Function):
     """Identity forward; backward divides the gradient by ``n``."""
 
     @staticmethod
-    def forward(ctx, t, n):
+    def forward(ctx: Any, t: torch.Tensor, n: int) -> torch.Tensor:
         ctx.n = n
         return t.view_as(t)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[torch.Tensor | None, None]:
         return (None if grad is None else grad / ctx.n), None
 
 

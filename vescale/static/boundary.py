@@ -18,6 +18,7 @@ specs, so every move computes what DTensor would.
 from __future__ import annotations
 
 import weakref
+from typing import Any, Callable
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -36,12 +37,15 @@ __all__ = [
 
 class _MoveFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, forward_fn, backward_fn):
+    def forward(
+        ctx: Any, x: torch.Tensor, forward_fn: Callable[[torch.Tensor], torch.Tensor] | None,
+        backward_fn: Callable[[torch.Tensor], torch.Tensor] | None,
+    ) -> torch.Tensor:
         ctx.backward_fn = backward_fn
         return forward_fn(x) if forward_fn is not None else x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[torch.Tensor | None, None, None]:
         if grad is None or ctx.backward_fn is None:
             return grad, None, None
         return ctx.backward_fn(grad), None, None
@@ -102,12 +106,12 @@ class _LocalOf(torch.autograd.Function):
     """A DTensor's local tensor; its gradient goes back as a DTensor with a fixed spec."""
 
     @staticmethod
-    def forward(ctx, dt, spec_of_grad):
+    def forward(ctx: Any, dt: DTensor, spec_of_grad: DTensorSpec) -> torch.Tensor:
         ctx.spec_of_grad = spec_of_grad
         return dt._local_tensor.view_as(dt._local_tensor)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[DTensor | None, None]:
         if grad is None:
             return None, None
         return DTensor(grad.contiguous(), ctx.spec_of_grad, requires_grad=False), None
@@ -118,12 +122,12 @@ class _DTensorOf(torch.autograd.Function):
     placements of ``spec_of_grad`` (redistributed there if it arrives otherwise)."""
 
     @staticmethod
-    def forward(ctx, t, spec, spec_of_grad):
+    def forward(ctx: Any, t: torch.Tensor, spec: DTensorSpec, spec_of_grad: DTensorSpec) -> DTensor:
         ctx.spec_of_grad = spec_of_grad
         return DTensor(t.view_as(t), spec, requires_grad=t.requires_grad)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: DTensor | None) -> tuple[torch.Tensor | None, None, None]:
         if grad is None:
             return None, None, None
         local, want = grad._local_tensor, ctx.spec_of_grad

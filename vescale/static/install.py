@@ -10,6 +10,7 @@ even when forward raised.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import torch.nn as nn
 
@@ -104,23 +105,23 @@ def _install_units(rt: StaticRuntime, model: nn.Module, scheduler, gathered_modu
 def _install_one(rt: StaticRuntime, mod: nn.Module, path: str) -> list:
     is_root = path == ""
 
-    def enter(m, args, kwargs):
+    def enter(m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if is_root:
             rt.begin_step(args, kwargs)
         return rt.enter(m, path, args, kwargs)
 
-    def inside(m, args, kwargs):
+    def inside(m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         return rt.inside(m, path, args, kwargs)
 
-    def leave(m, args, kwargs, output):
+    def leave(m: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         return rt.leave(m, path, output)
 
-    def restore(m, args, kwargs, output):
+    def restore(m: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         rt.restore(m, path)
         if is_root:
             rt.end_forward()
 
-    def handed_back(m, args, kwargs, output):
+    def handed_back(m: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         return rt.handed_back(m, path, output)
 
     return [

@@ -41,6 +41,7 @@ at that move and the loss runs on whole rows in both: equal bit for bit.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -60,7 +61,7 @@ _ARGS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", 
 _DEFAULTS = (None, None, None, None, -100, None, "mean", 0.0)
 
 
-def cross_entropy_args(args, kwargs) -> dict:
+def cross_entropy_args(args: tuple, kwargs: dict) -> dict:
     values = dict(zip(_ARGS, _DEFAULTS))
     values.update(zip(_ARGS, args))
     values.update(kwargs)
@@ -126,14 +127,14 @@ class _GatherClasses(torch.autograd.Function):
     the whole-row gradient, contiguous (what DTensor's ``Replicate -> Shard`` move gives)."""
 
     @staticmethod
-    def forward(ctx, logits, kernel: LocalLoss):
+    def forward(ctx: Any, logits: torch.Tensor, kernel: LocalLoss) -> torch.Tensor:
         ctx.kernel = kernel
         ctx.local_shape = logits.shape
         ctx.dtype = logits.dtype
         return _class_move(kernel, logits.shape[0], logits.dtype, Shard(1), Replicate())(logits.contiguous())
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         kernel = ctx.kernel
         move = _class_move(kernel, ctx.local_shape[0], ctx.dtype, Replicate(), Shard(1))
         return move(grad.contiguous()).contiguous(), None

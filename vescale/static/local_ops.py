@@ -38,6 +38,7 @@ with the module named instead of reading foreign rows.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -102,7 +103,7 @@ def _embedding_args(args, kwargs) -> tuple:
     return tuple(values)
 
 
-def masked_lookup(func, args, kwargs, params: dict) -> MaskedLookup | None:
+def masked_lookup(func: Callable[..., Any], args: tuple, kwargs: dict, params: dict) -> MaskedLookup | None:
     """The ``MaskedLookup`` of ``func`` if it is ``aten.embedding`` into one of ``params`` (the
     module's parameters, name -> tensor as the body sees it) whose only non-local step is DTensor's
     masked-Partial rule on one mesh dim; None otherwise (the op keeps its module eager)."""
@@ -177,7 +178,7 @@ class LocalLookups(TorchFunctionMode):
         self.module = None
         self.running = False  # a kernel's own lookup is on its way (check_lookup lets it through)
 
-    def enter(self, module) -> None:
+    def enter(self, module: torch.nn.Module) -> None:
         self.module = module
         self.__enter__()
 
@@ -230,7 +231,7 @@ def _functional_args(args, kwargs) -> tuple:
     return ids, weight, padding_idx, values
 
 
-def check_lookup(lookups: dict, steps: dict, module: str, func) -> None:
+def check_lookup(lookups: dict, steps: dict, module: str, func: Callable[..., Any]) -> None:
     """First static step: an ``aten.embedding`` in a module with recorded tables must come from
     the kernel (``steps``: module path -> its ``_Steps``, whose ``lookups`` is its LocalLookups)."""
     if func is not aten.embedding.default or module not in lookups:
@@ -249,7 +250,7 @@ def check_lookup(lookups: dict, steps: dict, module: str, func) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def unmasked(spec):
+def unmasked(spec: DTensorSpec | None) -> DTensorSpec | None:
     """``spec`` with each ``_MaskPartial`` placement as the plain ``Partial`` it is in static steps
     (the kernel masked its rows already); other specs unchanged."""
     if spec is None or not any(isinstance(p, _MaskPartial) for p in spec.placements):
@@ -258,11 +259,11 @@ def unmasked(spec):
     return DTensorSpec(spec.mesh, placements, tensor_meta=spec.tensor_meta)
 
 
-def is_masked(spec) -> bool:
+def is_masked(spec: DTensorSpec | None) -> bool:
     return spec is not None and any(isinstance(p, _MaskPartial) for p in spec.placements)
 
 
-def grad_placements(lookups: dict | None, module: str, name: str, param, recorded):
+def grad_placements(lookups: dict | None, module: str, name: str, param: DTensor, recorded: tuple | None) -> tuple | None:
     """The placements of ``module.name``'s gradient in static steps: as recorded, except on the
     masked mesh dim of a recorded table, where the kernel's gradient is laid out as the table."""
     lookup = (lookups or {}).get(module, {}).get(name)

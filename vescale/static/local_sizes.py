@@ -53,7 +53,7 @@ whose layout in static steps the recording does not see.)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -81,7 +81,7 @@ class SizedCall:
     func: Callable
     split_dim: int | None = None
 
-    def local_sizes(self, out) -> tuple | None:
+    def local_sizes(self, out: Any) -> tuple | None:
         """The sizes this call would take to give ``out``'s local tensors (None: not a DTensor result)."""
         if self.split_dim is None:
             return tuple(out._local_tensor.shape) if isinstance(out, DTensor) else None
@@ -89,14 +89,14 @@ class SizedCall:
             return None
         return (out[0]._local_tensor.shape[self.split_dim],)  # every piece but the last has the section size
 
-    def run(self, sizes: tuple):
+    def run(self, sizes: tuple) -> Any:
         """The call again with ``sizes``."""
         if self.split_dim is None:
             return self.func(self.tensor, sizes)
         return self.func(self.tensor, sizes[0], dim=self.split_dim)
 
 
-def size_call(func, args, kwargs) -> SizedCall | SlicedCall | None:
+def size_call(func: Callable[..., Any], args: tuple, kwargs: dict) -> SizedCall | SlicedCall | None:
     """The ``SizedCall`` (``SlicedCall`` for slicing) of a ``SIZED_CALLS`` call, or None where its
     sizes are not plain ints (a dtype view, symbolic sizes, a split into listed sections, an index
     with tensors in it)."""
@@ -134,10 +134,10 @@ class SlicedCall:
     rebuild: Callable
     narrow: bool = False
 
-    def run(self, sizes: tuple):
+    def run(self, sizes: tuple) -> Any:
         return self.rebuild(sizes)
 
-    def slices(self):
+    def slices(self) -> Iterator[tuple[int, int | None, int | None]]:
         """(dim, start, stop) per slice, as ``aten.slice`` takes them."""
         if self.narrow:
             start, length = self.sizes
@@ -167,7 +167,7 @@ def _index_dims(index: tuple, ndim: int) -> list | None:
     return dims
 
 
-def sliced_call(func, args, kwargs) -> SlicedCall | None:
+def sliced_call(func: Callable[..., Any], args: tuple, kwargs: dict) -> SlicedCall | None:
     """The ``SlicedCall`` of ``x[index]`` with step-1 slices, or of ``narrow``; None otherwise."""
     if func is torch.Tensor.__getitem__:
         tensor, index = args[0], args[1]
@@ -180,7 +180,7 @@ def sliced_call(func, args, kwargs) -> SlicedCall | None:
         if not where:
             return None
 
-        def rebuild(bounds, tensor=tensor, index=index, where=where):
+        def rebuild(bounds: tuple, tensor: torch.Tensor = tensor, index: tuple = index, where: list[int] = where) -> Any:
             new = list(index)
             for j, i in enumerate(where):
                 new[i] = slice(bounds[2 * j], bounds[2 * j + 1], index[i].step)
@@ -241,7 +241,7 @@ class SizeRewrite:
     global_sizes: tuple
     local_sizes: tuple
 
-    def local(self, sizes: tuple, module: str, func, derived: bool, scale: bool = False) -> tuple | None:
+    def local(self, sizes: tuple, module: str, func: Callable[..., Any], derived: bool, scale: bool = False) -> tuple | None:
         """``sizes`` with the rewritten positions local, or None where the call passes the local sizes
         already (read from the local tensor); raises where the call is not the recorded one.
         ``derived``: the record was derived for new input sizes; ``scale``: from a record whose first
@@ -326,7 +326,7 @@ class GlobalSizes:
     def global_sizes(self) -> tuple:
         return tuple(self.sizes[i] for i in self.positions)
 
-    def local(self, sizes: tuple, module: str, func, derived: bool, scale: bool = False) -> tuple | None:
+    def local(self, sizes: tuple, module: str, func: Callable[..., Any], derived: bool, scale: bool = False) -> tuple | None:
         """The sizes the call takes (the recorded global ones where it passes local ones), or None
         where it passes the recorded sizes (nothing to rewrite, ever); raises where the call is not
         the recorded one. ``derived`` / ``scale``: as for ``SizeRewrite.local``."""
@@ -369,7 +369,7 @@ class GlobalSizes:
         return tuple(out) if scale or all(sizes[i] == self.sizes[i] for i in rest) else None
 
 
-def size_rewrite(call: SizedCall, out):
+def size_rewrite(call: SizedCall | SlicedCall, out: Any) -> SizeRewrite | GlobalSizes | None:
     """The recording's note for a sized call that gave ``out``: a ``SizeRewrite`` where an explicit
     size is global (differs from the one the local tensors take), ``GlobalSizes`` for a call on a
     plain tensor, else None."""

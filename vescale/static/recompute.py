@@ -101,7 +101,7 @@ class RegionState:
         self.open = False
         self.runtime._region_done(self)
 
-    def recompute(self):
+    def recompute(self) -> _Recomputing:
         return _Recomputing(self)
 
 

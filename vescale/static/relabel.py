@@ -23,6 +23,7 @@ for bit.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING, Callable, Literal
 
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -33,10 +34,19 @@ from ..parallel.batch_local import _with  # the placements with DP's put back, a
 from ..parallel.placing import grad_layout
 from .resize import LazyMove, ResizeMismatch, settle
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
+    from ..parallel.batch_local import Scope
+    from .boundary import Move
+    from .runtime import Crossing
+
 __all__ = ["relabelled_move", "LazyRelabel", "grad_placements"]
 
 
-def relabelled_move(a, b, scope, side: str, make_move):
+def relabelled_move(
+    a: Crossing, b: Crossing, scope: Scope, side: str, make_move: Callable[[Crossing, Crossing], Move]
+) -> Move | LazyRelabel | Literal[False] | None:
     """The move at batch-local ``scope``'s boundary between crossings ``a`` and ``b`` with its
     sub-mesh side on the full mesh: ``b`` (the body's input) for ``side="in"``, ``a`` (the body's
     output) for ``side="out"``; ``make_move(a, b)`` makes it from (stand-in) crossings. None for a
@@ -130,7 +140,7 @@ class LazyRelabel(LazyMove):
         return self.move(t)
 
 
-def grad_placements(recorded: tuple | None, param, scope) -> tuple:
+def grad_placements(recorded: tuple | None, param: DTensor, scope: Scope) -> tuple:
     """The gradient placements of ``param`` (gathered, on the full mesh) used inside ``scope``: as
     recorded on the sub-mesh (the default layout if none arrived), ``Partial`` on DP (each rank's
     sum over its own tokens)."""

@@ -44,7 +44,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from torch.distributed.tensor import Shard
@@ -53,6 +53,9 @@ from vescale._torch import DTensorSpec, TensorMeta
 from ..dispatch.metas import contiguous_strides, with_meta
 from ..plan.ir import PlanError
 from ..placement.blocks import local_shape_and_offset
+
+if TYPE_CHECKING:
+    from .runtime import Crossing, Record
 
 __all__ = ["ResizeMismatch", "size_factors", "derive", "data_dependent_op", "Pending", "ShapeCandidates", "settle", "finish"]
 
@@ -123,7 +126,7 @@ _DATA_DEPENDENT = {
 }
 
 
-def data_dependent_op(func, args) -> bool:
+def data_dependent_op(func: Callable[..., Any], args: tuple) -> bool:
     """Whether ``func`` makes sizes from values: a record containing one is not derived."""
     if func in _DATA_DEPENDENT:
         return True
@@ -219,7 +222,7 @@ class Pending:
     shared: _Shared
     settled: DTensorSpec | None = None
 
-    def settle(self, local_shape) -> DTensorSpec:
+    def settle(self, local_shape: Sequence[int]) -> DTensorSpec:
         """The spec whose shard on this rank has ``local_shape``."""
         if self.settled is not None:
             return self.settled
@@ -288,7 +291,7 @@ class ShapeCandidates:
 
     candidates: tuple
 
-    def check(self, module: str, func, shape) -> None:
+    def check(self, module: str, func: Callable[..., Any], shape: Sequence[int] | None) -> None:
         if shape is None or len(shape) != len(self.candidates) or any(s not in c for s, c in zip(shape, self.candidates)):
             raise ResizeMismatch(
                 f"module {module!r}: {func} gives a local shape {shape} in the first static step of a record "
@@ -297,7 +300,7 @@ class ShapeCandidates:
             )
 
 
-def settle(c, t: torch.Tensor) -> None:
+def settle(c: Crossing, t: torch.Tensor) -> None:
     """Settle crossing ``c`` (``runtime.Crossing`` with ``pending``) from the tensor crossing there: a
     local tensor, or a DTensor (whose placements and shape must be those derived)."""
     pending, c.pending = c.pending, None
@@ -391,7 +394,9 @@ def _open(spec: DTensorSpec, factors, where: str, grad_placements) -> tuple:
     return candidates, counts
 
 
-def derive(source, factors, record_cls, crossing_cls) -> tuple[Any, str]:
+def derive(
+    source: Record, factors: tuple[tuple[int, int], ...], record_cls: type[Record], crossing_cls: type[Crossing]
+) -> tuple[Any, str]:
     """A record for new input sizes from the verified record ``source`` (see the module docstring):
     ``(record, "")``, or ``(None, why not)``."""
     if source.data_dependent:
@@ -430,7 +435,7 @@ def derive(source, factors, record_cls, crossing_cls) -> tuple[Any, str]:
     return rec, ""
 
 
-def checked_before(rec) -> bool:
+def checked_before(rec: Record) -> bool:
     """Whether ``rec``'s first static step can run without the op watcher: a record derived from one
     whose own first static step checked the local shapes of its sized ops. That check catches code
     that computes a global size where sharding needs a local one (a head count from the config), which
@@ -440,7 +445,7 @@ def checked_before(rec) -> bool:
     return rec.resized_from is not None and rec.resized_from.verified
 
 
-def replay_spec(specs: list, j: int, a: torch.Tensor):
+def replay_spec(specs: list, j: int, a: torch.Tensor) -> DTensorSpec | None:
     """The j-th recorded spec of a random op, settled from its argument ``a`` if it is open."""
     spec = specs[j]
     if isinstance(spec, Pending):
@@ -448,7 +453,7 @@ def replay_spec(specs: list, j: int, a: torch.Tensor):
     return spec
 
 
-def finish(rec) -> None:
+def finish(rec: Record) -> None:
     """After a derived record's first static step ran through: open sizes that can only be one
     value are settled too (export shows them), precompiled moves replace their lazy wrappers."""
     for c in rec.crossings.values():

@@ -40,7 +40,7 @@ import enum
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 import torch.nn as nn
@@ -60,6 +60,9 @@ from . import averaged, relabel, resize
 from .boundary import HandOvers, Move, ParamShadow, dtensor_of, grad_spec, local_of, settled_on_unit_dims
 from .random_gate import CallTracker, RandomGate
 from .recompute import RegionState, in_backward, refuse_outside_region, unnoted_region
+
+if TYPE_CHECKING:
+    from ..plan.api import Statement
 from .shares import SUMS, GradientShares
 from .local_calls import CallWatch, LocalCalls, drop_plain_sizes, local_call_paths
 from .local_ops import LocalLookups, check_lookup, grad_placements, is_masked, masked_lookup, unmasked, unmasked_inputs
@@ -414,7 +417,7 @@ class _OpWatcher(TorchDispatchMode):
             if why and not _zeros_made_partial(node, func, args, kwargs):
                 self.record.unsafe[module] = f"in backward, {why}"
 
-    def note_boundary(self, node, caller: str | None) -> None:
+    def note_boundary(self, node: torch.autograd.graph.Node | None, caller: str | None) -> None:
         if node is not None and caller is not None:
             self.boundary_nodes[id(node)] = (node, caller)
 
@@ -552,7 +555,7 @@ class _RandomReplay(TorchDispatchMode):
             )
         specs = recorded[k - 1]
 
-        def as_recorded(j, a):
+        def as_recorded(j: int, a: Any) -> Any:
             spec = resize.replay_spec(specs, j, a) if isinstance(a, torch.Tensor) else None
             return DTensor(a, spec, requires_grad=False) if spec is not None else a
 
@@ -762,7 +765,7 @@ class StaticRuntime:
 
     # -- root ---------------------------------------------------------------------------------
 
-    def begin_step(self, args, kwargs) -> None:
+    def begin_step(self, args: tuple, kwargs: dict) -> None:
         """Root pre-hook: pick this step's state from the root inputs' shapes."""
         if in_backward():
             raise PlanError(
@@ -980,7 +983,7 @@ class StaticRuntime:
             self.local_calls = None
 
     @contextlib.contextmanager
-    def own_ops_off(self):
+    def own_ops_off(self) -> Iterator[None]:
         """A local kernel's ops (and, while recording, the DTensor ops of the call it stands for)
         are not the running module's own: the op watcher neither judges nor shape-checks them."""
         if not (self.watcher is not None and self.stack):
@@ -1064,7 +1067,7 @@ class StaticRuntime:
     # of a static step neither wrap, move nor unwrap anything, and their hooks should cost a dict
     # lookup, not a walk over their inputs and outputs.
 
-    def enter(self, mod, path: str, args, kwargs):
+    def enter(self, mod: nn.Module, path: str, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         """Before the plan's pre-hook: local inputs become the DTensors they stand for, if the plan
         redistributes them here or this module runs eagerly."""
         if self.recompute is None and self.state is not None and in_backward():
@@ -1098,7 +1101,7 @@ class StaticRuntime:
                 self._note_member_call(path)
         return self._to_dtensors(path, "in", wraps, lambda fn: _map_io(fn, args, kwargs))
 
-    def inside(self, mod, path: str, args, kwargs):
+    def inside(self, mod: nn.Module, path: str, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         """After the plan's pre-hook: a static module gets local inputs and local parameters."""
         if self.state is State.RECORD:
             return self._inside_recording(mod, path, args, kwargs)
@@ -1129,7 +1132,7 @@ class StaticRuntime:
             self._body_starts(path)
             return None
 
-        def note(i, t):
+        def note(i: int, t: torch.Tensor) -> torch.Tensor:
             c = _note(rec, self.parent, (path, "body", i), t)
             if c.spec is not None and self.watcher is not None:
                 self.watcher.dtensor_bodies.add(path)
@@ -1237,7 +1240,7 @@ class StaticRuntime:
     def _tracking(self) -> bool:
         return self.watcher is not None or self.replay is not None or self.local_calls is not None
 
-    def restore(self, mod, path: str) -> None:
+    def restore(self, mod: nn.Module, path: str) -> None:
         """Always called after forward: the module gets its own parameters back."""
         call = call_state(mod)
         call.io_placed = False  # set only if forward raised between leave and handed_back
@@ -1260,7 +1263,7 @@ class StaticRuntime:
             self.stack.pop()
             self._follow_body()
 
-    def leave(self, mod, path: str, output):
+    def leave(self, mod: nn.Module, path: str, output: Any) -> Any:
         """Before the plan's post-hook: local outputs of a static module become DTensors if the plan
         redistributes them here or the caller runs eagerly."""
         if self._tracking() and self.stack:
@@ -1362,7 +1365,7 @@ class StaticRuntime:
             # The recorded forward again: the same mirrored wraps, nothing noted.
             crossings = self.record.crossings
 
-            def mirror(i, t):
+            def mirror(i: int, t: torch.Tensor) -> torch.Tensor:
                 c = crossings.get((path, where, i))
                 return _mirror(t, c.leave_grad if c is not None else None)
 
@@ -1372,7 +1375,7 @@ class StaticRuntime:
 
             keys = rec.keys.get((path, where), [])
 
-            def note(i, t):
+            def note(i: int, t: torch.Tensor) -> torch.Tensor:
                 c = _note(rec, self.parent, (path, where, i), t)
                 stated = self.grad_dst_spots.get((path, where, keys[i])) if i < len(keys) else None
                 if stated is not None and isinstance(t, DTensor):
@@ -1390,7 +1393,7 @@ class StaticRuntime:
             return walk(note)
         return None
 
-    def handed_back(self, mod, path: str, output):
+    def handed_back(self, mod: nn.Module, path: str, output: Any) -> Any:
         """After the plan's post-hook: a static caller gets local tensors."""
         if self.state is State.STATIC:
             if not self._steps(path).parent_static:
@@ -1409,7 +1412,7 @@ class StaticRuntime:
             unwrapped = not self.is_static(path) or path in self.planned_post
             caller = self.parent.get(path)
 
-            def note(i, t):
+            def note(i: int, t: torch.Tensor) -> torch.Tensor:
                 c = _note(rec, self.parent, (path, "result", i), t)
                 if c.spec is not None and caller is not None and self.watcher is not None:
                     self.watcher.dtensor_bodies.add(caller)  # its body gets a DTensor (and may read its sizes)
@@ -1649,7 +1652,7 @@ class StaticRuntime:
             taken += gathered
         self.unit_state[unit] = (taken, restores)
 
-    def unit_out(self, unit: str, output) -> None:
+    def unit_out(self, unit: str, output: Any) -> None:
         """The unit module's forward hook (always called): members get their own parameters back;
         the gathered ones are freed, and gathered again when backward reaches the unit's output."""
         if self.state is State.RECORD:
@@ -1869,7 +1872,7 @@ def _on_grad(t, fn) -> None:
         t.register_hook(lambda g: fn(tuple(g.placements)) if isinstance(g, DTensor) else None)
 
 
-def resolve_eager_paths(statements, model: nn.Module) -> set[str]:
+def resolve_eager_paths(statements: Iterable[Statement], model: nn.Module) -> set[str]:
     """Module paths matched by ``plan.eager`` statements (each must match a module that runs)."""
     from ..plan.lower import _closest, runs_forward
 

@@ -28,7 +28,7 @@ the layout of that one contribution. After backward (``settle``):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch.autograd.graph import get_gradient_edge
@@ -124,7 +124,7 @@ class GradientShares:
                 node.register_hook(self._tap(node, node._sequence_nr(), taps))
 
     def _tap(self, node, seq: int, taps: list):
-        def post(grad_inputs, grad_outputs):
+        def post(grad_inputs: tuple, grad_outputs: tuple) -> None:
             handed = []
             for i, noted in taps:
                 g = grad_inputs[i]
@@ -136,7 +136,7 @@ class GradientShares:
 
         return post
 
-    def sums(self, node, func, args) -> bool:
+    def sums(self, node: torch.autograd.graph.Node, func: Callable[..., Any], args: tuple) -> bool:
         """Whether ``func`` (run while ``node`` is autograd's current node) is autograd adding a
         contribution along a noted edge to the tensor's other gradients."""
         summing = self.summing

@@ -30,8 +30,13 @@ slices the plain ``baddbmm`` operand instead of gathering q and k.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
+
+if TYPE_CHECKING:
+    from torch import nn
 
 from ..plan import INIT, RUN, VescalePlan
 from .plans import LocalInputs, _mesh_has, batch_keys, split_batch
@@ -63,7 +68,7 @@ def _diffusers():
     return diffusers
 
 
-def tiny_dit(**overrides):
+def tiny_dit(**overrides: Any) -> nn.Module:
     """``diffusers.DiTTransformer2DModel`` at the tiny sizes, every other setting its default
     (dropout, norm, activation, attention processor); keyword arguments override config fields."""
     return _diffusers().DiTTransformer2DModel(**{**TINY_DIT_SIZES, **overrides})
@@ -71,7 +76,7 @@ def tiny_dit(**overrides):
 
 def dit_plan(
     mesh: DeviceMesh | None = None,
-    config=None,
+    config: Any = None,
     *,
     tp: str | None = "TP",
     dp: str | None = "DP",

@@ -24,8 +24,13 @@ dropout vescale's RNG draws; evaluation (dropout 0) takes the fused CPU flash ke
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
+
+if TYPE_CHECKING:
+    from torch import nn
 
 from ..placement import InterleavedShard
 from ..plan import INIT, RUN, VescalePlan
@@ -40,19 +45,19 @@ TINY_GPT2_SIZES = dict(vocab_size=128, n_positions=64, n_embd=64, n_layer=2, n_h
 _BLOCK = r"transformer\.h\.\d+"
 
 
-def tiny_hf_gpt2_config(**overrides):
+def tiny_hf_gpt2_config(**overrides: Any) -> Any:
     """``transformers.GPT2Config`` at the tiny sizes, otherwise GPT-2's defaults (SDPA attention)."""
     return _transformers().GPT2Config(**{**TINY_GPT2_SIZES, **overrides})
 
 
-def tiny_hf_gpt2(**overrides):
+def tiny_hf_gpt2(**overrides: Any) -> nn.Module:
     """``transformers.GPT2LMHeadModel`` from ``tiny_hf_gpt2_config(**overrides)``, randomly initialised."""
     return _transformers().GPT2LMHeadModel(tiny_hf_gpt2_config(**overrides))
 
 
 def gpt2_plan(
     mesh: DeviceMesh | None = None,
-    config=None,
+    config: Any = None,
     *,
     tp: str | None = "TP",
     dp: str | None = "DP",

@@ -6,7 +6,12 @@ built from a config, never downloaded; ``transformers`` is imported only when it
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from .llama import LlamaConfig, LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from torch import nn
 
 __all__ = ["TINY_LLAMA_SIZES", "tiny_llama_config", "tiny_llama", "tiny_hf_llama_config", "tiny_hf_llama"]
 
@@ -44,7 +49,7 @@ def _transformers():
     return transformers
 
 
-def tiny_hf_llama_config(**overrides):
+def tiny_hf_llama_config(**overrides: Any) -> Any:
     """A ``transformers.LlamaConfig`` at the tiny sizes with the model's default attention (SDPA),
     no KV cache; overrides use HF's names (``attn_implementation="eager"`` for HF's eager attention)."""
     # use_cache=False: training needs no KV cache, and HF's cache starts as a plain empty tensor that
@@ -55,6 +60,6 @@ def tiny_hf_llama_config(**overrides):
     return _transformers().LlamaConfig(**settings)
 
 
-def tiny_hf_llama(**overrides):
+def tiny_hf_llama(**overrides: Any) -> nn.Module:
     """``transformers.LlamaForCausalLM`` from ``tiny_hf_llama_config(**overrides)``, randomly initialised."""
     return _transformers().LlamaForCausalLM(tiny_hf_llama_config(**overrides))

@@ -73,7 +73,7 @@ class LlamaRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
 
-    def forward(self, hidden_states):
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 (as HF does) so low-precision activations keep their scale.
         input_dtype = hidden_states.dtype
         hidden_states = hidden_states.float()
@@ -91,28 +91,30 @@ class LlamaRotaryEmbedding(nn.Module):
         # Not persistent: derived from the config, so checkpoints do not carry it (HF does the same).
         self.register_buffer("inv_freq", self.compute_inv_freq(), persistent=False)
 
-    def compute_inv_freq(self, device=None) -> torch.Tensor:
+    def compute_inv_freq(self, device: torch.device | str | None = None) -> torch.Tensor:
         exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float, device=device) / self.head_dim
         return 1.0 / (self.theta**exponents)
 
     @torch.no_grad()
-    def forward(self, x, position_ids):
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = position_ids[..., None].float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
 
-def rotate_half(x):
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rotary_pos_emb(q, k, cos, sin):
+def apply_rotary_pos_emb(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over the heads dimension
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
-def repeat_kv(x, n_rep: int):
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     """(batch, kv_heads, seq, head_dim) -> (batch, kv_heads * n_rep, seq, head_dim), each head n_rep times."""
     if n_rep == 1:
         return x
@@ -132,7 +134,9 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=False)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
 
-    def forward(self, hidden_states, attention_mask, position_embeddings):
+    def forward(
+        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         input_shape = hidden_states.shape[:-1]
         # -1 heads: the head count comes from the projection's output, which is smaller when sharded.
         hidden_shape = (*input_shape, -1, self.head_dim)
@@ -158,7 +162,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.act_fn = nn.SiLU()  # a module, as in HF, so module names match
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -171,7 +175,12 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden_states, attention_mask=None, position_embeddings=None):
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         # Functional dropout, not nn.Dropout modules: extra modules would break name parity with HF.
         attn_out, _ = self.self_attn(
             hidden_states=self.input_layernorm(hidden_states),
@@ -192,7 +201,7 @@ class LlamaModel(nn.Module):
         self.norm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config)
 
-    def forward(self, input_ids):
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         seq_len = input_ids.shape[1]
         if seq_len > self.config.max_position_embeddings:
             raise ValueError(
@@ -224,7 +233,7 @@ class LlamaForCausalLM(nn.Module):
         self.init_weights()
 
     @torch.no_grad()
-    def init_weights(self):
+    def init_weights(self) -> None:
         """(Re-)initialise every parameter in place, drawing from the default generator in module order.
 
         In place, so it also works after parameters were replaced (sharded, or moved off the meta
@@ -238,7 +247,7 @@ class LlamaForCausalLM(nn.Module):
             elif isinstance(module, LlamaRotaryEmbedding):
                 module.inv_freq.copy_(module.compute_inv_freq(module.inv_freq.device))
 
-    def forward(self, input_ids, labels=None):
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> CausalLMOutput:
         hidden_states = self.model(input_ids=input_ids)  # by keyword, as HF calls its inner model
         logits = self.lm_head(hidden_states)
         loss = None if labels is None else causal_lm_loss(logits, labels)
@@ -253,7 +262,7 @@ def _generator_untouched():
     return torch.random.fork_rng(devices=[device], device_type=device.type)
 
 
-def causal_lm_loss(logits, labels, ignore_index: int = -100):
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     """Mean cross entropy of predicting token t+1 at position t, shifted the way HF shifts it.
 
     Only the labels move: they are padded with ``ignore_index`` on the right and shifted left, so the

@@ -31,8 +31,13 @@ data-dependent ops (``nonzero``, ``where``, ``index_add_``) and fp32 ``_grouped_
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
+
+if TYPE_CHECKING:
+    from torch import nn
 
 from ..placement import InterleavedShard
 from ..plan import INIT, RUN, PlanError, VescalePlan
@@ -60,20 +65,20 @@ TINY_MOE_SIZES = dict(
 )
 
 
-def tiny_hf_mixtral_config(**overrides):
+def tiny_hf_mixtral_config(**overrides: Any) -> Any:
     """``transformers.MixtralConfig`` at the tiny sizes, 4 experts, ``use_cache=False`` (training
     needs no KV cache); overrides use HF's names."""
     settings = {**TINY_MOE_SIZES, "num_local_experts": 4, "use_cache": False, **overrides}
     return _transformers().MixtralConfig(**settings)
 
 
-def tiny_hf_mixtral(**overrides):
+def tiny_hf_mixtral(**overrides: Any) -> nn.Module:
     """``transformers.MixtralForCausalLM`` from ``tiny_hf_mixtral_config(**overrides)``: the model's
     default kernels unless overridden, e.g. ``experts_implementation="eager"``, ``attn_implementation="eager"``."""
     return _transformers().MixtralForCausalLM(tiny_hf_mixtral_config(**overrides))
 
 
-def tiny_hf_qwen3_moe_config(**overrides):
+def tiny_hf_qwen3_moe_config(**overrides: Any) -> Any:
     """``transformers.Qwen3MoeConfig`` at the tiny sizes (4 experts of intermediate 32, head_dim 8),
     ``use_cache=False``; overrides use HF's names."""
     settings = {
@@ -83,14 +88,14 @@ def tiny_hf_qwen3_moe_config(**overrides):
     return _transformers().Qwen3MoeConfig(**settings)
 
 
-def tiny_hf_qwen3_moe(**overrides):
+def tiny_hf_qwen3_moe(**overrides: Any) -> nn.Module:
     """``transformers.Qwen3MoeForCausalLM`` from ``tiny_hf_qwen3_moe_config(**overrides)``, default kernels otherwise."""
     return _transformers().Qwen3MoeForCausalLM(tiny_hf_qwen3_moe_config(**overrides))
 
 
 def moe_plan(
     mesh: DeviceMesh | None = None,
-    config=None,
+    config: Any = None,
     *,
     tp: str | None = "TP",
     dp: str | None = "DP",

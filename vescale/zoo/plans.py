@@ -20,7 +20,7 @@ Both models use the same module names, so one plan serves both. The plan is Mega
 from __future__ import annotations
 
 import re
-from typing import Sequence, Union
+from typing import Any, Sequence, Union
 
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -70,7 +70,7 @@ def split_batch(plan: VescalePlan, keys: list[str], mesh_dim: str, local: bool) 
 
 def llama_plan(
     mesh: DeviceMesh | None = None,
-    config=None,
+    config: Any = None,
     *,
     tp: str | None = "TP",
     dp: str | None = "DP",
