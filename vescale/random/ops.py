@@ -23,6 +23,7 @@ from vescale._torch import _len_torch_dispatch_stack_pre_dispatch
 from vescale._torch import TorchDispatchMode, _disable_current_modes
 from vescale._torch import tree_leaves
 
+from vescale.memo import Memo
 from vescale.random import generator, kernel
 
 __all__ = ["RandomCall", "RandomOpMode", "SUPPORTED", "UNSUPPORTED", "bind", "fill", "read_call", "run_on_plain"]
@@ -79,8 +80,8 @@ def without_dispatch_modes() -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-_VALID_SCALARS: set = set()  # (op, dtype, typed scalars) that PyTorch's own checks accepted
-_VALID_SCALARS_LIMIT = 4096  # a model uses a handful; the bound only guards against unbounded growth
+# (op, dtype, typed scalars) that PyTorch's own checks accepted; a model uses a handful
+_VALID_SCALARS = Memo("accepted random-op scalars", 4096)
 
 
 def _check_like_native(inplace_op, dtype: torch.dtype, *scalars) -> None:
@@ -89,17 +90,11 @@ def _check_like_native(inplace_op, dtype: torch.dtype, *scalars) -> None:
     # Acceptance depends only on (op, dtype, scalars), so an accepted combination is not checked again;
     # the key holds each scalar's type too (True, 1 and 1.0 hash alike but need not check alike).
     key = (inplace_op, dtype, tuple((type(v), v) for v in scalars))
-    try:
-        if key in _VALID_SCALARS:
-            return
-    except TypeError:  # an unhashable argument: check it every time
-        key = None
+    if key in _VALID_SCALARS:  # an unhashable argument is never in: checked every time
+        return
     with without_dispatch_modes():
         inplace_op(torch.empty(0, dtype=dtype), *scalars)
-    if key is not None:
-        if len(_VALID_SCALARS) >= _VALID_SCALARS_LIMIT:
-            _VALID_SCALARS.clear()
-        _VALID_SCALARS.add(key)
+    _VALID_SCALARS.put(key, True)
 
 
 def _check_layout(b: dict, op) -> None:
