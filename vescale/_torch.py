@@ -18,6 +18,8 @@ import contextlib
 import functools
 import threading
 import warnings
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -82,6 +84,9 @@ from torch.utils._python_dispatch import (
 )
 from torch.utils._pytree import tree_leaves, tree_map_only
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
 __all__ = [
     "register_fake_backend", "fake_mode_runs_meta_kernel", "TESTED_TORCH", "clear_sharding_prop_cache", "version_warning", "PATCHES",
     "PatchLayer", "root_mesh", "AllToAllOptions", "AllgatherOptions", "AllreduceOptions", "BarrierOptions", "DTensorSpec",
@@ -111,7 +116,7 @@ def clear_sharding_prop_cache() -> None:
 
 
 @functools.cache
-def fake_mode_runs_meta_kernel(op) -> bool:
+def fake_mode_runs_meta_kernel(op: Any) -> bool:
     """Whether ``FakeTensorMode`` (PyTorch 2.13, sizes without symbols) answers ``op`` by running its
     Meta kernel, as a call on meta-device tensors does: not a prim, no FakeTensor-specific rule
     (constructors, device moves, data-dependent outputs, foreach ops), no registered fake kernel,
@@ -139,7 +144,7 @@ def fake_mode_runs_meta_kernel(op) -> bool:
     return True
 
 
-def root_mesh(mesh):
+def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The mesh ``mesh`` was sliced or flattened from (itself if it was built whole)."""
     return mesh._get_root_mesh()
 
@@ -162,7 +167,7 @@ class _Layer:
 
     __slots__ = ("value", "owners")
 
-    def __init__(self, value, owner: str):
+    def __init__(self, value: Any, owner: str) -> None:
         self.value = value
         self.owners = [owner]
 
@@ -172,14 +177,14 @@ class _Place:
     original and vescale's layers over it (a wrapper over a wrapper: fast search, then the
     interleaved rule, on ``mm``)."""
 
-    def __init__(self, where: str, read, write, original):
+    def __init__(self, where: str, read: Callable[[], Any], write: Callable[[Any], object], original: Any) -> None:
         self.where = where
         self.read = read  # () -> the value in the place now
         self.write = write  # (value or _ABSENT) -> None
         self.original = original
         self.layers: list[_Layer] = []
 
-    def top(self):
+    def top(self) -> Any:
         return self.layers[-1].value if self.layers else self.original
 
 
@@ -191,46 +196,46 @@ class PatchLayer:
     where no other owner still needs vescale's. A place someone else changed after vescale keeps
     their value. Callers hold their own locks; this class is called at install time, not per op."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._places: dict[tuple, _Place] = {}
         self._removers: dict[str, list] = {}  # owner -> callables that undo a hook or registration
         self._held: collections.Counter = collections.Counter()  # owner -> places it holds: owners() in O(owners)
 
     # -- making changes --------------------------------------------------------------------------
-    def set_item(self, owner: str, table: dict, key, value, where: str = "") -> None:
+    def set_item(self, owner: str, table: dict, key: Any, value: Any, where: str = "") -> None:
         """``table[key] = value``."""
         self._put(owner, ("item", id(table), key), value,
                   lambda: _Place(where or f"{_name(table)}[{key}]", lambda: table.get(key, _ABSENT),
                                  lambda v: table.pop(key, None) if v is _ABSENT else table.__setitem__(key, v),
                                  table.get(key, _ABSENT)))
 
-    def delete_item(self, owner: str, table: dict, key, where: str = "") -> None:
+    def delete_item(self, owner: str, table: dict, key: Any, where: str = "") -> None:
         """``del table[key]`` (restored by undo)."""
         self.set_item(owner, table, key, _ABSENT, where)
 
-    def set_attr(self, owner: str, obj, name: str, value) -> None:
+    def set_attr(self, owner: str, obj: Any, name: str, value: Any) -> None:
         """``obj.name = value``; on an instance this shadows the class's method for that one object."""
         self._put(owner, ("attr", id(obj), name), value,
                   lambda: _Place(f"{_name(obj)}.{name}", lambda: vars(obj).get(name, _ABSENT),
                                  lambda v: delattr(obj, name) if v is _ABSENT else setattr(obj, name, v),
                                  vars(obj).get(name, _ABSENT)))
 
-    def set_flag(self, owner: str, where: str, get, set_, value) -> None:
+    def set_flag(self, owner: str, where: str, get: Callable[[], Any], set_: Callable[[Any], object], value: Any) -> None:
         """A thread-local switch (``get() -> value``, ``set_(value)``), recorded for this thread."""
         thread = threading.get_ident()
 
-        def set_here(v):  # another thread's switch cannot be set from this one: its record is dropped
+        def set_here(v: Any) -> None:  # another thread's switch cannot be set from this one: its record is dropped
             if threading.get_ident() == thread:
                 set_(v)
 
         self._put(owner, ("flag", where, thread), value,
                   lambda: _Place(f"{where} (thread {threading.current_thread().name})", get, set_here, get()))
 
-    def on_undo(self, owner: str, remove) -> None:
+    def on_undo(self, owner: str, remove: Callable[[], object]) -> None:
         """Something undone by a call (a hook's ``handle.remove``, ``atexit.unregister``)."""
         self._removers.setdefault(owner, []).append(remove)
 
-    def _put(self, owner: str, key: tuple, value, make_place) -> None:
+    def _put(self, owner: str, key: tuple, value: Any, make_place: Callable[[], _Place]) -> None:
         place = self._places.get(key)
         if place is None:
             place = self._places[key] = make_place()
@@ -245,7 +250,7 @@ class PatchLayer:
             place.write(value)
 
     @contextlib.contextmanager
-    def original(self, kind: str, obj, key):
+    def original(self, kind: str, obj: Any, key: Any) -> Iterator[None]:
         """PyTorch's own value in one place vescale changed (``kind`` "item": ``obj[key]``, "attr":
         ``obj.key``) for the duration of the block, vescale's again after it: how a vescale handler
         lets DTensor's own rule (or PyTorch's RNG tracker) answer a call. A value PyTorch puts there
@@ -306,7 +311,7 @@ class PatchLayer:
             f"{owner}: {len(removers)} registration(s)" for owner, removers in self._removers.items()]
 
 
-def _name(obj) -> str:
+def _name(obj: Any) -> str:
     return getattr(obj, "__qualname__", None) or type(obj).__qualname__
 
 

@@ -162,14 +162,14 @@ class GroupTeardown:
     GRACE_S = 0.05  # for a worker to release the work it just finished, once the barrier has passed
     MEET_S = 30.0  # how long a rank at exit waits for the others to reach theirs
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.active = False
         self._registered = False
 
     def owns_default_group(self) -> None:
         self.track(None)
 
-    def track(self, group) -> None:
+    def track(self, group: dist.ProcessGroup | None) -> None:
         """vescale made or uses ``group``: quiet the run's groups at exit."""
         self.active = True
         if not self._registered:

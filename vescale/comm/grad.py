@@ -311,7 +311,7 @@ class GradHookRole:
 _HOOK_ROLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # hook function -> GradHookRole
 
 
-def declare_grad_hook(hook: Callable, **role) -> Callable:
+def declare_grad_hook(hook: Callable, **role: Any) -> Callable:
     """Record ``hook``'s ``GradHookRole``; returns the hook."""
     _HOOK_ROLES[hook] = GradHookRole(**role)
     return hook

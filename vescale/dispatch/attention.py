@@ -41,6 +41,9 @@ import.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from vescale._torch import DTensorSpec, TensorMeta
@@ -51,6 +54,9 @@ from vescale._torch import PATCHES
 from .local import runs_locally_when
 from .scope import for_vescale_meshes
 from vescale.memo import Memo
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.placement_types import Placement
 
 __all__ = [
     "install_attention_rules", "sdpa_layout", "CPU_SDPA_OPS", "FUSED_DROPOUT_ARG", "FusedDropoutError",
@@ -147,7 +153,7 @@ def _cpu_sdpa_handler(op, args, kwargs):
             _SDPA_DECISIONS.put(key, entry)
     mesh, layout, mask_layout, metas, specs = entry
 
-    def place(t, placements):
+    def place(t: torch.Tensor, placements: Sequence[Placement]) -> torch.Tensor:
         if not isinstance(t, DTensor):  # a plain tensor is the global tensor: every rank slices its block
             t = DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
         return t.redistribute(mesh, placements)._local_tensor if t.placements != placements else t._local_tensor
@@ -229,11 +235,11 @@ def _dropout_message(op, p) -> str:
     )
 
 
-def refuse_fused_dropout(op, strategy):
+def refuse_fused_dropout(op: Any, strategy: Callable[[OpSchema], OpStrategy]) -> Callable[[OpSchema], OpStrategy]:
     """PyTorch's ``strategy`` for a fused CUDA kernel, refusing ``dropout_p > 0``."""
     index = FUSED_DROPOUT_ARG[op]
 
-    def checked(op_schema: OpSchema):
+    def checked(op_schema: OpSchema) -> OpStrategy:
         args = op_schema.args_schema
         p = args[index] if len(args) > index else 0.0
         if p:

@@ -54,6 +54,8 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -467,7 +469,7 @@ def _with_metas(template, metas, mesh, built=False):
     ``DTensorSpec``'s constructor with these placements and flag (``_learn`` stores only such
     templates), so the new spec is a copy of its fields (``with_meta``), several per hit."""
 
-    def one(spec, meta):
+    def one(spec: DTensorSpec | None, meta: TensorMeta | None) -> DTensorSpec | None:
         if spec is None:
             return None
         if built:
@@ -575,7 +577,7 @@ class ShapeFreeCache:
             return None
         needs = any(a.placements != t.placements for a, t in zip(args, targets))
 
-        def expected():  # the inputs' target specs: built only where read (most replays of views and
+        def expected() -> tuple:  # the inputs' target specs: built only where read (most replays of views and
             # size-argument ops move no input, only their size arguments are made local)
             return tuple(_with_metas(t, a.tensor_meta, mesh, built) for a, t in zip(args, targets))
 
@@ -638,7 +640,7 @@ class ShapeFreeCache:
         _, submesh, dims = found
         return reduce_schema(op_schema, submesh, dims), op_schema, dims
 
-    def known_outputs(self, op_schema: OpSchema):
+    def known_outputs(self, op_schema: OpSchema) -> TensorMeta | Sequence[Any] | None:
         """The output metadata of the miss being decided, where its key's entry vouches for it
         (``_Missed``); asked by the propagator's tensor-metadata step (``datadep``'s), which
         then runs no FakeTensor."""

@@ -29,6 +29,7 @@ the mesh dims that split the batch (each rank's sum over its samples).
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -57,7 +58,7 @@ def _as_dtensors(args, weight_index: int):
             f"only. Fix: plan.shard(r\"{name}\", Replicate(), mesh=<its mesh dim>)"
         )
 
-    def lift(a):
+    def lift(a: Any) -> Any:
         if isinstance(a, torch.Tensor) and not isinstance(a, DTensor):
             return DTensor.from_local(a, mesh, [Replicate()] * mesh.ndim, run_check=False)
         return a

@@ -34,6 +34,7 @@ import); every other case goes to PyTorch's function unchanged. (``chunk`` reach
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -124,7 +125,7 @@ def _slice_args(args: tuple) -> tuple:
     return tuple(rest)
 
 
-def slice_sections(spec: DTensorSpec, dim: int, start, end, step) -> tuple | None:
+def slice_sections(spec: DTensorSpec, dim: int, start: int | None, end: int | None, step: int) -> tuple | None:
     """``(mesh dim, first section, section count)`` where ``slice(dim, start, end, step)`` of a tensor
     laid out as ``spec`` takes whole sections of its one ``InterleavedShard`` of ``dim``, but not all
     of them; else None."""
@@ -219,7 +220,7 @@ def _backward_sections(spec: DTensorSpec, dim, start, step, length=None) -> tupl
     return m, start // section, count, section
 
 
-def slice_backward_layout(spec: DTensorSpec, input_sizes, dim, start, step) -> tuple | None:
+def slice_backward_layout(spec: DTensorSpec, input_sizes: Sequence[int], dim: int, start: int, step: int) -> tuple | None:
     """``(first section, section count, sections in the dim)`` where ``_local_slice_backward`` keeps
     the gradient laid out as ``spec`` sharded (what its decision reads of the sizes), else None."""
     if type(dim) is not int or not -len(input_sizes) <= dim < len(input_sizes):
@@ -440,7 +441,7 @@ def _cat_with_legacy_empty(schema: OpSchema, original) -> OpStrategy | None:
 
 
 def _with_rule(rule, original):
-    def strategy(schema: OpSchema):
+    def strategy(schema: OpSchema) -> OpStrategy | TupleStrategy:
         found = rule(schema)
         if found is None and rule is _local_cat:
             found = _cat_with_legacy_empty(schema, original)

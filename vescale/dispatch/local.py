@@ -11,8 +11,13 @@ by the caller), and placement changes on mesh dims of size 1 (DP=1 in a (DP, TP)
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from torch.distributed.tensor import DTensor
+
+if TYPE_CHECKING:
+    from vescale._torch import DTensorSpec, OpSchema, OutputSharding
 
 __all__ = ["why_rule_not_local", "data_moves", "moves_data", "decisions_remembered", "remember_decision",
            "runs_locally_when", "handler_runs_locally"]
@@ -22,25 +27,25 @@ __all__ = ["why_rule_not_local", "data_moves", "moves_data", "decisions_remember
 _RUNS_LOCALLY_WHEN: dict = {}
 
 
-def runs_locally_when(handler, predicate) -> None:
+def runs_locally_when(handler: Callable, predicate: Callable[..., Any]) -> None:
     """Declare that ``handler`` computes on the local shards as they are whenever
     ``predicate(op, args, kwargs)`` is true (a handler not declared never does)."""
     _RUNS_LOCALLY_WHEN[handler] = predicate
 
 
-def handler_runs_locally(handler, op, args, kwargs) -> bool:
+def handler_runs_locally(handler: Callable, op: Any, args: tuple, kwargs: dict | None) -> bool:
     """Whether ``handler`` (a DTensor custom op handler) runs this call on the local shards as they are."""
     predicate = _RUNS_LOCALLY_WHEN.get(handler)
     return predicate is not None and predicate(op, args, kwargs)
 
 
-def moves_data(src, dst) -> bool:
+def moves_data(src: DTensorSpec, dst: DTensorSpec) -> bool:
     """Whether redistributing spec ``src`` to ``dst`` changes local tensors."""
     mesh = src.mesh
     return any(p != q and mesh.size(i) > 1 for i, (p, q) in enumerate(zip(src.placements, dst.placements)))
 
 
-def data_moves(func, args, kwargs) -> list:
+def data_moves(func: Any, args: tuple, kwargs: dict | None) -> list:
     """The inputs DTensor's own rule for ``func`` would redistribute in a way that changes their
     local tensors: ``[(argument index, spec, target spec), ...]`` (empty: the op runs on the local
     shards as they are). Raises where DTensor has no decision for the call."""
@@ -55,7 +60,7 @@ def data_moves(func, args, kwargs) -> list:
     return [(i, a, b) for i, (a, b) in pairs if hasattr(a, "placements") and moves_data(a, b)]
 
 
-def why_rule_not_local(func, args, kwargs) -> str | None:
+def why_rule_not_local(func: Any, args: tuple, kwargs: dict | None) -> str | None:
     """None if DTensor's own rule for ``func`` runs it on the local shards as they are, else why not."""
     try:
         moves = data_moves(func, args, kwargs)
@@ -68,7 +73,7 @@ def why_rule_not_local(func, args, kwargs) -> str | None:
 _remembered: dict | None = None
 
 
-def remember_decision(op_schema, sharding) -> None:
+def remember_decision(op_schema: OpSchema, sharding: OutputSharding) -> None:
     """Keep a decision made below DTensor's own caches (the shape-free cache, ``cache.py``, reports
     each one it makes) while ``decisions_remembered`` is open."""
     if _remembered is not None:
@@ -76,7 +81,7 @@ def remember_decision(op_schema, sharding) -> None:
 
 
 @contextlib.contextmanager
-def decisions_remembered():
+def decisions_remembered() -> Iterator[None]:
     """While open, DTensor's sharding decisions made below its own caches are kept
     (``remember_decision``), and ``why_rule_not_local`` for an op that already ran takes its
     decision from there: DTensor's C++ cache and the Python propagator's LRU are separate, so asking

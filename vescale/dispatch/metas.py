@@ -29,6 +29,9 @@ this project's CI machine), which made a cache hit cost nearly as much as the mi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
 import torch
 from vescale._torch import fake_mode_runs_meta_kernel, local_tensor_mode
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -37,13 +40,17 @@ from vescale._torch import OpSchema
 
 from .unitdims import mesh_shape
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.placement_types import Placement
+
 __all__ = ["meta_outputs", "kernel_outputs", "fast_outputs", "miss_outputs", "contiguous_strides", "grouped_mm_shape", "with_meta", "spec_of",
            "local_shape"]
 
 aten = torch.ops.aten
 
 
-def with_meta(spec: DTensorSpec, meta: TensorMeta | None, mesh=None) -> DTensorSpec:
+def with_meta(spec: DTensorSpec, meta: TensorMeta | None, mesh: DeviceMesh | None = None) -> DTensorSpec:
     """``spec`` with other metadata (and, given, another mesh object): what ``DTensorSpec(mesh,
     spec.placements, tensor_meta=meta, use_strided_shard_as_shard_order=...)`` builds, without the
     constructor. The constructor derives the shard order from the placements and the flag alone
@@ -56,7 +63,7 @@ def with_meta(spec: DTensorSpec, meta: TensorMeta | None, mesh=None) -> DTensorS
     return new
 
 
-def local_shape(shape, mesh, placements) -> tuple | None:
+def local_shape(shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement]) -> tuple | None:
     """This rank's shard shape of a tensor of global ``shape`` laid out as ``placements`` on
     ``mesh``: DTensor's ``compute_local_shape_and_global_offset`` by arithmetic (``torch.chunk``'s
     sizes, uneven shards included) where every placement is a plain ``Shard``, ``Replicate`` or
@@ -86,7 +93,7 @@ def local_shape(shape, mesh, placements) -> tuple | None:
 _TEMPLATES: dict = {}  # (mesh, placements) -> a constructor-made spec without metadata
 
 
-def spec_of(mesh, placements: tuple, meta: TensorMeta | None) -> DTensorSpec:
+def spec_of(mesh: DeviceMesh, placements: tuple, meta: TensorMeta | None) -> DTensorSpec:
     """``DTensorSpec(mesh, placements, tensor_meta=meta)``, built once per mesh and placements and
     copied (``with_meta``) after that."""
     key = (mesh, placements)
@@ -135,7 +142,7 @@ def _on_meta(a):
     return a
 
 
-def meta_outputs(op_schema: OpSchema):
+def meta_outputs(op_schema: OpSchema) -> TensorMeta | Sequence[Any] | None:
     """Output TensorMeta(s) from the op's meta kernel, or None when it has none."""
     try:
         args = tuple(_on_meta(a) for a in op_schema.args_schema)
@@ -145,7 +152,7 @@ def meta_outputs(op_schema: OpSchema):
         return None
 
 
-def kernel_outputs(op_schema: OpSchema):
+def kernel_outputs(op_schema: OpSchema) -> TensorMeta | Sequence[Any] | None:
     """PyTorch's miss path's answer without its FakeTensor run: the op's Meta kernel on meta-device
     tensors, where ``FakeTensorMode`` would run that same kernel (``_torch.fake_mode_runs_meta_kernel``),
     the sizes are plain integers, no argument names a device (a meta call would allocate there) and
@@ -164,7 +171,7 @@ def kernel_outputs(op_schema: OpSchema):
     return meta_outputs(op_schema)
 
 
-def contiguous_strides(shape) -> tuple:
+def contiguous_strides(shape: Sequence[int]) -> tuple:
     """Row-major strides of ``shape``, as ``torch.empty(shape).stride()`` gives them (size-0 and
     size-1 dims count as 1, like PyTorch's ``make_contiguous_strides_for``, which costs ~30 us)."""
     strides, step = [], 1
@@ -274,7 +281,7 @@ def _agreed_order(metas, shape) -> list | None:
     operand's non-zero strides (broadcast dims have none) fall along that order. Then
     TensorIterator's dim sort and the Python reference's both give that order, and the output is
     dense in it (a heads-first view times the broadcast rotary cos: the view's layout)."""
-    def decides(m):
+    def decides(m: TensorMeta) -> bool:
         return tuple(m.shape) == shape and 0 not in m.stride and len(set(m.stride)) == len(shape)
 
     if decides(metas[0]):
@@ -747,7 +754,7 @@ def _rule_of(op):
     return found[1]
 
 
-def fast_outputs(op_schema: OpSchema, dtypes):
+def fast_outputs(op_schema: OpSchema, dtypes: torch.dtype | tuple) -> TensorMeta | Sequence[Any] | None:
     """Output TensorMeta(s) by arithmetic, or None where this module does not know them for certain.
     ``dtypes``: the output dtype (a tuple of them for a tuple-returning op) PyTorch gave this op for
     the same input dtypes and non-tensor arguments."""
@@ -760,7 +767,7 @@ def fast_outputs(op_schema: OpSchema, dtypes):
         return None
 
 
-def miss_outputs(op_schema: OpSchema):
+def miss_outputs(op_schema: OpSchema) -> TensorMeta | Sequence[Any] | None:
     """What PyTorch's miss path learns from its FakeTensor run, where that is arithmetic and the
     dtype certain without a learned answer: ``mm``/``bmm`` of operands of one dtype (a fresh
     contiguous result of that dtype) and ``embedding`` of a 2-D weight by integer indices (the rows

@@ -10,11 +10,16 @@ PyTorch's own handling of the call, as if vescale were not installed.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from torch.distributed.tensor import DTensor
 
 from vescale._torch import PATCHES
 from vescale.mesh import is_vescale_mesh
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["DTensorRule", "for_vescale_meshes", "mesh_of_call", "pytorch_handling"]
 
@@ -23,20 +28,20 @@ class DTensorRule:
     """Call ``op`` with PyTorch's own entry for it in DTensor's handler table (usually none, so
     DTensor's sharding rule runs) in place of vescale's, which is back afterwards."""
 
-    def __init__(self, op):
+    def __init__(self, op: Any) -> None:
         self.op = op
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with PATCHES.original("item", DTensor._op_dispatcher._custom_op_handlers, self.op):
             return self.op(*args, **kwargs)
 
 
-def pytorch_handling(op, args, kwargs):
+def pytorch_handling(op: Any, args: tuple, kwargs: dict | None) -> object:
     """What DTensor does with the call without vescale's handler for ``op``."""
     return DTensorRule(op)(*args, **(kwargs or {}))
 
 
-def mesh_of_call(args, kwargs):
+def mesh_of_call(args: Sequence[Any], kwargs: dict | None) -> DeviceMesh | None:
     """The mesh of the call's first DTensor argument (in a list too: ``cat``'s), or None."""
     for value in (*args, *(kwargs or {}).values()):
         if isinstance(value, DTensor):
@@ -48,14 +53,14 @@ def mesh_of_call(args, kwargs):
     return None
 
 
-def for_vescale_meshes(handler=None, *, elsewhere=pytorch_handling):
+def for_vescale_meshes(handler: Callable | None = None, *, elsewhere: Callable = pytorch_handling) -> Callable:
     """Decorate a DTensor op handler so that it answers only for DTensors on vescale's meshes;
     a call on another mesh goes to ``elsewhere`` (PyTorch's own handling). The decorated function
     keeps the handler's name, and it is what gets registered and declared (``runs_locally_when``)."""
 
-    def decorate(handler):
+    def decorate(handler: Callable) -> Callable:
         @functools.wraps(handler)
-        def scoped(op, args, kwargs):
+        def scoped(op: Any, args: tuple, kwargs: dict | None) -> object:
             mesh = mesh_of_call(args, kwargs)
             if mesh is None or is_vescale_mesh(mesh):
                 return handler(op, args, kwargs)

@@ -24,6 +24,7 @@ expansion (whose filter does).
 
 from __future__ import annotations
 
+from typing import Any
 
 from torch.distributed.tensor import DTensor
 from vescale._torch import OpSchema, OpStrategy, TupleStrategy
@@ -44,7 +45,7 @@ def _propagator():
 def _specs_schema(strategy_schema: OpSchema) -> OpSchema:
     """The OpSchema of DTensorSpecs that a strategy schema (OpStrategy per tensor) was made from."""
 
-    def spec(a):
+    def spec(a: Any) -> Any:
         if isinstance(a, OpStrategy):
             return a.strategies[0].output_spec
         if isinstance(a, TupleStrategy):
@@ -120,7 +121,7 @@ def _keeps_placements(found: OpStrategy, strategy_schema: OpSchema) -> bool:
 def _searched(info):
     """An op-strategy function: PyTorch's priority-queue search over ``info``, full expansion as fallback."""
 
-    def strategy(strategy_schema: OpSchema):
+    def strategy(strategy_schema: OpSchema) -> OpStrategy | TupleStrategy:
         prop = _propagator()
         mesh = strategy_schema.get_mesh_from_args()
         # The caller has the output metadata but does not pass it on; recomputing it with meta-device

@@ -27,6 +27,8 @@ op: ``why_rule_not_local``).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.distributed.tensor import DTensor
 from vescale._torch import DTensorSpec
@@ -125,7 +127,7 @@ def _slow_path(op, args, kwargs, sharding=None):
     return _wrapped(op, args, kwargs, local, sharding.output_spec, view)
 
 
-def sized_op_handler(op, args, kwargs):
+def sized_op_handler(op: Any, args: tuple, kwargs: dict | None) -> object:
     """DTensor handler for an op with size arguments: PyTorch's decision replayed from the table."""
     kwargs = kwargs or {}
     key = _key(op, args, kwargs)

@@ -21,8 +21,13 @@ that check and keeps PyTorch's full path.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from vescale._torch import DTensorSpec
 from vescale._torch import OpSchema, OutputSharding
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["reducible_mesh", "reduce_schema", "unit_placements", "lift", "mesh_shape"]
 
@@ -30,7 +35,7 @@ _SUBMESHES: dict = {}  # id(mesh) -> (mesh, its submesh without size-1 dims, the
 _MESH_SHAPES: dict = {}  # id(mesh) -> (mesh, mesh.shape)
 
 
-def mesh_shape(mesh) -> tuple:
+def mesh_shape(mesh: DeviceMesh) -> tuple:
     """``mesh.shape``, remembered per mesh object (DeviceMesh builds the tuple from its layout on
     every call, a few microseconds; the shape-free cache's keys ask for it per tensor)."""
     found = _MESH_SHAPES.get(id(mesh))
@@ -39,7 +44,7 @@ def mesh_shape(mesh) -> tuple:
     return found[1]
 
 
-def reducible_mesh(op_schema: OpSchema):
+def reducible_mesh(op_schema: OpSchema) -> tuple | None:
     """``(mesh, submesh, unit dim indices)`` when every DTensor argument lives on one mesh that has
     both size-1 and larger named dims, and each spec's shard order is the one its placements give
     (the reduced spec is rebuilt from placements); else None."""
@@ -73,24 +78,25 @@ def _submesh(mesh):
         return None, ()
 
 
-def reduce_schema(op_schema: OpSchema, submesh, units) -> OpSchema:
+def reduce_schema(op_schema: OpSchema, submesh: DeviceMesh, units: tuple[int, ...]) -> OpSchema:
     """The schema with every spec on ``submesh``, its placements on the size-1 dims dropped."""
 
-    def drop(spec):
+    def drop(spec: DTensorSpec) -> DTensorSpec:
         return _rebuilt(spec, submesh, tuple(p for i, p in enumerate(spec.placements) if i not in units))
 
     return OpSchema(op_schema.op, _map(op_schema.args_schema, drop), _map(op_schema.kwargs_schema, drop),
                     schema_info=op_schema.schema_info)
 
 
-def unit_placements(result: OutputSharding, units):
+def unit_placements(result: OutputSharding, units: tuple[int, ...]) -> tuple:
     """PyTorch's placements on the size-1 dims: per output spec and per redistribution target,
     in traversal order; None where the answer has no such specs to read."""
     return tuple(tuple(None if s is None else tuple(s.placements[i] for i in units) for s in specs)
                  for specs in _result_specs(result))
 
 
-def lift(reduced: OutputSharding, asked: OpSchema, original: OpSchema, units, placements) -> OutputSharding | None:
+def lift(reduced: OutputSharding, asked: OpSchema, original: OpSchema, units: tuple[int, ...],
+         placements: tuple) -> OutputSharding | None:
     """The decision ``reduced`` for ``asked`` (``original`` on the mesh without its size-1 dims),
     back on ``original``'s mesh with ``placements`` (``unit_placements``) on the size-1 dims; None
     if its specs do not line up with them. Where only the size-1 dims move inputs, the
@@ -112,7 +118,7 @@ def lift(reduced: OutputSharding, asked: OpSchema, original: OpSchema, units, pl
         return None
     queue = list(out_units)
 
-    def put(spec):
+    def put(spec: DTensorSpec | None) -> Any:
         extra = queue.pop(0)
         if spec is None or extra is None:
             return None if spec is None and extra is None else _NOT_LINED_UP

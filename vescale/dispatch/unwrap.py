@@ -12,6 +12,8 @@ and hands every other call to PyTorch's own function, so the answers are PyTorch
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.distributed.tensor import DTensor
 from vescale._torch import OpInfo, OpSchema
@@ -27,7 +29,7 @@ def _holds_tensor(values) -> bool:
     return False
 
 
-def unwrap_to_op_info(op_call, args, kwargs) -> OpInfo:
+def unwrap_to_op_info(op_call: Any, args: tuple, kwargs: dict) -> OpInfo:
     """``OpDispatcher.unwrap_to_op_info``'s answer; built here when every argument is a DTensor
     (the exact type), a list of non-tensors (sizes, dims) or another non-tensor value, and no keyword
     argument is a tensor."""

@@ -34,6 +34,9 @@ table kept across cases so that two calls sharing a summary must agree.
 from __future__ import annotations
 
 
+from collections.abc import Callable, Hashable, Sequence
+from typing import TYPE_CHECKING
+
 from torch import Tensor, reshape
 from vescale._torch import dim_maps
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
@@ -41,6 +44,9 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from vescale.memo import Memo
 
 from .viewrule import propagate_view
+
+if TYPE_CHECKING:
+    from vescale._torch import OpSchema
 
 __all__ = ["decision", "clear_view_decisions"]
 
@@ -130,7 +136,7 @@ def _pytorch_decision(op_schema, rule_fn, strict: bool, mesh_sizes):
     return len(rule), tuple(target), tuple(out)
 
 
-def decision(op_schema, rule_fn, strict: bool, mesh_sizes, layout) -> tuple:
+def decision(op_schema: OpSchema, rule_fn: Callable, strict: bool, mesh_sizes: Sequence[int], layout: Hashable) -> tuple:
     """PyTorch's view-rule decision for a view-like call: ``(output rank, input target placements,
     output placements)``. Raises ``ValueError`` where PyTorch's rule raises (a strict view of an
     uneven split). ``rule_fn``: the function whose ``dim_maps`` rule PyTorch uses; calls of

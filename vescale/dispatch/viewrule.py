@@ -37,6 +37,8 @@ reshapes (any mesh, any placements), not against PyTorch's rule.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -47,6 +49,9 @@ from vescale._torch import generate_redistribute_costs
 from torch.distributed.tensor.placement_types import Replicate, Shard
 from vescale._torch import _StridedShard
 from vescale._torch import PATCHES
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.placement_types import Placement
 
 __all__ = ["propagate_view", "install_view_rule", "uninstall_view_rule", "VIEW_OPS"]
 
@@ -162,7 +167,8 @@ def _output_shape(shape, rule) -> tuple:
     return tuple(out)
 
 
-def propagate_view(placements, shape, rule, mesh_sizes, strict: bool):
+def propagate_view(placements: Sequence[Placement], shape: Sequence[int], rule: Sequence[Any], mesh_sizes: Sequence[int],
+                   strict: bool) -> tuple[Sequence[Placement], Sequence[Placement]]:
     """``propagate_shape_and_sharding`` (input target placements, output placements), corrected:
     for inputs with a ``_StridedShard``, the split found for later split ids; for any input, a
     decision whose output layout is not the input's viewed (PyTorch keeps a ``_StridedShard`` on an
@@ -207,7 +213,7 @@ def _pytorchs(placements, shape, rule, mesh_sizes, strict):
 def _strategy(op, original):
     fn, strict = VIEW_OPS[op]
 
-    def strategy(op_schema: OpSchema):
+    def strategy(op_schema: OpSchema) -> OpStrategy:
         inputs = op_schema.args_schema[0]
         if not isinstance(inputs, OpStrategy):
             return original(op_schema)

@@ -33,6 +33,8 @@ PyTorch's full answer, then replayed with new metadata at the same ``room``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from vescale._torch import DTensorSpec
 from vescale._torch import OpSchema, OutputSharding
@@ -126,7 +128,7 @@ class SameRoom:
         return room(op_schema) == self.room
 
 
-def free_move(prop, op_schema: OpSchema, result: OutputSharding) -> bool:
+def free_move(prop: Any, op_schema: OpSchema, result: OutputSharding) -> bool:
     """Whether ``result`` is a zero-cost move of a size-free rule (see the module doc): it
     redistributes, every input keeps its placement on each mesh dim or had Replicate there, and no
     ``_StridedShard`` or keyword tensor is involved."""

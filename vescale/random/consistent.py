@@ -16,6 +16,8 @@ are not seen by the mode and use PyTorch's generator.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
+from typing import Any
 
 from vescale.dispatch.scope import mesh_of_call
 from vescale.mesh import is_vescale_mesh
@@ -25,7 +27,7 @@ __all__ = ["consistent"]
 
 
 class _ConsistentMode(ops.RandomOpMode):
-    def on_dtensor(self, func, args, kwargs):
+    def on_dtensor(self, func: Any, args: tuple, kwargs: dict | None) -> Any:
         if func in ops.UNSUPPORTED:
             raise ops.unsupported_error(func)
         mesh = mesh_of_call(args, kwargs)
@@ -38,7 +40,7 @@ class _ConsistentMode(ops.RandomOpMode):
 
 
 @contextlib.contextmanager
-def consistent():
+def consistent() -> Iterator[None]:
     """Draw random ops on plain tensors (and DTensors) from vescale's generator inside the block."""
     with _ConsistentMode():
         yield

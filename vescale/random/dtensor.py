@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from vescale._torch import dtensor_random
@@ -173,7 +173,7 @@ def _pytorch_random_op(op, args, kwargs):
         return pytorch_handling(op, args, kwargs)
 
 
-def draw_shard(op, args, kwargs):
+def draw_shard(op: Any, args: tuple, kwargs: dict | None) -> object:
     """Draw this rank's shard of a random op's DTensor result, with single-device values."""
     call = ops.read_call(op, args, kwargs or {})
     if call.generator is not None:

@@ -43,7 +43,7 @@ import functools
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -371,7 +371,7 @@ def _launches_at_offset_zero(numel: int, itemsize: int, unroll: int, profile: De
     return tuple(launches), increment
 
 
-def offset_increment(kind: str, dtype: torch.dtype, numel: int, profile: DeviceProfile, **params) -> int:
+def offset_increment(kind: str, dtype: torch.dtype, numel: int, profile: DeviceProfile, **params: Any) -> int:
     """How far the generator offset advances after drawing ``numel`` values of this kind (0 when empty).
 
     ``params`` are generate's (bernoulli's ``p`` decides the kernel: a float, or a tensor)."""
@@ -506,7 +506,7 @@ def generate(
     dim_indices: Sequence[torch.Tensor] | None,
     profile: DeviceProfile,
     backend: str = "auto",
-    **params,
+    **params: Any,
 ) -> None:
     """Fill ``out`` in place with its block of the global random tensor.
 

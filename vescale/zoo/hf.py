@@ -28,12 +28,12 @@ TINY_LLAMA_SIZES = dict(
 )
 
 
-def tiny_llama_config(**overrides) -> LlamaConfig:
+def tiny_llama_config(**overrides: Any) -> LlamaConfig:
     """The in-package model's config at the tiny sizes; keyword arguments override any LlamaConfig field."""
     return LlamaConfig(**{**TINY_LLAMA_SIZES, **overrides})
 
 
-def tiny_llama(**overrides) -> LlamaForCausalLM:
+def tiny_llama(**overrides: Any) -> LlamaForCausalLM:
     """The in-package LlamaForCausalLM at the tiny sizes, initialised from the default generator."""
     return LlamaForCausalLM(tiny_llama_config(**overrides))
 
