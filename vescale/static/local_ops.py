@@ -1,7 +1,7 @@
 """Local kernels: ops whose DTensor rule is not local, run by a static module on its local shards.
 
 Static Eager mode runs a module on local tensors only where every DTensor op of its body would
-have run on the local shards unchanged (``runtime._why_not_local``). One common op is not: the
+have run on the local shards unchanged (``record._why_not_local``). One common op is not: the
 *vocabulary-parallel lookup*, ``embedding(weight, ids)`` with the table's rows sharded on a mesh
 dim (``Shard(0)``) and the ids whole on it. DTensor's rule for it redistributes the ids to a
 ``_MaskPartial`` layout (this rank's ids shifted into its rows, the others pointed at row 0 and

@@ -42,7 +42,8 @@ import torch
 from ..plan.ir import PlanError
 
 if TYPE_CHECKING:
-    from .runtime import Record, State, StaticRuntime
+    from .record import Record
+    from .runtime import State, StaticRuntime
 
 __all__ = ["RegionState", "in_backward", "refuse_outside_region", "unnoted_region"]
 

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
     from ..parallel.batch_local import Scope
     from .boundary import Move
-    from .runtime import Crossing
+    from .record import Crossing
 
 __all__ = ["relabelled_move", "LazyRelabel", "grad_placements"]
 

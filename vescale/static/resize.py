@@ -55,7 +55,7 @@ from ..plan.ir import PlanError
 from ..placement.blocks import local_shape_and_offset
 
 if TYPE_CHECKING:
-    from .runtime import Crossing, Record
+    from .record import Crossing, Record
 
 __all__ = ["ResizeMismatch", "size_factors", "derive", "data_dependent_op", "Pending", "ShapeCandidates", "settle", "finish"]
 
@@ -301,7 +301,7 @@ class ShapeCandidates:
 
 
 def settle(c: Crossing, t: torch.Tensor) -> None:
-    """Settle crossing ``c`` (``runtime.Crossing`` with ``pending``) from the tensor crossing there: a
+    """Settle crossing ``c`` (``record.Crossing`` with ``pending``) from the tensor crossing there: a
     local tensor, or a DTensor (whose placements and shape must be those derived)."""
     pending, c.pending = c.pending, None
     local = t._local_tensor if hasattr(t, "_local_tensor") else t

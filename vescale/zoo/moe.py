@@ -128,7 +128,7 @@ def moe_plan(
             # gradients are both Partial over TP (vescale.dispatch.partial keeps the router's Partial
             # through its softmax backward), so the block adds them as local tensors of one layout;
             # the gradients of the router's top-k and of the experts' token gather go into autograd's
-            # own zeros (local: vescale.static.runtime._zeros_made_partial).
+            # own zeros (local: vescale.static.record._zeros_made_partial).
     if use_ep:
         keys, local = batch_keys(local_inputs, [r"<in>\[input_ids\]", r"<in>\[labels\]"], "moe_plan")
         split_batch(plan, keys, ep, local)  # EP ranks split the batch ...
