@@ -89,7 +89,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "register_fake_backend", "fake_mode_runs_meta_kernel", "TESTED_TORCH", "clear_sharding_prop_cache", "version_warning", "PATCHES",
-    "PatchLayer", "root_mesh", "AllToAllOptions", "AllgatherOptions", "AllreduceOptions", "BarrierOptions", "DTensorSpec",
+    "PatchLayer", "root_mesh", "forward_hook_ids", "hooks_off", "hooks_back",
+    "AllToAllOptions", "AllgatherOptions", "AllreduceOptions", "BarrierOptions", "DTensorSpec",
     "InputDim", "OpInfo", "OpSchema", "OpSpec", "OpStrategy", "OutputSharding", "ReduceScatterOptions",
     "RuntimeSchemaInfo", "TensorMeta", "TorchDispatchMode", "TupleStrategy", "_PreparedSingleDimStrategy",
     "_ViewShardingPropagator", "_are_we_tracing", "_device_constructors",
@@ -147,6 +148,41 @@ def fake_mode_runs_meta_kernel(op: Any) -> bool:
 def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The mesh ``mesh`` was sliced or flattened from (itself if it was built whole)."""
     return mesh._get_root_mesh()
+
+
+# A module's forward hooks live in these nn.Module dicts (keyed by hook id); emptied, nn.Module calls
+# forward directly. Static Eager takes the hooks off modules with nothing to do in a step (quiet
+# modules), emptying and refilling the dicts in place, so hook handles stay valid.
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+               "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def forward_hook_ids(mod: torch.nn.Module) -> frozenset:
+    """The ids of ``mod``'s forward pre-hooks and forward hooks."""
+    return frozenset(mod._forward_pre_hooks) | frozenset(mod._forward_hooks)
+
+
+def hooks_off(mod: torch.nn.Module, keep: frozenset = frozenset()) -> list:
+    """Take every forward (pre-)hook off ``mod`` but those whose ids are in ``keep``; returns what
+    was taken, for :func:`hooks_back`."""
+    saved = []
+    for name in _HOOK_DICTS:
+        hooks = getattr(mod, name)
+        off = [(k, v) for k, v in hooks.items() if k not in keep]
+        for k, _ in off:
+            del hooks[k]
+        saved.append(off)
+    return saved
+
+
+def hooks_back(mod: torch.nn.Module, saved: list) -> None:
+    """Refill the hook dicts, the saved hooks first (any registered meanwhile after them)."""
+    for name, items in zip(_HOOK_DICTS, saved):
+        hooks = getattr(mod, name)
+        added = list(hooks.items())
+        hooks.clear()
+        hooks.update(items)
+        hooks.update(added)
 
 
 def register_fake_backend() -> None:

@@ -46,6 +46,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 from vescale._torch import DTensorSpec
 from vescale._torch import TorchDispatchMode, _get_current_dispatch_mode_stack, _pop_mode, _push_mode
+from vescale._torch import forward_hook_ids, hooks_back, hooks_off
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..dispatch.local import decisions_remembered
@@ -942,7 +943,7 @@ class StaticRuntime:
 
     def _root_hooks_ours(self, root: nn.Module) -> bool:
         ours = self.root_hooks
-        return all(k in ours for k in root._forward_pre_hooks) and all(k in ours for k in root._forward_hooks)
+        return forward_hook_ids(root) <= ours
 
     def _steps(self, path: str) -> "_Steps":
         steps = self.record.steps.get(path)
@@ -1119,7 +1120,7 @@ class StaticRuntime:
                 continue
             if steps.wrap_in or steps.wrap_out or steps.placed_in or steps.placed_out:
                 continue
-            hooks = set(mod._forward_pre_hooks) | set(mod._forward_hooks)
+            hooks = forward_hook_ids(mod)
             member = self._unit_member(rec, path, hooks, own) if hooks != own else None
             if hooks != own and member is None:
                 continue  # the plan's (or the user's) hooks work here
@@ -1139,13 +1140,13 @@ class StaticRuntime:
     def _silence(self, quiet: dict) -> None:
         """Take the hooks off the modules in ``quiet``, put them back on every other one."""
         # A module given a hook while silenced is not quiet any more.
-        for path in [p for p, (m, _) in self.silenced.items() if _hooks_beyond(m, self.unit_hooks.get(p, ()))]:
+        for path in [p for p, (m, _) in self.silenced.items() if forward_hook_ids(m) - self.unit_hooks.get(p, frozenset())]:
             quiet.pop(path, None)
         for path in [p for p in self.silenced if p not in quiet]:
-            _hooks_back(*self.silenced.pop(path))
+            hooks_back(*self.silenced.pop(path))
         for path, mod in quiet.items():
             if path not in self.silenced:
-                self.silenced[path] = (mod, _hooks_off(mod, self.unit_hooks.get(path, frozenset())))
+                self.silenced[path] = (mod, hooks_off(mod, self.unit_hooks.get(path, frozenset())))
 
     def _swap_at_root(self, quiet: dict) -> None:
         """A quiet module gets its local parameters for the whole forward (its inside() would have
@@ -1354,39 +1355,6 @@ def _put_back(mod: nn.Module, swapped: list) -> None:
         store = mod._parameters if name in mod._parameters else mod._buffers
         if store.get(name) is local:
             store[name] = p
-
-
-# A module's forward hooks live in these dicts (keyed by hook id); emptied, nn.Module calls forward
-# directly. They are emptied in place and refilled in place, so hook handles stay valid.
-_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
-               "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
-
-
-def _hooks_off(mod: nn.Module, keep=frozenset()) -> list:
-    """Take every hook off ``mod`` but those whose ids are in ``keep``; returns what was taken."""
-    saved = []
-    for name in _HOOK_DICTS:
-        hooks = getattr(mod, name)
-        off = [(k, v) for k, v in hooks.items() if k not in keep]
-        for k, _ in off:
-            del hooks[k]
-        saved.append(off)
-    return saved
-
-
-def _hooks_beyond(mod: nn.Module, kept) -> bool:
-    """Whether ``mod`` has a forward (pre-)hook other than those in ``kept``."""
-    return any(k not in kept for k in mod._forward_pre_hooks) or any(k not in kept for k in mod._forward_hooks)
-
-
-def _hooks_back(mod: nn.Module, saved: list) -> None:
-    """Refill the hook dicts, the saved hooks first (any registered meanwhile after them)."""
-    for name, items in zip(_HOOK_DICTS, saved):
-        hooks = getattr(mod, name)
-        added = list(hooks.items())
-        hooks.clear()
-        hooks.update(items)
-        hooks.update(added)
 
 
 def _callers(model: nn.Module) -> dict[str, str | None]:
