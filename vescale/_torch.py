@@ -89,7 +89,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "register_fake_backend", "fake_mode_runs_meta_kernel", "TESTED_TORCH", "clear_sharding_prop_cache", "version_warning", "PATCHES",
-    "PatchLayer", "root_mesh", "forward_hook_ids", "hooks_off", "hooks_back",
+    "PatchLayer", "root_mesh", "forward_hook_ids", "hooks_off", "hooks_back", "enter_dispatch_mode_beneath",
+    "exit_dispatch_mode", "exit_function_mode",
     "AllToAllOptions", "AllgatherOptions", "AllreduceOptions", "BarrierOptions", "DTensorSpec",
     "InputDim", "OpInfo", "OpSchema", "OpSpec", "OpStrategy", "OutputSharding", "ReduceScatterOptions",
     "RuntimeSchemaInfo", "TensorMeta", "TorchDispatchMode", "TupleStrategy", "_PreparedSingleDimStrategy",
@@ -183,6 +184,49 @@ def hooks_back(mod: torch.nn.Module, saved: list) -> None:
         hooks.clear()
         hooks.update(items)
         hooks.update(added)
+
+
+# Static Eager enters its recording mode beneath the user's dispatch modes (so it sees the ops after
+# theirs) and leaves its modes wherever they sit on the stacks, the modes above them left in place.
+
+def _pop_down_to(mode: object, stack: Callable[[], list], pop: Callable[[], object]) -> list:
+    """Pop modes off a mode stack down to ``mode`` (popped too), or all of them for None; returns
+    the ones above it, top first."""
+    above = []
+    while stack():
+        top = pop()
+        if top is mode:
+            break
+        above.append(top)
+    return above
+
+
+def enter_dispatch_mode_beneath(mode: TorchDispatchMode) -> None:
+    """Enter ``mode`` beneath the dispatch modes already open (it sees ops after them)."""
+    above = _pop_down_to(None, _get_current_dispatch_mode_stack, _pop_mode)
+    mode.__enter__()
+    for m in reversed(above):
+        _push_mode(m)
+
+
+def exit_dispatch_mode(mode: TorchDispatchMode) -> None:
+    """Exit ``mode`` wherever it is on the dispatch mode stack, leaving the modes above it in place."""
+    if not any(m is mode for m in _get_current_dispatch_mode_stack()):
+        return
+    above = _pop_down_to(mode, _get_current_dispatch_mode_stack, _pop_mode)
+    _push_mode(mode)
+    mode.__exit__(None, None, None)  # pops it (now the top) and restores its flags
+    for m in reversed(above):
+        _push_mode(m)
+
+
+def exit_function_mode(mode: object) -> None:
+    """Take ``mode`` off the torch function mode stack wherever it is, leaving the modes above it in
+    place (``__exit__`` pops the top one, which may be another module's mode entered later)."""
+    if not any(m is mode for m in _get_current_function_mode_stack()):
+        return
+    for m in reversed(_pop_down_to(mode, _get_current_function_mode_stack, _pop_function_mode)):
+        _push_function_mode(m)
 
 
 def register_fake_backend() -> None:

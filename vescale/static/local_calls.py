@@ -32,7 +32,9 @@ from torch.overrides import TorchFunctionMode
 
 from .local_loss import cross_entropy_args, loss_kernel
 from .local_sizes import SIZED_CALLS, SizeRewrite, size_call, size_rewrite
-from .random_gate import SwitchedMode, exit_function_mode
+from vescale._torch import exit_function_mode
+
+from .random_gate import SwitchedMode
 
 __all__ = ["CallWatch", "LocalCalls", "call_site", "local_call_paths", "drop_plain_sizes"]
 

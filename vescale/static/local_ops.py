@@ -50,7 +50,7 @@ from torch.overrides import TorchFunctionMode
 from ..dispatch.local import moves_data
 from ..plan.ir import PlanError
 from ..placement.blocks import local_shape_and_offset
-from .random_gate import exit_function_mode
+from vescale._torch import exit_function_mode
 
 __all__ = ["MaskedLookup", "LocalLookups", "masked_lookup", "grad_placements", "is_masked", "unmasked", "unmasked_inputs", "check_lookup"]
 

@@ -24,9 +24,9 @@ from __future__ import annotations
 from typing import Callable
 
 from torch.overrides import TorchFunctionMode
-from vescale._torch import _get_current_function_mode_stack, _pop_function_mode as _pop_mode, _push_function_mode as _push_mode
+from vescale._torch import exit_function_mode
 
-__all__ = ["SwitchedMode", "CallTracker", "RandomGate", "exit_function_mode"]
+__all__ = ["SwitchedMode", "CallTracker", "RandomGate"]
 
 
 class SwitchedMode(TorchFunctionMode):
@@ -84,18 +84,3 @@ class RandomGate(SwitchedMode):
             return func(*args, **kwargs)
         finally:
             self.replay_on(False)
-
-
-def exit_function_mode(mode: TorchFunctionMode) -> None:
-    """Take ``mode`` off the torch function mode stack wherever it is, leaving the modes above it in
-    place (``__exit__`` pops the top one, which may be another module's mode entered later)."""
-    if not any(m is mode for m in _get_current_function_mode_stack()):
-        return
-    above = []
-    while True:
-        top = _pop_mode()
-        if top is mode:
-            break
-        above.append(top)
-    for m in reversed(above):
-        _push_mode(m)

@@ -45,7 +45,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 from vescale._torch import DTensorSpec
-from vescale._torch import TorchDispatchMode, _get_current_dispatch_mode_stack, _pop_mode, _push_mode
+from vescale._torch import TorchDispatchMode, enter_dispatch_mode_beneath, exit_dispatch_mode
 from vescale._torch import forward_hook_ids, hooks_back, hooks_off
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -195,7 +195,7 @@ class _RandomReplay(TorchDispatchMode):
         if on:
             self.__enter__()
         else:
-            _exit_from_anywhere(self)
+            exit_dispatch_mode(self)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -222,37 +222,6 @@ class _RandomReplay(TorchDispatchMode):
         if isinstance(out, (tuple, list)):
             return type(out)(o._local_tensor if isinstance(o, DTensor) else o for o in out)
         return out._local_tensor if isinstance(out, DTensor) else out
-
-
-def _enter_beneath(mode: TorchDispatchMode) -> None:
-    """Enter ``mode`` beneath the dispatch modes already open (it sees ops after them)."""
-    above = _pop_modes_above(None)
-    mode.__enter__()
-    for m in reversed(above):
-        _push_mode(m)
-
-
-def _exit_from_anywhere(mode: TorchDispatchMode) -> None:
-    """Exit ``mode`` wherever it is on the dispatch mode stack, leaving the modes above it in place."""
-    if not any(m is mode for m in _get_current_dispatch_mode_stack()):
-        return
-    above = _pop_modes_above(mode)
-    _push_mode(mode)
-    mode.__exit__(None, None, None)  # pops it (now the top) and restores its flags
-    for m in reversed(above):
-        _push_mode(m)
-
-
-def _pop_modes_above(mode) -> list:
-    """Pop the user-level dispatch modes down to ``mode`` (popped too) or all of them (``None``);
-    returns those above it, top first."""
-    above = []
-    while _get_current_dispatch_mode_stack():
-        top = _pop_mode()
-        if top is mode:
-            break
-        above.append(top)
-    return above
 
 
 # ---------------------------------------------------------------------------------------------
@@ -593,7 +562,7 @@ class StaticRuntime:
         # A recording's watcher outlives this forward (it watches backward too, and is closed at the
         # next root forward), so it goes beneath the modes the user has open: a user's mode entered
         # around the step (vescale.debug.CollectiveCounter, say) exits first and must pop itself.
-        _enter_beneath(self.watcher)
+        enter_dispatch_mode_beneath(self.watcher)
 
     def end_forward(self) -> None:
         """Root cleanup hook: the forward is over. A recording keeps watching through backward
@@ -658,7 +627,7 @@ class StaticRuntime:
             remembered, self.remembered = self.remembered, None
             remembered.__exit__(None, None, None)
         watcher, self.watcher = self.watcher, None
-        _exit_from_anywhere(watcher)
+        exit_dispatch_mode(watcher)
         self.stack.clear()
 
     def _when_backward_done(self, record: Record) -> None:
