@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from vescale._torch import DTensorSpec, TorchDispatchMode
@@ -22,10 +24,10 @@ from ..dispatch.local import data_moves, handler_runs_locally, why_rule_not_loca
 from ..parallel.faults import _first_line
 from ..plan.ir import PlanError
 from . import averaged, resize
-from .local_ops import check_lookup, masked_lookup
+from .local_ops import check_lookup, is_masked, masked_lookup, unmasked
 from .shares import SUMS, GradientShares
 
-__all__ = ["Crossing", "Record"]
+__all__ = ["Crossing", "Record", "input_keys", "output_keys"]
 
 
 @dataclass
@@ -107,6 +109,29 @@ class Record:
     # Static steps' recomputations (recompute.py): hooked caller -> its quiet callees (path, module),
     # made at the first recomputation.
     quiet_callers: dict | None = None
+
+    def note(self, parent: dict, key: tuple, t: torch.Tensor) -> Crossing:
+        """Record what crossed at ``key``. A module called more than once per step with differently
+        placed tensors at the same spot cannot be replayed from one record: it and its caller stay
+        eager (then its inputs arrive as DTensors and need no recorded spec). ``parent``: path ->
+        caller path."""
+        spec = _spec_of(t)
+        if is_masked(spec):
+            # In static steps this tensor comes from a masked lookup's kernel: a plain Partial sum.
+            self.masked.add(key)
+            spec = unmasked(spec)
+        c = self.crossings.get(key)
+        if c is None:
+            c = self.crossings[key] = Crossing(spec)
+        elif c.spec != spec:
+            self.keep_eager(parent, key[0], "called more than once per step with differently placed tensors")
+        return c
+
+    def keep_eager(self, parent: dict, path: str, why: str) -> None:
+        """Keep ``path`` and its caller on DTensors."""
+        self.unsafe.setdefault(path, why)
+        if parent.get(path) is not None:
+            self.unsafe.setdefault(parent[path], f"calls {path!r}: {why}")
 
 
 
@@ -375,3 +400,29 @@ def _spec_of(t) -> DTensorSpec | None:
     return t._spec if isinstance(t, DTensor) else None
 
 
+def input_keys(mod: nn.Module, args: tuple, kwargs: dict) -> list:
+    """The plan key (``<in>[key]``) of each tensor ``runtime._map_io`` visits: the argument's name (its
+    position if the signature has no name for it), None for a tensor inside a container."""
+    from ..parallel.hooks import _tensors_in
+    from ..plan.lower import forward_arg_names
+
+    names = forward_arg_names(mod)[0]
+    keys: list = []
+    for key, value in [(names[i] if i < len(names) else i, a) for i, a in enumerate(args)] + list(kwargs.items()):
+        keys += [key] if isinstance(value, torch.Tensor) else [None] * len(_tensors_in(value))
+    return keys
+
+
+def output_keys(output: Any) -> list:
+    """The plan key (``<out>[key]``) of each tensor ``runtime._map_out`` visits (None inside a nested container)."""
+    from ..parallel.hooks import _tensors_in
+
+    if isinstance(output, torch.Tensor):
+        return [0]
+    items = list(enumerate(output)) if isinstance(output, (tuple, list)) else list(output.items()) if isinstance(output, dict) else []
+    if not items:
+        return [None] * len(_tensors_in(output))
+    keys: list = []
+    for key, value in items:
+        keys += [key] if isinstance(value, torch.Tensor) else [None] * len(_tensors_in(value))
+    return keys

@@ -58,14 +58,14 @@ from ..placement.blocks import local_shape_and_offset
 from . import averaged, relabel, resize
 from .boundary import HandOvers, Move, ParamShadow, dtensor_of, grad_spec, local_of, settled_on_unit_dims
 from .random_gate import CallTracker, RandomGate
-from .record import Crossing, Record, _OpWatcher, _spec_of
+from .record import Crossing, Record, _OpWatcher, input_keys, output_keys
 from .recompute import RegionState, in_backward, refuse_outside_region, unnoted_region
 
 if TYPE_CHECKING:
     from ..plan.api import Statement
 from .shares import GradientShares
 from .local_calls import CallWatch, LocalCalls, drop_plain_sizes, local_call_paths
-from .local_ops import LocalLookups, grad_placements, is_masked, unmasked, unmasked_inputs
+from .local_ops import LocalLookups, grad_placements, unmasked_inputs
 
 __all__ = ["StaticRuntime", "State"]
 
@@ -717,7 +717,7 @@ class StaticRuntime:
             return None
         wraps = self.parent_static(path) and (path in self.planned_pre or not self.is_static(path))
         if self.state is State.RECORD:
-            self.record.keys.setdefault((path, "in"), _input_keys(mod, args, kwargs))
+            self.record.keys.setdefault((path, "in"), input_keys(mod, args, kwargs))
             if not self.regions and unnoted_region():
                 refuse_outside_region(path, recomputed=False)
             if path in self.unit_of_member and self.recompute is None:
@@ -756,7 +756,7 @@ class StaticRuntime:
             return None
 
         def note(i: int, t: torch.Tensor) -> torch.Tensor:
-            c = _note(rec, self.parent, (path, "body", i), t)
+            c = rec.note(self.parent, (path, "body", i), t)
             if c.spec is not None and self.watcher is not None:
                 self.watcher.dtensor_bodies.add(path)
             if averaged.averaged_dims(c.spec):  # its body would get a share of an averaged value
@@ -907,7 +907,7 @@ class StaticRuntime:
             return None
         wraps = self.is_static(path) and (path in self.planned_post or not self.parent_static(path))
         if self.state is State.RECORD:
-            self.record.keys.setdefault((path, "out"), _output_keys(output))
+            self.record.keys.setdefault((path, "out"), output_keys(output))
         return self._to_dtensors(path, "out", wraps, lambda fn: _map_out(fn, output))
 
     def _root_hooks_ours(self, root: nn.Module) -> bool:
@@ -999,13 +999,13 @@ class StaticRuntime:
             keys = rec.keys.get((path, where), [])
 
             def note(i: int, t: torch.Tensor) -> torch.Tensor:
-                c = _note(rec, self.parent, (path, where, i), t)
+                c = rec.note(self.parent, (path, where, i), t)
                 stated = self.grad_dst_spots.get((path, where, keys[i])) if i < len(keys) else None
                 if stated is not None and isinstance(t, DTensor):
                     c.leave_grad = tuple(g or d for g, d in zip(stated, grad_layout(t.placements)))
                 why = averaged.wrap_refusal(c.spec, c.leave_grad)
                 if why:
-                    _unsafe_with_caller(rec, self.parent, path, why)
+                    rec.keep_eager(self.parent, path, why)
                 if not wraps:
                     return t
                 mirrored = _mirror(t, c.leave_grad)
@@ -1036,7 +1036,7 @@ class StaticRuntime:
             caller = self.parent.get(path)
 
             def note(i: int, t: torch.Tensor) -> torch.Tensor:
-                c = _note(rec, self.parent, (path, "result", i), t)
+                c = rec.note(self.parent, (path, "result", i), t)
                 if c.spec is not None and caller is not None and self.watcher is not None:
                     self.watcher.dtensor_bodies.add(caller)  # its body gets a DTensor (and may read its sizes)
                 if unwrapped and caller is not None and averaged.averaged_dims(c.spec):
@@ -1339,62 +1339,10 @@ def _callers(model: nn.Module) -> dict[str, str | None]:
     return callers
 
 
-def _input_keys(mod: nn.Module, args, kwargs) -> list:
-    """The plan key (``<in>[key]``) of each tensor ``_map_io`` visits: the argument's name (its
-    position if the signature has no name for it), None for a tensor inside a container."""
-    from ..parallel.hooks import _tensors_in
-    from ..plan.lower import forward_arg_names
-
-    names = forward_arg_names(mod)[0]
-    keys: list = []
-    for key, value in [(names[i] if i < len(names) else i, a) for i, a in enumerate(args)] + list(kwargs.items()):
-        keys += [key] if isinstance(value, torch.Tensor) else [None] * len(_tensors_in(value))
-    return keys
-
-
-def _output_keys(output) -> list:
-    """The plan key (``<out>[key]``) of each tensor ``_map_out`` visits (None inside a nested container)."""
-    from ..parallel.hooks import _tensors_in
-
-    if isinstance(output, torch.Tensor):
-        return [0]
-    items = list(enumerate(output)) if isinstance(output, (tuple, list)) else list(output.items()) if isinstance(output, dict) else []
-    if not items:
-        return [None] * len(_tensors_in(output))
-    keys: list = []
-    for key, value in items:
-        keys += [key] if isinstance(value, torch.Tensor) else [None] * len(_tensors_in(value))
-    return keys
-
-
 def _tensors(args, kwargs) -> list[torch.Tensor]:
     found = []
     _map_io(lambda i, t: found.append(t) or t, args, kwargs)
     return found
-
-
-def _note(rec: Record, parent: dict, key: tuple, t) -> Crossing:
-    """Record what crossed at ``key``. A module called more than once per step with differently
-    placed tensors at the same spot cannot be replayed from one record: it and its caller stay
-    eager (then its inputs arrive as DTensors and need no recorded spec)."""
-    spec = _spec_of(t)
-    if is_masked(spec):
-        # In static steps this tensor comes from a masked lookup's kernel: a plain Partial sum.
-        rec.masked.add(key)
-        spec = unmasked(spec)
-    c = rec.crossings.get(key)
-    if c is None:
-        c = rec.crossings[key] = Crossing(spec)
-    elif c.spec != spec:
-        _unsafe_with_caller(rec, parent, key[0], "called more than once per step with differently placed tensors")
-    return c
-
-
-def _unsafe_with_caller(rec: Record, parent: dict, path: str, why: str) -> None:
-    """Keep ``path`` and its caller on DTensors."""
-    rec.unsafe.setdefault(path, why)
-    if parent.get(path) is not None:
-        rec.unsafe.setdefault(parent[path], f"calls {path!r}: {why}")
 
 
 def _laid(c: Crossing) -> bool:
