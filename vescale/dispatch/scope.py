@@ -1,10 +1,12 @@
 """Which DTensors vescale's op handlers answer for, and how they hand a call back to PyTorch.
 
 vescale's handlers in DTensor's per-op table (random ops, ``item()``, loss means over a split
-batch, CPU attention, convolutions, data-dependent and sized ops) give single-device semantics and
-coverage to the DTensors of the models vescale parallelized: those on a mesh it was given
+batch, CPU attention, convolutions, data-dependent ops) give single-device semantics and coverage
+to the DTensors of the models vescale parallelized: those on a mesh it was given
 (``vescale.mesh.adopt_mesh``). A DTensor program on any other mesh in the same process gets
-PyTorch's own handling of the call, as if vescale were not installed.
+PyTorch's own handling of the call, as if vescale were not installed. (The sized-op handler is a
+fast path that replays PyTorch's own decisions, and the sharding strategies and caches stay
+process-wide: docs/architecture.md, "Changes to PyTorch".)
 """
 
 from __future__ import annotations
