@@ -89,7 +89,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "register_fake_backend", "fake_mode_runs_meta_kernel", "TESTED_TORCH", "clear_sharding_prop_cache", "version_warning", "PATCHES",
-    "PatchLayer", "root_mesh", "forward_hook_ids", "hooks_off", "hooks_back", "enter_dispatch_mode_beneath",
+    "PatchLayer", "root_mesh", "forward_hook_ids", "hooks_beyond", "hooks_off", "hooks_back", "enter_dispatch_mode_beneath",
     "exit_dispatch_mode", "exit_function_mode",
     "AllToAllOptions", "AllgatherOptions", "AllreduceOptions", "BarrierOptions", "DTensorSpec",
     "InputDim", "OpInfo", "OpSchema", "OpSpec", "OpStrategy", "OutputSharding", "ReduceScatterOptions",
@@ -161,6 +161,12 @@ _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward
 def forward_hook_ids(mod: torch.nn.Module) -> frozenset:
     """The ids of ``mod``'s forward pre-hooks and forward hooks."""
     return frozenset(mod._forward_pre_hooks) | frozenset(mod._forward_hooks)
+
+
+def hooks_beyond(mod: torch.nn.Module, kept: frozenset) -> bool:
+    """Whether ``mod`` has a forward (pre-)hook whose id is not in ``kept`` (asked every static step:
+    builds nothing)."""
+    return any(k not in kept for k in mod._forward_pre_hooks) or any(k not in kept for k in mod._forward_hooks)
 
 
 def hooks_off(mod: torch.nn.Module, keep: frozenset = frozenset()) -> list:

@@ -46,7 +46,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 from vescale._torch import DTensorSpec
 from vescale._torch import TorchDispatchMode, enter_dispatch_mode_beneath, exit_dispatch_mode
-from vescale._torch import forward_hook_ids, hooks_back, hooks_off
+from vescale._torch import forward_hook_ids, hooks_back, hooks_beyond, hooks_off
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..dispatch.local import decisions_remembered
@@ -911,8 +911,7 @@ class StaticRuntime:
         return self._to_dtensors(path, "out", wraps, lambda fn: _map_out(fn, output))
 
     def _root_hooks_ours(self, root: nn.Module) -> bool:
-        ours = self.root_hooks
-        return forward_hook_ids(root) <= ours
+        return not hooks_beyond(root, self.root_hooks)
 
     def _steps(self, path: str) -> "_Steps":
         steps = self.record.steps.get(path)
@@ -1109,7 +1108,7 @@ class StaticRuntime:
     def _silence(self, quiet: dict) -> None:
         """Take the hooks off the modules in ``quiet``, put them back on every other one."""
         # A module given a hook while silenced is not quiet any more.
-        for path in [p for p, (m, _) in self.silenced.items() if forward_hook_ids(m) - self.unit_hooks.get(p, frozenset())]:
+        for path in [p for p, (m, _) in self.silenced.items() if hooks_beyond(m, self.unit_hooks.get(p, frozenset()))]:
             quiet.pop(path, None)
         for path in [p for p in self.silenced if p not in quiet]:
             hooks_back(*self.silenced.pop(path))
