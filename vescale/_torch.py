@@ -19,7 +19,7 @@ import functools
 import threading
 import warnings
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -89,7 +89,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "register_fake_backend", "fake_mode_runs_meta_kernel", "TESTED_TORCH", "clear_sharding_prop_cache", "version_warning", "PATCHES",
-    "PatchLayer", "root_mesh", "forward_hook_ids", "hooks_beyond", "hooks_off", "hooks_back", "enter_dispatch_mode_beneath",
+    "PatchLayer", "root_mesh", "forward_hook_ids", "hooks_beyond", "hooks_off", "hooks_back", "TakenHooks",
+    "take_forward_hooks", "run_pre_hooks", "run_post_hooks", "enter_dispatch_mode_beneath",
     "exit_dispatch_mode", "exit_function_mode",
     "AllToAllOptions", "AllgatherOptions", "AllreduceOptions", "BarrierOptions", "DTensorSpec",
     "InputDim", "OpInfo", "OpSchema", "OpSpec", "OpStrategy", "OutputSharding", "ReduceScatterOptions",
@@ -190,6 +191,64 @@ def hooks_back(mod: torch.nn.Module, saved: list) -> None:
         hooks.clear()
         hooks.update(items)
         hooks.update(added)
+
+
+class TakenHooks(NamedTuple):
+    """A module's forward hooks taken off it (:func:`take_forward_hooks`), each with how nn.Module
+    calls it: ``pre`` holds (hook, with_kwargs), ``post`` (hook, with_kwargs, always_call)."""
+
+    pre: tuple
+    post: tuple
+    ids: frozenset
+
+
+def take_forward_hooks(mod: torch.nn.Module) -> TakenHooks:
+    """Take every forward (pre-)hook off ``mod``, for a hook of its own that runs them in their place
+    (:func:`run_pre_hooks`, :func:`run_post_hooks`)."""
+    pre = tuple((h, k in mod._forward_pre_hooks_with_kwargs) for k, h in mod._forward_pre_hooks.items())
+    post = tuple((h, k in mod._forward_hooks_with_kwargs, k in mod._forward_hooks_always_called)
+                 for k, h in mod._forward_hooks.items())
+    ids = forward_hook_ids(mod)
+    for name in _HOOK_DICTS:
+        getattr(mod, name).clear()
+    return TakenHooks(pre, post, ids)
+
+
+def run_pre_hooks(mod: torch.nn.Module, hooks: tuple, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Run taken forward pre-hooks as ``nn.Module.__call__`` runs them; returns the inputs they leave."""
+    for hook, with_kwargs in hooks:
+        if with_kwargs:
+            result = hook(mod, args, kwargs)
+            if result is not None:
+                if not (isinstance(result, tuple) and len(result) == 2):
+                    raise RuntimeError(f"forward pre-hook must return None or a tuple of (new_args, new_kwargs), but got {result}.")
+                args, kwargs = result
+        else:
+            result = hook(mod, args)
+            if result is not None:
+                args = result if isinstance(result, tuple) else (result,)
+    return args, kwargs
+
+
+def run_post_hooks(mod: torch.nn.Module, hooks: tuple, args: tuple, kwargs: dict, output: Any, raised: bool = False) -> Any:
+    """Run taken forward hooks as ``nn.Module.__call__`` runs them; returns the output they leave.
+    ``raised``: forward raised, so only the ``always_call`` hooks run, their own errors turned into
+    warnings; so do the ones after a hook that raises here."""
+    for i, (hook, with_kwargs, always) in enumerate(hooks):
+        if raised and not always:
+            continue
+        try:
+            result = hook(mod, args, kwargs, output) if with_kwargs else hook(mod, args, output)
+        except Exception as e:
+            if not raised:
+                run_post_hooks(mod, hooks[i + 1:], args, kwargs, output, raised=True)
+                raise
+            warnings.warn("module forward hook with ``always_call=True`` raised an exception that was silenced "
+                          f"as another error was raised in forward: {e}", stacklevel=2)
+            continue
+        if result is not None:
+            output = result
+    return output
 
 
 # Static Eager enters its recording mode beneath the user's dispatch modes (so it sees the ops after

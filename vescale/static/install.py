@@ -1,15 +1,17 @@
 """Installing the Static Eager hooks on every module of a parallelised model.
 
-Order matters, because the plan's own hooks work on DTensors: on each module the runtime's
-``enter`` runs before every other pre-hook (local inputs become DTensors for the plan), ``inside``
-after them (a static module's body gets local inputs and parameters); on the way out ``leave`` runs
-before every other forward hook, ``handed_back`` after them, and ``restore`` last; it always runs,
-even when forward raised.
+Each module gets one forward pre-hook and one forward hook (``ModuleHooks``); the hooks it had
+before (the plan's, which work on DTensors) run inside them. Order matters: the runtime's ``enter``
+runs before the plan's pre-hooks (local inputs become DTensors for the plan), ``inside`` after them
+(a static module's body gets local inputs and parameters); on the way out ``leave`` runs before the
+plan's forward hooks, ``handed_back`` after them, and ``restore`` last; it always runs, even when
+forward raised.
 """
 
 from __future__ import annotations
 
 import re
+import sys
 from typing import Any
 
 import torch.nn as nn
@@ -19,9 +21,10 @@ from ..parallel.zero import GatherScheduler, unit_of
 from ..plan.lower import runs_forward
 from ..random.checkpointing import listen_to_regions
 from .runtime import StaticRuntime, resolve_eager_paths
+from vescale._torch import run_post_hooks, run_pre_hooks, take_forward_hooks
 from vescale.model_state import state_of
 
-__all__ = ["install_static", "static_runtime"]
+__all__ = ["install_static", "static_runtime", "ModuleHooks"]
 
 
 def static_runtime(model: nn.Module) -> StaticRuntime:
@@ -64,13 +67,15 @@ def install_static(model: nn.Module, plan: VescalePlan, ir: PlanIR, plan_hooks: 
     handles = []
     for path, mod in model.named_modules():
         if runs_forward(mod):
-            own = _install_one(rt, mod, path)
-            rt.own_hooks[path] = (mod, frozenset(h.id for h in own))
-            handles += own
-    if "" not in batch_local and "" in rt.own_hooks:  # a batch-local root moves its inputs between meshes
-        rt.root_hooks = plan_hooks | rt.own_hooks[""][1]
+            own = rt.own_hooks[path] = ModuleHooks(rt, mod, path)
+            handles += own.handles
+    root = rt.own_hooks.get("")
+    # The root's inputs and outputs move as precompiled moves only while the plan's are its only
+    # hooks (a batch-local root moves its inputs between meshes; mixed precision casts them).
+    if root is not None and "" not in batch_local and root.inner.ids <= plan_hooks:
+        rt.root_hooks = root.ids
     if scheduler is not None:
-        handles += _install_units(rt, model, scheduler, gathered_modules or {})
+        _find_units(rt, model, scheduler, gathered_modules or {})
     return handles
 
 
@@ -80,9 +85,9 @@ def _experts_paths(plan: VescalePlan, model: nn.Module) -> set[str]:
     return {p for p, _ in model.named_modules() if any(r.fullmatch(p) for r in patterns)} if patterns else set()
 
 
-def _install_units(rt: StaticRuntime, model: nn.Module, scheduler, gathered_modules: dict) -> list:
-    """The unit hooks (StaticRuntime.unit_in / unit_out) on the module of each ZeRO-3 unit with
-    members: modules below it whose plan hooks only gather parameters (not buffers)."""
+def _find_units(rt: StaticRuntime, model: nn.Module, scheduler: GatherScheduler, gathered_modules: dict) -> None:
+    """The ZeRO-3 units with members (modules below the unit's whose plan hooks only gather
+    parameters, not buffers): their module's hooks run StaticRuntime.unit_in / unit_out."""
     rt.scheduler = scheduler
     modules = dict(model.named_modules())
     for path, (entries, ids) in gathered_modules.items():
@@ -90,44 +95,89 @@ def _install_units(rt: StaticRuntime, model: nn.Module, scheduler, gathered_modu
         if unit and unit != path and unit in rt.own_hooks and all(e.tensor in modules[path]._parameters for e in entries):
             rt.unit_members.setdefault(unit, {})[path] = (entries, ids)
             rt.unit_of_member[path] = unit
-    handles = []
     for unit in rt.unit_members:
-        mod = modules[unit]
-        own = [mod.register_forward_pre_hook(lambda m, args, unit=unit: rt.unit_in(unit)),
-               mod.register_forward_hook(lambda m, args, out, unit=unit: rt.unit_out(unit, out), always_call=True)]
-        rt.unit_hooks[unit] = frozenset(h.id for h in own)
-        m, ids = rt.own_hooks[unit]
-        rt.own_hooks[unit] = (m, ids | rt.unit_hooks[unit])
-        handles += own
-    return handles
+        rt.own_hooks[unit].unit = True
 
 
-def _install_one(rt: StaticRuntime, mod: nn.Module, path: str) -> list:
-    is_root = path == ""
+class ModuleHooks:
+    """Static Eager's one forward pre-hook and one forward hook on a module.
 
-    def enter(m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        if is_root:
-            rt.begin_step(args, kwargs)
-        return rt.enter(m, path, args, kwargs)
+    The hooks the module had when Static Eager was installed (the plan's placements and gathers, the
+    batch-local scope's, mixed precision's casts) are taken off it and run inside these two, in their
+    order, between the runtime's steps::
 
-    def inside(m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        return rt.inside(m, path, args, kwargs)
+        pre:  [root: begin_step] enter -> the module's hooks -> inside -> [unit: unit_in]
+        post: leave -> the module's hooks -> handed_back -> restore [root: end_forward] [unit: unit_out]
 
-    def leave(m: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        return rt.leave(m, path, output)
+    The post-hook is always called, as nn.Module calls ``always_call`` hooks when forward raised:
+    then only the module's always-called hooks and the runtime's clean-up run. A quiet module
+    (``StaticRuntime._silence``) loses both hooks for the step; a quiet ZeRO-3 unit keeps them, and
+    they do only the unit's gathers (``quiet``)."""
 
-    def restore(m: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        rt.restore(m, path)
-        if is_root:
-            rt.end_forward()
+    def __init__(self, rt: StaticRuntime, mod: nn.Module, path: str):
+        self.rt, self.module, self.path = rt, mod, path
+        self.inner = take_forward_hooks(mod)
+        self.is_root = path == ""
+        self.unit = False  # a ZeRO-3 unit whose members it gathers for (install_static)
+        self.quiet = False
+        # Per call in flight: the exception being handled when it began. The post-hook finds forward
+        # raised when another one is being handled (a call made inside a user's except block
+        # begins with one).
+        self._began_in: list = []
+        self.handles = [mod.register_forward_pre_hook(self.pre, with_kwargs=True),
+                        mod.register_forward_hook(self.post, with_kwargs=True, always_call=True)]
+        self.ids = frozenset(h.id for h in self.handles)
 
-    def handed_back(m: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        return rt.handed_back(m, path, output)
+    def pre(self, mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        rt, path = self.rt, self.path
+        self._began_in.append(sys.exc_info()[1])
+        if not self.quiet:
+            if self.is_root:
+                rt.begin_step(args, kwargs)
+            args, kwargs = rt.enter(mod, path, args, kwargs) or (args, kwargs)
+            args, kwargs = run_pre_hooks(mod, self.inner.pre, args, kwargs)
+            args, kwargs = rt.inside(mod, path, args, kwargs) or (args, kwargs)
+        if self.unit:
+            rt.unit_in(path)
+        return args, kwargs
 
-    return [
-        mod.register_forward_pre_hook(enter, with_kwargs=True, prepend=True),
-        mod.register_forward_pre_hook(inside, with_kwargs=True),
-        mod.register_forward_hook(leave, with_kwargs=True, prepend=True),
-        mod.register_forward_hook(handed_back, with_kwargs=True),
-        mod.register_forward_hook(restore, with_kwargs=True, always_call=True),  # last: ends the module
-    ]
+    def post(self, mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        began_in = self._began_in.pop() if self._began_in else None
+        error = sys.exc_info()[1]
+        error = error if error is not began_in else None  # what forward raised
+        try:
+            if not self.quiet:
+                output = self._post(mod, args, kwargs, output, error is not None)
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            self._end(mod, output, error)
+        return output
+
+    def _post(self, mod: nn.Module, args: tuple, kwargs: dict, output: Any, raised: bool) -> Any:
+        rt, path = self.rt, self.path
+        if not raised:
+            try:
+                left = rt.leave(mod, path, output)
+            except BaseException:
+                run_post_hooks(mod, self.inner.post, args, kwargs, output, raised=True)
+                raise
+            output = left if left is not None else output
+        output = run_post_hooks(mod, self.inner.post, args, kwargs, output, raised)
+        if raised:
+            return output
+        back = rt.handed_back(mod, path, output)
+        return back if back is not None else output
+
+    def _end(self, mod: nn.Module, output: Any, error: BaseException | None) -> None:
+        """The runtime's clean-up, every part of it even if one raises."""
+        rt = self.rt
+        try:
+            if not self.quiet:
+                rt.restore(mod, self.path)
+                if self.is_root:
+                    rt.end_forward(error)
+        finally:
+            if self.unit:
+                rt.unit_out(self.path, output, error is not None)

@@ -37,7 +37,6 @@ import contextlib
 import dataclasses
 import enum
 import re
-import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
@@ -46,7 +45,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 from vescale._torch import DTensorSpec
 from vescale._torch import TorchDispatchMode, enter_dispatch_mode_beneath, exit_dispatch_mode
-from vescale._torch import forward_hook_ids, hooks_back, hooks_beyond, hooks_off
+from vescale._torch import hooks_back, hooks_beyond, hooks_off
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..dispatch.local import decisions_remembered
@@ -63,6 +62,7 @@ from .recompute import RegionState, in_backward, refuse_outside_region, unnoted_
 
 if TYPE_CHECKING:
     from ..plan.api import Statement
+    from .install import ModuleHooks
 from .shares import GradientShares
 from .local_calls import CallWatch, LocalCalls, drop_plain_sizes, local_call_paths
 from .local_ops import LocalLookups, grad_placements, unmasked_inputs
@@ -332,11 +332,11 @@ class StaticRuntime:
         self.refused: set = set()  # keys whose derived record failed its first step: they record
         # Parameter -> {id(gradient spec): ParamShadow}; weak, so a dropped parameter takes its shadows along.
         self.shadows = WeakIdKeyDictionary()
-        # Quiet modules (see _find_quiet): the ids of the hooks install_static put on each module,
-        # the hook entries taken off the modules silenced now, and the parameters swapped for
-        # their local tensors at the root for this forward.
-        self.own_hooks: dict[str, tuple[nn.Module, frozenset]] = {}
-        self.silenced: dict[str, tuple[nn.Module, list]] = {}
+        # Each module's Static Eager hooks (install.ModuleHooks); for quiet modules (see _find_quiet),
+        # the hook entries taken off the modules silenced now (None: a unit's, kept on, quiet), and
+        # the parameters swapped for their local tensors at the root for this forward.
+        self.own_hooks: dict[str, ModuleHooks] = {}
+        self.silenced: dict[str, tuple[nn.Module, list | None]] = {}
         self.swapped_at_root: list = []
         # A user option (docs/static.md): False gives every use of a parameter its own autograd node
         # (``local_of``), so that ``torch.autograd.grad(loss, params)`` reaches the parameters.
@@ -348,11 +348,10 @@ class StaticRuntime:
         self.root_hooks: frozenset | None = None
         # ZeRO-3 units (install_static sets them): the gather scheduler; unit -> {member path: (gather
         # entries, ids of the plan's hooks)} for modules whose plan hooks only gather; member path ->
-        # unit; unit -> ids of the unit hooks on its module; the quiet members of this step's units.
+        # unit; the quiet members of this step's units.
         self.scheduler: GatherScheduler | None = None
         self.unit_members: dict[str, dict] = {}
         self.unit_of_member: dict[str, str] = {}
-        self.unit_hooks: dict[str, frozenset] = {}
         self.active_units: dict[str, list] = {}
         # Batch-local modules (path -> vescale.parallel.batch_local.Scope), and the scope of every
         # module at or inside one; see relabel.py.
@@ -564,9 +563,10 @@ class StaticRuntime:
         # around the step (vescale.debug.CollectiveCounter, say) exits first and must pop itself.
         enter_dispatch_mode_beneath(self.watcher)
 
-    def end_forward(self) -> None:
-        """Root cleanup hook: the forward is over. A recording keeps watching through backward
-        (closed when backward finishes, or at the next step); a check is done."""
+    def end_forward(self, error: BaseException | None = None) -> None:
+        """The root's clean-up: the forward is over (``error``: what it raised). A recording keeps
+        watching through backward (closed when backward finishes, or at the next step); a check is
+        done."""
         self.in_forward = False
         self.regions.clear()
         if self.state is State.RECORD and self.watcher is not None and not self.watcher.checking:
@@ -577,8 +577,8 @@ class StaticRuntime:
         self._close_replay()
         self._close_calls()
         self._restore_at_root()
-        ok = sys.exc_info()[0] is None  # not while forward's exception unwinds
-        if isinstance(sys.exc_info()[1], resize.ResizeMismatch) and self.record is not None and self.record.resized_from is not None:
+        ok = error is None
+        if isinstance(error, resize.ResizeMismatch) and self.record is not None and self.record.resized_from is not None:
             self._forget(self.record)  # a spot its first step did not reach (verifying is over)
         try:
             if replay is not None and ok:
@@ -1058,8 +1058,8 @@ class StaticRuntime:
     # -- quiet modules -------------------------------------------------------------------------
     #
     # In a static step most modules (every Linear, norm, activation of a TP block) neither wrap,
-    # move nor unwrap anything: their five hooks only swap the parameters for local tensors and
-    # back. Those hooks still cost nn.Module's slow call path and five Python calls per module and
+    # move nor unwrap anything: their two hooks only swap the parameters for local tensors and
+    # back. Those hooks still cost nn.Module's slow call path and two Python calls per module and
     # call. So from a record's second static step on (the first checks local shapes through the
     # hooks), such modules lose their hooks for the step and the root swaps their parameters once
     # for the whole forward; any other state puts every hook back first.
@@ -1067,16 +1067,18 @@ class StaticRuntime:
     def _find_quiet(self, rec: Record) -> dict:
         """The modules of ``rec`` whose hooks have nothing to do in its static steps: static with a
         static caller, no tensor wrapped, moved or placed at their boundary, no random op to replay,
-        no hooks but install_static's, and leaf parameters (ZeRO-3's gathered ones come from hooks).
+        no hooks but the runtime's (the plan's run inside them), and leaf parameters (ZeRO-3's gathered ones come from hooks).
         Also the members of ZeRO-3 units whose only other hooks are the plan's gathers: their unit's
         module gathers for them (``rec.quiet_units``, see unit_in)."""
         quiet: dict = {}
         units: dict = {}
         local_calls = {p for p in local_call_paths(rec.losses, rec.sizes) if self.is_static(p)}  # the mode runs only there
-        for path, (mod, own) in self.own_hooks.items():
+        for path, hooks in self.own_hooks.items():
+            mod = hooks.module
+            inner = hooks.inner.ids  # the hooks that ran before Static Eager's came (the plan's)
             scope = self.scope_of.get(path)
             if scope in (rec.relabelled or ()):  # its parameter views are bypassed in these steps
-                own = own | self.scopes[scope].param_hooks.get(path, frozenset())
+                inner = inner - self.scopes[scope].param_hooks.get(path, frozenset())
             steps = rec.steps.get(path)
             if not path or steps is None or not steps.static or not steps.parent_static or path in rec.random:
                 continue
@@ -1088,10 +1090,11 @@ class StaticRuntime:
                 continue
             if steps.wrap_in or steps.wrap_out or steps.placed_in or steps.placed_out:
                 continue
-            hooks = forward_hook_ids(mod)
-            member = self._unit_member(rec, path, hooks, own) if hooks != own else None
-            if hooks != own and member is None:
-                continue  # the plan's (or the user's) hooks work here
+            if hooks_beyond(mod, hooks.ids):
+                continue  # the user's hooks, added since, work here
+            member = self._unit_member(rec, path, inner) if inner else None
+            if inner and member is None:
+                continue  # the plan's hooks work here
             if all(not isinstance(p, DTensor) or (isinstance(p, nn.Parameter) and p.grad_fn is None) for p in mod._parameters.values()):
                 quiet[path] = mod
                 if member is not None:
@@ -1108,13 +1111,22 @@ class StaticRuntime:
     def _silence(self, quiet: dict) -> None:
         """Take the hooks off the modules in ``quiet``, put them back on every other one."""
         # A module given a hook while silenced is not quiet any more.
-        for path in [p for p, (m, _) in self.silenced.items() if hooks_beyond(m, self.unit_hooks.get(p, frozenset()))]:
+        for path in [p for p, (m, saved) in self.silenced.items() if hooks_beyond(m, self.own_hooks[p].ids if saved is None else frozenset())]:
             quiet.pop(path, None)
         for path in [p for p in self.silenced if p not in quiet]:
-            hooks_back(*self.silenced.pop(path))
+            mod, saved = self.silenced.pop(path)
+            if saved is None:
+                self.own_hooks[path].quiet = False
+            else:
+                hooks_back(mod, saved)
         for path, mod in quiet.items():
             if path not in self.silenced:
-                self.silenced[path] = (mod, hooks_off(mod, self.unit_hooks.get(path, frozenset())))
+                hooks = self.own_hooks[path]
+                if hooks.unit:  # its hooks stay on and only gather for its quiet members (unit_in)
+                    hooks.quiet = True
+                    self.silenced[path] = (mod, None)
+                else:
+                    self.silenced[path] = (mod, hooks_off(mod))
 
     def _swap_at_root(self, quiet: dict) -> None:
         """A quiet module gets its local parameters for the whole forward (its inside() would have
@@ -1274,9 +1286,10 @@ class StaticRuntime:
             taken += gathered
         self.unit_state[unit] = (taken, restores)
 
-    def unit_out(self, unit: str, output: Any) -> None:
-        """The unit module's forward hook (always called): members get their own parameters back;
-        the gathered ones are freed, and gathered again when backward reaches the unit's output."""
+    def unit_out(self, unit: str, output: Any, raised: bool = False) -> None:
+        """The unit module's forward hook (always called; ``raised``: forward raised): members get
+        their own parameters back; the gathered ones are freed, and gathered again when backward
+        reaches the unit's output."""
         if self.state is State.RECORD:
             rec = self.record
             if self.recompute is None:
@@ -1289,7 +1302,7 @@ class StaticRuntime:
         for mod, own, swapped in restores:
             _put_back(mod, swapped)
             mod._parameters.update(own)
-        if sys.exc_info()[0] is None:
+        if not raised:
             release_gathered(taken, output, self.scheduler, unit)
         elif self.recompute is None:
             for g in taken:
@@ -1297,8 +1310,9 @@ class StaticRuntime:
         # (A recomputation stopped early, once it has saved what backward needs (checkpoint's
         # early stop), keeps them: the region's backward uses them next, as eager mode's does.)
 
-    def _unit_member(self, rec: Record, path: str, hooks: set, own: frozenset):
-        """(unit, gather entries) if ``path`` can run as a quiet member of its unit, else None."""
+    def _unit_member(self, rec: Record, path: str, inner: frozenset):
+        """(unit, gather entries) if ``path``, whose hooks run ``inner`` (ids of the hooks it had
+        before Static Eager's), can run as a quiet member of its unit, else None."""
         unit = self.unit_of_member.get(path)
         if unit is None or unit in rec.units_off:
             return None
@@ -1306,7 +1320,7 @@ class StaticRuntime:
         if unit_steps is None or not unit_steps.static:
             return None
         entries, plan_ids = self.unit_members[unit][path]
-        if hooks != own | plan_ids:
+        if inner != plan_ids:
             return None  # other hooks than the plan's gathers
         return unit, entries
 
