@@ -1,7 +1,7 @@
 """Cost of a slice / split of a sharded DTensor, with and without ``cache._plain_if_unchanged``.
 
 PyTorch marks every call of an op that has an argument adjuster (``split``'s sizes and, since issue
-27, ``slice``'s bounds: ``vescale.dispatch.interleaved``) as "rewritten" once any input is sharded,
+27, ``slice``'s bounds: ``vescale.dispatch.fast.interleaved``) as "rewritten" once any input is sharded,
 even where the adjuster changed nothing, which sends the op down DTensor's Python slow path on
 every call. vescale's shape-free cache now decides such a call plain (DTensor's C++ path).
 
@@ -28,7 +28,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 import vescale
 from vescale import dispatch
-from vescale.dispatch import cache
+from vescale.dispatch.fast import cache
 from vescale.testing import fake_world, forget_dtensor_caches
 
 OPS = {"slice": lambda x: (x[..., :32], x[..., 32:]), "split": lambda x: x.split(32, -1)}

@@ -5,7 +5,7 @@ interleaved round by round in one process, so the arms see the same machine load
 
 * ``torch``, ``local``, ``megatron``: ``bench_dispatch``'s variants of those names (the baselines);
 * ``eager``: vescale eager mode as installed;
-* ``eager-off``: vescale eager mode with ``vescale.dispatch.sized``'s handler taken out of DTensor's
+* ``eager-off``: vescale eager mode with ``vescale.dispatch.fast.sized``'s handler taken out of DTensor's
   per-op table and the CPU SDPA handler deciding afresh on every call (what they cost before these
   extensions);
 * ``eager-gradR`` (an experiment, not a plan vescale has): eager mode with a hook that all-reduces the
@@ -45,7 +45,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import bench_dispatch as B
 from vescale import dispatch
-from vescale.dispatch import attention, sized
+from vescale.dispatch.fast import sized
+from vescale.dispatch.coverage import attention
 from vescale.optim import local_step as optim
 from vescale.zoo import LlamaConfig
 from vescale.model_state import state_of

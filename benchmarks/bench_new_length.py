@@ -22,7 +22,7 @@ import time
 import torch.distributed as dist
 
 import bench_dispatch as B
-from vescale.dispatch import cache as C
+from vescale.dispatch.fast import cache as C
 
 
 def hit_path(runner) -> None:

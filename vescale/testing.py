@@ -83,10 +83,10 @@ def forget_dtensor_caches() -> None:
     from vescale._torch import _gen_transform_infos, clear_sharding_prop_cache, clear_redistribute_planner_cache
 
     from vescale.comm.moves import clear_moves
-    from vescale.dispatch import cache as shape_free
-    from vescale.dispatch.attention import clear_sdpa_decisions
-    from vescale.dispatch.sized import clear_sized_ops_table
-    from vescale.dispatch.viewkey import clear_view_decisions
+    from vescale.dispatch.fast import cache as shape_free
+    from vescale.dispatch.coverage.attention import clear_sdpa_decisions
+    from vescale.dispatch.fast.sized import clear_sized_ops_table
+    from vescale.dispatch.fast.viewkey import clear_view_decisions
 
     clear_sharding_prop_cache()
     _gen_transform_infos.cache_clear()

@@ -1,4 +1,4 @@
-"""vescale.dispatch.attention: SDPA on DTensors, and the error for an op without a rule.
+"""vescale.dispatch.coverage.attention: SDPA on DTensors, and the error for an op without a rule.
 
 Runs as rank 0 of a fake 4-rank process group on a DP x TP = 2 x 2 mesh. A heads- or batch-sharded
 SDPA needs no communication, so rank 0's local output and gradients must equal the matching block
@@ -17,8 +17,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 import vescale
 from vescale import dispatch
-from vescale.dispatch.attention import FusedDropoutError
-from vescale.dispatch.errors import MissingShardingRule
+from vescale.dispatch.coverage.attention import FusedDropoutError
+from vescale.dispatch.coverage.errors import MissingShardingRule
 from vescale.testing import fake_world, forget_dtensor_caches
 
 TOL = 1e-6

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 import vescale
 from vescale import Replicate, Shard, VescalePlan
-from vescale.dispatch.errors import MissingShardingRule
+from vescale.dispatch.coverage.errors import MissingShardingRule
 from vescale.testing import run_on_ranks
 
 TOL = 1e-6

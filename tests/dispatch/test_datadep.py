@@ -1,4 +1,4 @@
-"""vescale.dispatch.datadep: data-dependent ops on DTensors give the single-device result.
+"""vescale.dispatch.coverage.datadep: data-dependent ops on DTensors give the single-device result.
 
 Every case runs the same op on a plain tensor (the single-device reference) and on DTensors with
 various placements of that tensor, on real gloo ranks, and compares the DTensor's global value with

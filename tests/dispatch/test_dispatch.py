@@ -19,7 +19,7 @@ from torch.distributed.tensor._ops import utils as dtensor_op_utils
 
 import vescale
 from vescale import dispatch
-from vescale.dispatch.cache import _key
+from vescale.dispatch.fast.cache import _key
 from vescale.testing import fake_world, forget_dtensor_caches
 
 

@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import vescale
 from vescale._torch import DTensorSpec, OpSchema, TensorMeta, fake_mode_runs_meta_kernel
-from vescale.dispatch import cache
+from vescale.dispatch.fast import cache
 from vescale.dispatch.metas import kernel_outputs
 from vescale.testing import fake_world, forget_dtensor_caches
 from vescale.zoo import (
@@ -123,8 +123,8 @@ def test_the_metadata_step_holds_coverage_below_and_the_fast_path_above():
     """``uninstall(keep_coverage=True)`` leaves datadep's fp32 ``_grouped_mm`` metadata over PyTorch's
     FakeTensor step (what comparisons with PyTorch run); ``install()`` puts the fast path on top."""
     from vescale import dispatch
-    from vescale.dispatch.cache import _FastOutputMetadata
-    from vescale.dispatch.datadep import _GroupedMMMetadata
+    from vescale.dispatch.fast.cache import _FastOutputMetadata
+    from vescale.dispatch.coverage.datadep import _GroupedMMMetadata
 
     prop = DTensor._op_dispatcher.sharding_propagator
     dispatch.install()

@@ -2,7 +2,7 @@
 
 PyTorch's rule averages the ranks' own means (``Partial("avg")``), which differs from one device
 whenever the ranks count different numbers of labels (``ignore_index``, class weights, an uneven
-split). vescale's handler (``vescale/dispatch/semantics.py``) divides each rank's sum by the global
+split). vescale's handler (``vescale/dispatch/coverage/semantics.py``) divides each rank's sum by the global
 count. Checked on 2 and 4 gloo ranks against the same computation on one device:
 
 * the loss value within 1e-6 (fp32; the ranks' partial sums are added in another order) and its
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 import vescale
-from vescale.dispatch import semantics
+from vescale.dispatch.coverage import semantics
 from vescale.dispatch.scope import DTensorRule
 from vescale.testing import run_on_ranks
 

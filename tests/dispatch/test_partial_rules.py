@@ -1,4 +1,4 @@
-"""``vescale.dispatch.partial``: scatter keeps a Partial ``src`` Partial (the MoE router's top-k
+"""``vescale.dispatch.fast.partial``: scatter keeps a Partial ``src`` Partial (the MoE router's top-k
 backward), and the softmax backward a Partial gradient (the router's softmax), with the single
 device's value and no communication; where the Partial strategy does not apply (a Replicate
 ``src``, a scalar value, in place; a gradient sharded on another dim) PyTorch's decision stands.

@@ -1,4 +1,4 @@
-"""``vescale.dispatch.pick``: DTensor's Replicate -> Shard keeps this rank's chunk by one narrow.
+"""``vescale.dispatch.fast.pick``: DTensor's Replicate -> Shard keeps this rank's chunk by one narrow.
 
 The same bits and layout as PyTorch's chunk-per-rank split, for even, uneven and short dims, and a
 cost that does not grow with the mesh dim (counted in Python calls on a 1,024-rank fake world)."""
@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import vescale
 from vescale import dispatch
-from vescale.dispatch.pick import pick_chunk
+from vescale.dispatch.fast.pick import pick_chunk
 from vescale.testing import fake_world
 
 

@@ -24,7 +24,7 @@ from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 from vescale import dispatch
 from vescale.placement import InterleavedShard
-from vescale.dispatch.cache import _key
+from vescale.dispatch.fast.cache import _key
 from vescale.dispatch.metas import fast_outputs, miss_outputs
 from vescale.testing import forget_dtensor_caches
 
@@ -461,7 +461,7 @@ def test_a_replayed_spec_is_what_dtensorspecs_constructor_makes(mesh):
     from torch.distributed.tensor import Partial
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from vescale.dispatch.cache import _with_metas
+    from vescale.dispatch.fast.cache import _with_metas
 
     learned = TensorMeta(torch.Size([8, 6, 4]), (24, 4, 1), torch.float32)
     now = TensorMeta(torch.Size([8, 10, 4]), (40, 4, 1), torch.float32)
@@ -589,7 +589,7 @@ def test_a_whole_dim_slice_is_not_replayed_on_a_longer_dim(mesh):
 
 
 def test_an_adjusted_op_that_rewrites_nothing_is_a_plain_decision(mesh):
-    """Ops with an argument adjuster (split's sizes, slice's bounds: ``vescale.dispatch.interleaved``)
+    """Ops with an argument adjuster (split's sizes, slice's bounds: ``vescale.dispatch.fast.interleaved``)
     that leave every argument as it was (a tensor not interleaved where it is cut) need no
     redistribution: DTensor's C++ path runs them (PyTorch marks every such call as rewritten once
     an input is sharded, which costs its Python slow path, 2-3x a slice's cost on the CPU)."""

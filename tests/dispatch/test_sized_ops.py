@@ -1,4 +1,4 @@
-"""``vescale.dispatch.sized``: ops with size arguments replayed from a table of PyTorch's decisions.
+"""``vescale.dispatch.fast.sized``: ops with size arguments replayed from a table of PyTorch's decisions.
 
 Each case runs an op on DTensors of a (DP=2, TP=2) fake mesh twice with the handler (the second call
 a table hit) and once with PyTorch's own dispatch (the handler out of DTensor's table, caches
@@ -16,7 +16,8 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from vescale import dispatch
-from vescale.dispatch import attention, sized
+from vescale.dispatch.fast import sized
+from vescale.dispatch.coverage import attention
 from vescale.dispatch.local import handler_runs_locally
 from vescale.testing import forget_dtensor_caches
 

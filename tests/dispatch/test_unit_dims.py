@@ -1,4 +1,4 @@
-"""Misses on a mesh with a size-1 dim decided on the mesh without it (``vescale.dispatch.unitdims``).
+"""Misses on a mesh with a size-1 dim decided on the mesh without it (``vescale.dispatch.fast.unitdims``).
 
 On a ``(DP=1, TP=4)`` mesh, a searched op learned at one length is decided at another on the
 ``(TP=4,)`` mesh (PyTorch's full-mesh path is not asked) and gives PyTorch's own answer: equal
@@ -17,9 +17,9 @@ from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 import vescale
 from vescale import dispatch
-from vescale.dispatch import cache as cache_module
-from vescale.dispatch import unitdims
-from vescale.dispatch.cache import _Missed, _key, _same_decision
+from vescale.dispatch.fast import cache as cache_module
+from vescale.dispatch.fast import unitdims
+from vescale.dispatch.fast.cache import _Missed, _key, _same_decision
 from vescale.testing import forget_dtensor_caches
 
 from test_shape_free import _dt, _same, _spec
@@ -161,7 +161,7 @@ def test_a_lifted_decision_that_differs_from_pytorchs_is_not_vouched_for(unit_me
     def wrong(result, units):  # Shard(0) on the size-1 dim where PyTorch chose otherwise
         return tuple(tuple(None if p is None else (Shard(0),) for p in specs) for specs in real(result, units))
 
-    monkeypatch.setattr("vescale.dispatch.cache.unit_placements", wrong)
+    monkeypatch.setattr("vescale.dispatch.fast.cache.unit_placements", wrong)
     assert cache._unit_dims(schema, result) is None
 
 

@@ -1,4 +1,4 @@
-"""``vescale.dispatch.unwrap``: the shorter ``unwrap_to_op_info`` builds PyTorch's own ``OpInfo``
+"""``vescale.dispatch.fast.unwrap``: the shorter ``unwrap_to_op_info`` builds PyTorch's own ``OpInfo``
 (every field) for calls of DTensors, size lists and scalars, takes that short path for them, and
 hands every other call (plain tensors, tensor lists, tensor keywords, ops that need pytree) to
 PyTorch's function; and in training steps of HF's LLaMA and Mixtral under their plans (two lengths,
@@ -12,7 +12,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from vescale.dispatch import install, uninstall
-from vescale.dispatch.unwrap import unwrap_to_op_info
+from vescale.dispatch.fast.unwrap import unwrap_to_op_info
 
 aten = torch.ops.aten
 

@@ -1,4 +1,4 @@
-"""``vescale.dispatch.viewkey``: a reshape's sharding decision kept per summary of the sizes equals
+"""``vescale.dispatch.fast.viewkey``: a reshape's sharding decision kept per summary of the sizes equals
 the view rule's (PyTorch's, as ``viewrule`` corrects it) at every size, errors included.
 
 Random reshapes (flattens, splits, regroupings, ``-1``), random placements (``Shard`` on any dim,
@@ -24,8 +24,8 @@ from torch.distributed.tensor._op_schema import OpSchema
 from torch.distributed.tensor._ops._view_ops import view_groups
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from vescale.dispatch import viewkey
-from vescale.dispatch.viewrule import propagate_view
+from vescale.dispatch.fast import viewkey
+from vescale.dispatch.fast.viewrule import propagate_view
 from vescale.testing import fake_world
 
 aten = torch.ops.aten

@@ -1,4 +1,4 @@
-"""``vescale.dispatch.viewrule``: the view sharding rule's decisions give the right local shards.
+"""``vescale.dispatch.fast.viewrule``: the view sharding rule's decisions give the right local shards.
 
 Issue 27, defect 2: the zoo LLaMA on DP=2 x TP=4 (one sequence per DP rank, a global batch smaller
 than TP) crashed in its first forward: attention's ``matmul`` flattens (batch, heads) to ``Shard(0)``
@@ -26,7 +26,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 import vescale
 from vescale import dispatch
-from vescale.dispatch.viewrule import propagate_view
+from vescale.dispatch.fast.viewrule import propagate_view
 from vescale.testing import fake_world
 
 MESH_SHAPES = ((2,), (4,), (2, 2), (2, 4), (4, 2), (1, 4), (2, 1, 2), (2, 2, 2))

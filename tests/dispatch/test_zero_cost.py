@@ -1,6 +1,6 @@
 """Cost-searched decisions reused at a new length: ``_grouped_mm`` with its stride rule in the key
 (``interleaved.grouped_mm_layout_key``) and zero-cost moves of replicated inputs
-(``vescale.dispatch.zerocost``: mm, bmm, index_put, scatter, elementwise ops).
+(``vescale.dispatch.fast.zerocost``: mm, bmm, index_put, scatter, elementwise ops).
 
 Each case is learned at one length and run at another with PyTorch's shape-keyed caches cleared:
 the shape-free cache answers (one hit, no miss), and the result equals PyTorch's own (placements,
@@ -20,8 +20,8 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema
 
 from vescale import dispatch
-from vescale.dispatch import zerocost
-from vescale.dispatch.cache import _key, _same_decision, install_shape_free_cache, uninstall_shape_free_cache
+from vescale.dispatch.fast import zerocost
+from vescale.dispatch.fast.cache import _key, _same_decision, install_shape_free_cache, uninstall_shape_free_cache
 from vescale.testing import forget_dtensor_caches
 from vescale.placement import InterleavedShard
 

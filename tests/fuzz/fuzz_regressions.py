@@ -61,14 +61,14 @@ REGRESSIONS: dict[str, Regression] = {
              plan=(("shard", r"blocks\.0\.body\.qkv\.(weight|bias)", "IS(0,3)", "TP", None),
                    ("shard", r"blocks\.0\.body\.o\.weight", "S(1)", "TP", None)),
              expect=(("blocks.0.body.core", 0, 1, "TP"),), must_run=True),
-        # fixed: vescale.dispatch.interleaved (section-aligned slices stay local)
+        # fixed: vescale.dispatch.fast.interleaved (section-aligned slices stay local)
     ),
     "interleaved_qkv_narrow": Regression(
         Case(model=Spec(blocks=("attn",), fused="narrow"), mesh=(("TP", 2),),
              plan=(("shard", r"blocks\.0\.body\.qkv\.(weight|bias)", "IS(0,3)", "TP", None),
                    ("shard", r"blocks\.0\.body\.o\.weight", "S(1)", "TP", None)),
              expect=(("blocks.0.body.core", 0, 1, "TP"),), must_run=True),
-        # fixed: vescale.dispatch.interleaved
+        # fixed: vescale.dispatch.fast.interleaved
     ),
     # The split and chunk of the same layout stay local: the check above is not vacuous.
     "interleaved_qkv_split": Regression(
@@ -103,7 +103,7 @@ REGRESSIONS: dict[str, Regression] = {
 }
 
 
-# Found by the fuzzer, fixed (vescale/dispatch/conv.py): PyTorch's convolution handlers gave a wrong
+# Found by the fuzzer, fixed (vescale/dispatch/coverage/conv.py): PyTorch's convolution handlers gave a wrong
 # output for a Conv1d on a sequence-split input (their halo exchange is 4-D and uses global ranks),
 # labelled the weight's gradient Partial on mesh dim 0 whatever split the batch, and refused a batch
 # split on two mesh dims with a raw "hybrid sharding" ValueError.
@@ -128,7 +128,7 @@ REGRESSIONS["static_conv1d_view_local_batch_global_width"] = Regression(Case(
     plan=(("shard", r"blocks\.0\.body\.up\.weight", "S(1)", "TP", None), ("shard", r"blocks\.0\.body\.up\.bias", "S(0)", "TP", None),
           ("shard", r"blocks\.0\.body\.down\.weight", "S(0)", "TP", None)) + _DP,
     expect=(("", 0, 0, "DP"),), must_run=True))
-# Found by the fuzzer, fixed (slice_backward keyed by what the rules read, vescale/dispatch/cache.py): the backward of
+# Found by the fuzzer, fixed (slice_backward keyed by what the rules read, vescale/dispatch/fast/cache.py): the backward of
 # ``narrow(-1, ...)`` of a replicated fused gate|up output feeding a row-parallel matmul fails with
 # "The size of tensor a (0) must match the size of tensor b (8)"; the same slice written x[..., a:b] works.
 REGRESSIONS["narrow_backward_into_row_parallel"] = Regression(Case(
@@ -154,7 +154,7 @@ def _global_batch_below_tp() -> Case:
                 expect=(("", 0, 0, "DP"), ("blocks.0.body.core", 0, 1, "TP")), must_run=True)
 
 
-REGRESSIONS["global_batch_below_tp"] = Regression(_global_batch_below_tp())  # fixed: vescale.dispatch.viewrule
+REGRESSIONS["global_batch_below_tp"] = Regression(_global_batch_below_tp())  # fixed: vescale.dispatch.fast.viewrule
 
 
 # Found by the fuzzer after the static33 / dispfix merge (seed 100010, pasted as drawn): HF Mixtral's MoE block
@@ -178,7 +178,7 @@ REGRESSIONS["view_of_a_dim_split_on_a_unit_mesh_dim"] = Regression(Case(
           ("shard", r"blocks\.\d+\..*", "S(0)", "DP", "INIT"), ("shard", r"blocks\.\d+\..*", "R", "DP", "RUN")),
     batch=4, seq=1, mode="static", bucket_mb=0.0001, accum=1, steps=3, optim="adamw",
     expect=(("blocks.0.norm", 0, 1, "TP"), ("blocks.1.norm", 0, 1, "TP"), ("", 0, 0, "DP")), seed=100002),
-    defect=None)  # fixed: a shard on a mesh dim of one rank is decided as Replicate (dispatch/viewrule.py, dispatch/conv.py)
+    defect=None)  # fixed: a shard on a mesh dim of one rank is decided as Replicate (dispatch/fast/viewrule.py, dispatch/coverage/conv.py)
 REGRESSIONS["seed9_static_dp_ep1_tp1_hang"] = Regression(Case(
     model=Spec(blocks=("mlp", "attn"), dim=8, heads=1, vocab=15, proj="linear", bias=True, fused="index", attn="sdpa", norm="rms",
                gated=False, dropout=0.0, tied=False, positions=True, experts="batched_mm"),
@@ -193,7 +193,7 @@ REGRESSIONS["seed9_static_dp_ep1_tp1_hang"] = Regression(Case(
     batch=2, seq=8, mode="static", bucket_mb=25, accum=1, steps=2, optim="adamw",
     expect=(("blocks.1.body.core", 0, 1, "TP"), ("blocks.0.norm", 0, 1, "TP"), ("blocks.1.norm", 0, 1, "TP"), ("", 0, 0, "DP"), ("", 0, 0, "EP")),
     seed=9),
-    defect=None)  # fixed with the unit-mesh-dim view decision (dispatch/viewrule.py): 118 s to the watchdog before, 19 s now
+    defect=None)  # fixed with the unit-mesh-dim view decision (dispatch/fast/viewrule.py): 118 s to the watchdog before, 19 s now
 
 
 # The open defects, and how a random example's verdict shows each: (defect, case predicate, detail regex).

@@ -8,7 +8,7 @@ test fails if any of them is kept eager).
   and the experts' gradients are partial sums over TP: autograd's gradients of the token gather
   (``IndexBackward0``) and of the router's top-k (``TopkBackward0``) go into zeros they make
   themselves, which DTensor takes Replicate -> Partial (zeros / n: zeros), and the router's softmax
-  backward keeps its gradient Partial (``vescale.dispatch.partial``), so the block adds the two
+  backward keeps its gradient Partial (``vescale.dispatch.fast.partial``), so the block adds the two
   input gradients as local tensors of one layout. (Before that strategy the router stayed eager and
   ``moe_plan`` kept the blocks on DTensors: a static block then added a replicated and a Partial
   gradient as local tensors, ~5e-4 off.)

@@ -4,7 +4,7 @@ Phi-3 fuses q|k|v into ``qkv_proj`` and cuts them out with ``qkv[..., :pos]`` sl
 ``gate_up_proj``, cut with ``chunk(2)``. A plan written from docs/plan.md shards them
 ``InterleavedShard(0, 3)`` and ``InterleavedShard(0, 2)``. DTensor's slice rule gathered the
 interleaved dim, so attention ran replicated on every TP rank while the losses matched; now the
-slices stay local (``vescale.dispatch.interleaved``; in Static Eager mode the slices get local
+slices stay local (``vescale.dispatch.fast.interleaved``; in Static Eager mode the slices get local
 bounds, ``vescale.static.local_sizes``).
 
 On 2 gloo ranks, eager and Static Eager: 3 SGD steps match the single device within 1e-6 (losses,

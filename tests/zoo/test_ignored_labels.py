@@ -3,7 +3,7 @@
 A causal-LM batch often masks positions out of the loss (``labels == -100``: padding, prompts).
 When the masked positions fall unevenly on the DP ranks, PyTorch's DTensor rule reports the
 average of the ranks' own means; vescale reports the single device's mean (each rank's sum over
-the global count, ``vescale/dispatch/semantics.py``), in eager and Static Eager mode, for the zoo
+the global count, ``vescale/dispatch/coverage/semantics.py``), in eager and Static Eager mode, for the zoo
 LLaMA and HF's unchanged ``LlamaForCausalLM``.
 
 Tolerance: loss and gradients within 1e-6 of one device (fp32; sums over ranks and sharded matmuls

@@ -3,7 +3,7 @@
 The zoo LLaMA under ``llama_plan(sequence_parallel=True, zero3=True)`` crashed in its first forward
 on DP=2 x TP=4 (global batch 2), DP=2 x TP=8 and DP=4 x TP=8: attention's scores, flattened to
 (batch x heads) with batch on DP and heads on TP, could not be viewed back (PyTorch's view rule,
-``vescale/dispatch/viewrule.py``). The smallest real world that has it is 6 ranks (4 cannot: DP=2
+``vescale/dispatch/fast/viewrule.py``). The smallest real world that has it is 6 ranks (4 cannot: DP=2
 x TP=2 needs an even batch, which TP=2 divides): DP=2 x TP=3 with a global batch of 2, on the tiny
 LLaMA widened to 6 heads (3 key/value heads) so that every ZeRO-3 shard is even (DP x TP divides
 each sharded dim).

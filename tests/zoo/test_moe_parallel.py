@@ -173,7 +173,7 @@ def test_four_rank_dp_tp_sp_ep_zero3_match_single_device():
 
 
 # A new sequence length every step (eager): the shape-free cache replays decisions learned at
-# another length (vescale.dispatch.cache) inside a real MoE model, over real collectives.
+# another length (vescale.dispatch.fast.cache) inside a real MoE model, over real collectives.
 LENGTHS = (8, 12, 8, 20)
 
 

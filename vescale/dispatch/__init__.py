@@ -1,52 +1,54 @@
-"""DTensor op dispatch as vescale extends it (the paper's section 6.1).
+"""DTensor op dispatch as vescale extends it (the paper's section 6.1), in two parts.
 
-* ``semantics``: op handlers that give single-device answers where PyTorch's differ (``item()`` of a
-  Partial DTensor is the global value).
-* ``search``: cheap sharding-propagation misses on N-D meshes (match the inputs as they are before
-  any search; PyTorch's priority-queue search before its exhaustive expansion).
-* ``cache``: a sharding cache keyed without sizes, so a new sequence length is a hit; ``zerocost``:
-  which cost-searched decisions it may reuse (moves of replicated inputs, free at any size).
-* ``sized``: a repeated call of an op with size arguments (``view``, ``_unsafe_view``, ``expand``,
-  ``slice_backward``, ...) replays PyTorch's decision from a table instead of DTensor's Python slow
-  path, when the decision moves no input.
-* ``metas``: output metadata by arithmetic where certain, for cache hits and for misses of ``mm`` /
-  ``embedding`` (no FakeTensor run).
-* ``viewrule``: PyTorch's view rule with the unflatten of a dim split by several mesh dims
-  corrected (attention's (batch x heads) scores under DP x TP with a global batch not divisible by TP).
-* ``interleaved``: ``split`` of an ``InterleavedShard`` tensor into its sections (and the reverse
-  ``cat``) on the local shards.
-* ``partial``: Partial-sum strategies beside PyTorch's for ``scatter`` (linear in ``self`` and
-  ``src``) and the softmax backward (linear in the gradient), so an MoE router's Partial gradient
-  is neither reduce-scattered nor all-reduced through its backward.
+``coverage`` (what users' ops need; PyTorch answers differently or not at all):
+
+* ``semantics``: single-device answers where PyTorch's differ (``item()`` of a Partial DTensor is
+  the global value; loss means over a split batch).
 * ``attention``: sharding rules for the SDPA kernels PyTorch has none for (CPU flash, forward and
   backward); the CUDA fused kernels refuse in-kernel dropout on DTensors (rank-local masks).
-* ``conv``: plain tensors meet DTensors as Replicate in convolutions too; ``errors``: an op without
-  a sharding rule names its module, placements and the plan statement that avoids it.
-* ``unwrap``: a shorter ``unwrap_to_op_info`` (what PyTorch's C++ dispatcher calls on every miss of
-  its cache) for calls of DTensors and scalars.
-* ``pick``: Replicate -> Shard on the local tensor narrows to this rank's chunk (PyTorch makes one
-  chunk per rank of the mesh dim: a cost that grows with the world).
+* ``conv``: plain tensors meet DTensors as Replicate in convolutions too.
 * ``datadep``: data-dependent ops (``nonzero``, masks, ``bincount``, ``unique``, ``index_add_`` /
   ``scatter_add_`` into sharded tensors, fp32 ``_grouped_mm``) with single-device answers.
+* ``errors``: an op without a sharding rule names its module, placements and the plan statement
+  that avoids it.
+
+``fast`` (the decisions DTensor's own dispatch makes, for less CPU time):
+
+* ``cache``: a sharding cache keyed without sizes, so a new sequence length is a hit; ``zerocost``
+  and ``viewkey``: which decisions it may reuse at every size; ``unitdims``: misses on a mesh with
+  size-1 dims decided without them.
+* ``search``: cheap misses on N-D meshes (the inputs as they are, then PyTorch's priority-queue
+  search before its exhaustive expansion).
+* ``sized``: a repeated call of an op with size arguments (``view``, ``expand``, ...) replays
+  PyTorch's decision from a table instead of DTensor's Python slow path.
+* ``unwrap``: a shorter ``unwrap_to_op_info`` for calls of DTensors and scalars; ``pick``:
+  Replicate -> Shard narrows to this rank's chunk (PyTorch makes one chunk per rank).
+* ``interleaved``, ``partial``, ``viewrule``: strategies that keep tensors local where PyTorch's
+  move them (an ``InterleavedShard`` split into its sections; Partial sums through ``scatter`` and
+  softmax backward; the view rule's unflatten of a dim split by several mesh dims).
+
+Shared by both: ``metas`` (output metadata by arithmetic, no FakeTensor run), ``local`` (whether
+DTensor's rule runs an op on the local shards as they are: Static Eager asks too) and ``scope``
+(the handlers answer only for DTensors on vescale's meshes).
 
 ``install()`` puts all of them in place, with ``vescale.optim``'s local optimiser steps; ``parallelize``
 calls it. Each change goes through ``vescale._torch.PATCHES`` (owners ``dispatch.coverage.*`` and
 ``dispatch.fast.*``), which ``uninstall()`` undoes. Nothing changes at import.
 """
 
-from .datadep import DATADEP_OPS, install_datadep_handlers, uninstall_datadep_handlers
-from .interleaved import install_interleaved_rules, uninstall_interleaved_rules
-from .viewrule import install_view_rule, uninstall_view_rule
-from .attention import install_attention_rules
-from .conv import install_conv_handlers
-from .cache import ShapeFreeCache, install_shape_free_cache, shape_free_cache, uninstall_shape_free_cache
-from .partial import install_partial_rules, uninstall_partial_rules
-from .pick import install_shard_pick, uninstall_shard_pick
+from .coverage.datadep import DATADEP_OPS, install_datadep_handlers, uninstall_datadep_handlers
+from .fast.interleaved import install_interleaved_rules, uninstall_interleaved_rules
+from .fast.viewrule import install_view_rule, uninstall_view_rule
+from .coverage.attention import install_attention_rules
+from .coverage.conv import install_conv_handlers
+from .fast.cache import ShapeFreeCache, install_shape_free_cache, shape_free_cache, uninstall_shape_free_cache
+from .fast.partial import install_partial_rules, uninstall_partial_rules
+from .fast.pick import install_shard_pick, uninstall_shard_pick
 from ..optim import ELEMENTWISE_OPTIMIZERS, install_local_optimizer_step, uninstall_local_optimizer_step
-from .search import install_fast_search, uninstall_fast_search
-from .sized import install_sized_ops, uninstall_sized_ops
-from .semantics import install_semantic_handlers
-from .unwrap import install_unwrap, uninstall_unwrap
+from .fast.search import install_fast_search, uninstall_fast_search
+from .fast.sized import install_sized_ops, uninstall_sized_ops
+from .coverage.semantics import install_semantic_handlers
+from .fast.unwrap import install_unwrap, uninstall_unwrap
 from vescale._torch import PATCHES
 
 

@@ -38,14 +38,25 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from vescale._torch import DTensorSpec, TensorMeta
 from vescale._torch import OpSchema
 
-from .unitdims import mesh_shape
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.placement_types import Placement
 
-__all__ = ["meta_outputs", "kernel_outputs", "fast_outputs", "miss_outputs", "contiguous_strides", "grouped_mm_shape", "with_meta", "spec_of",
+__all__ = ["meta_outputs", "kernel_outputs", "fast_outputs", "miss_outputs", "contiguous_strides", "grouped_mm_shape", "with_meta", "spec_of", "mesh_shape",
            "local_shape"]
+
+_MESH_SHAPES: dict = {}  # id(mesh) -> (mesh, mesh.shape)
+
+
+def mesh_shape(mesh: DeviceMesh) -> tuple:
+    """``mesh.shape``, remembered per mesh object (DeviceMesh builds the tuple from its layout on
+    every call, a few microseconds; the shape-free cache's keys ask for it per tensor)."""
+    found = _MESH_SHAPES.get(id(mesh))
+    if found is None or found[0] is not mesh:
+        found = _MESH_SHAPES[id(mesh)] = (mesh, mesh.shape)
+    return found[1]
+
 
 aten = torch.ops.aten
 

@@ -23,7 +23,7 @@ plan states a gradient layout for it other than ``Replicate`` on the averaged di
 
 The caveat DTensor itself has: its mean over ranks is the single-device mean only when every rank
 averages the same number of elements (true of a plain ``mean`` over an evenly split batch). The
-loss with ignored labels is not such a value: ``vescale.dispatch.semantics`` divides each rank's sum
+loss with ignored labels is not such a value: ``vescale.dispatch.coverage.semantics`` divides each rank's sum
 by the global label count there, a ``Partial("sum")`` loss, and a module computing it stays eager
 (its count is all-reduced in forward).
 """

@@ -3,7 +3,7 @@
 Two layouts of a ``cross_entropy(logits, target)`` call make DTensor leave the local shards: the
 logits' *classes* sharded on a mesh dim (a vocabulary-parallel LM head whose output stays split),
 where DTensor gathers the whole vocabulary for ``log_softmax``; and their *rows* sharded by data
-parallelism with ``reduction="mean"``, where ``vescale.dispatch.semantics`` divides each rank's sum
+parallelism with ``reduction="mean"``, where ``vescale.dispatch.coverage.semantics`` divides each rank's sum
 by the label count all-reduced over the ranks. Either kept the module computing the loss (the model's
 root, usually) eager in Static Eager mode, and with it every boundary around its children.
 

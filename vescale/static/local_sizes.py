@@ -13,7 +13,7 @@ sections are ``embed_dim / n`` wide.
 
 Slices are the same: a section-aligned slice of an ``InterleavedShard`` dim (HF Phi-3's
 ``qkv[..., :query_pos]``, ``narrow``) runs on the local shard with local bounds under DTensor
-(``vescale.dispatch.interleaved``), while the model passes the global ones (``SlicedCall``).
+(``vescale.dispatch.fast.interleaved``), while the model passes the global ones (``SlicedCall``).
 
 The recorded facts fix it, as they fix the vocabulary-parallel lookup (``local_ops.py``):
 
@@ -200,9 +200,9 @@ def sliced_call(func: Callable[..., Any], args: tuple, kwargs: dict) -> SlicedCa
 
 def _local_slice_bounds(call: SlicedCall) -> tuple | None:
     """The bounds a slicing call takes on the local shards where DTensor cuts its slices from an
-    interleaved dim on the local shard (``vescale.dispatch.interleaved``: whole sections stay local),
+    interleaved dim on the local shard (``vescale.dispatch.fast.interleaved``: whole sections stay local),
     written as the call writes them; None where it cuts none that way."""
-    from ..dispatch.interleaved import local_bounds, slice_sections
+    from ..dispatch.fast.interleaved import local_bounds, slice_sections
     from ..placement import interleave_of
 
     spec, out = call.tensor._spec, list(call.sizes)

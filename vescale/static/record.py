@@ -190,7 +190,7 @@ def _zeros_made_partial(node, func, args, kwargs) -> bool:
 def _sized_ops() -> set:
     """Ops whose size (or bound) arguments DTensor rewrites from global to local sizes: those it
     rewrites shapes of, and those with a scalar adjuster (a slice of an interleaved dim's sections:
-    ``vescale.dispatch.interleaved``)."""
+    ``vescale.dispatch.fast.interleaved``)."""
     prop = DTensor._op_dispatcher.sharding_propagator
     return set(prop.op_to_shape_and_stride_idx) | set(prop.op_to_scalar_shape_adjuster) | {torch.ops.aten.reshape.default}
 
@@ -320,7 +320,7 @@ class _OpWatcher(TorchDispatchMode):
                 # The backward of a value averaged over ranks (a mean over a DP-sharded batch): static
                 # code gets its 1/n share where the value leaves the module (vescale.static.averaged),
                 # which is what DTensor's redistributions along this chain compute. (A mean nll_loss
-                # is no such value: vescale.dispatch.semantics makes it a sum over the global count.)
+                # is no such value: vescale.dispatch.coverage.semantics makes it a sum over the global count.)
                 return
             why = _why_not_local(func, args, kwargs)
             if why and not _zeros_made_partial(node, func, args, kwargs):

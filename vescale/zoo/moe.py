@@ -125,7 +125,7 @@ def moe_plan(
             plan.shard(rf"{_EXPERTS}\.gate_up_proj", InterleavedShard(1, 2), mesh=tp)  # gate | up
             plan.shard(rf"{_EXPERTS}\.down_proj", Shard(2), mesh=tp)  # row-parallel
             # Static Eager runs the whole block on local tensors: the router's and the experts' input
-            # gradients are both Partial over TP (vescale.dispatch.partial keeps the router's Partial
+            # gradients are both Partial over TP (vescale.dispatch.fast.partial keeps the router's Partial
             # through its softmax backward), so the block adds them as local tensors of one layout;
             # the gradients of the router's top-k and of the experts' token gather go into autograd's
             # own zeros (local: vescale.static.record._zeros_made_partial).

@@ -35,7 +35,7 @@ from vescale._torch import DTensorSpec
 from vescale._torch import OutputSharding
 from vescale._torch import return_and_correct_aliasing
 
-from .local import runs_locally_when, why_rule_not_local
+from ..local import runs_locally_when, why_rule_not_local
 from vescale._torch import PATCHES
 from vescale.memo import Memo
 

@@ -29,19 +29,9 @@ from vescale._torch import OpSchema, OutputSharding
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["reducible_mesh", "reduce_schema", "unit_placements", "lift", "mesh_shape"]
+__all__ = ["reducible_mesh", "reduce_schema", "unit_placements", "lift"]
 
 _SUBMESHES: dict = {}  # id(mesh) -> (mesh, its submesh without size-1 dims, their indices)
-_MESH_SHAPES: dict = {}  # id(mesh) -> (mesh, mesh.shape)
-
-
-def mesh_shape(mesh: DeviceMesh) -> tuple:
-    """``mesh.shape``, remembered per mesh object (DeviceMesh builds the tuple from its layout on
-    every call, a few microseconds; the shape-free cache's keys ask for it per tensor)."""
-    found = _MESH_SHAPES.get(id(mesh))
-    if found is None or found[0] is not mesh:
-        found = _MESH_SHAPES[id(mesh)] = (mesh, mesh.shape)
-    return found[1]
 
 
 def reducible_mesh(op_schema: OpSchema) -> tuple | None:

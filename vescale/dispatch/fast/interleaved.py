@@ -43,8 +43,8 @@ from vescale._torch import OpSchema, OpSpec, OpStrategy, TupleStrategy
 from vescale._torch import compute_local_shape_and_global_offset, compute_local_stride
 from vescale._torch import _is_shard_like
 
-from ..placement import InterleavedShard, interleave_of, is_interleaved
-from .metas import local_shape
+from ...placement import InterleavedShard, interleave_of, is_interleaved
+from ..metas import local_shape
 from vescale._torch import PATCHES
 from vescale.memo import Memo
 

@@ -31,8 +31,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .local import runs_locally_when, why_rule_not_local
-from .scope import DTensorRule, for_vescale_meshes
+from ..local import runs_locally_when, why_rule_not_local
+from ..scope import DTensorRule, for_vescale_meshes
 from vescale._torch import PATCHES
 
 __all__ = ["install_semantic_handlers"]

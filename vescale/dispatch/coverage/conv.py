@@ -37,7 +37,7 @@ from vescale._torch import DTensorSpec, TensorMeta
 
 from .errors import MissingShardingRule, running_module
 from .attention import _stride_like
-from .scope import for_vescale_meshes
+from ..scope import for_vescale_meshes
 from vescale._torch import PATCHES
 
 __all__ = ["install_conv_handlers"]

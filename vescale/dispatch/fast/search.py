@@ -29,7 +29,7 @@ from typing import Any
 from torch.distributed.tensor import DTensor
 from vescale._torch import OpSchema, OpStrategy, TupleStrategy
 from vescale._torch import _is_shard_like
-from .metas import meta_outputs, miss_outputs
+from ..metas import meta_outputs, miss_outputs
 from vescale._torch import _dijkstra_expand_single_dim_strategy_to_mesh, _expand_single_dim_strategy_to_mesh, _PreparedSingleDimStrategy
 from vescale._torch import PATCHES
 

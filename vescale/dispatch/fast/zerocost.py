@@ -41,8 +41,7 @@ from vescale._torch import OpSchema, OutputSharding
 from vescale._torch import _tensor_ops
 from vescale._torch import _StridedShard
 
-from .metas import _is_elementwise
-from .unitdims import mesh_shape
+from ..metas import _is_elementwise, mesh_shape
 
 __all__ = ["free_move", "room", "SameRoom", "scatter_axes", "embedding_key"]
 

@@ -51,8 +51,8 @@ from vescale._torch import OpSchema, OpStrategy, RuntimeSchemaInfo
 from vescale._torch import _matrix_ops
 from vescale._torch import expand_to_full_mesh_op_strategy
 from vescale._torch import PATCHES
-from .local import runs_locally_when
-from .scope import for_vescale_meshes
+from ..local import runs_locally_when
+from ..scope import for_vescale_meshes
 from vescale.memo import Memo
 
 if TYPE_CHECKING:

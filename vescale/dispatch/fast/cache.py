@@ -68,14 +68,14 @@ from vescale._torch import is_tensor_evenly_shardable
 from torch.distributed.tensor.placement_types import Shard
 from vescale._torch import _StridedShard
 
-from .errors import is_missing_rule, missing_rule_error
-from .local import remember_decision
+from ..coverage.errors import is_missing_rule, missing_rule_error
+from ..local import remember_decision
 from .interleaved import (
     _SPLIT_OPS, SIZE_DEPENDENT_OPS, _local_slice_args, _local_slice_backward_args, _local_split_args, grouped_mm_layout_key,
     slice_backward_layout,
 )
-from .metas import fast_outputs, kernel_outputs, local_shape, meta_outputs, miss_outputs, with_meta
-from .unitdims import lift, mesh_shape, reduce_schema, reducible_mesh, unit_placements
+from ..metas import fast_outputs, kernel_outputs, local_shape, mesh_shape, meta_outputs, miss_outputs, with_meta
+from .unitdims import lift, reduce_schema, reducible_mesh, unit_placements
 from .viewkey import decision as view_decision
 from .zerocost import SameRoom, embedding_key, free_move, scatter_axes
 from vescale._torch import PATCHES
