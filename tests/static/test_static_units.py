@@ -6,7 +6,7 @@ the decoder layer's module takes their gathered parameters before its body, puts
 it, frees the gathered ones and gathers the unit again when backward reaches its output. On gloo
 ranks (zoo LLaMA with dropout, DP=2 x TP=2 + SP + ZeRO-3) these tests check that
 
-* losses and gradients are those of the members keeping their own hooks (the runtime's ``_unit_member`` answering None, in this test)
+* losses and gradients are those of the members keeping their own hooks (``Units.member`` answering None, in this test)
   bit for bit, with the same collectives, and within 1e-5 of eager mode and of one device (fp32 sums
   in another order, over five AdamW steps);
 * the members' hooks are really off in those steps (one member's hooks, wrapped to count their
@@ -47,7 +47,7 @@ def _train(mode: str, units: bool = True) -> dict:
     scheduler = state_of(model).gathers
     if mode == "static":
         if not units:  # the reference path: every member keeps its own hooks
-            state_of(model).static._unit_member = lambda *args: None
+            state_of(model).static.units.member = lambda *args: None
     member = dict(model.named_modules())[MEMBER]
     calls = [0]
     for hooks in (member._forward_pre_hooks, member._forward_hooks):

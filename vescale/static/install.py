@@ -88,14 +88,15 @@ def _experts_paths(plan: VescalePlan, model: nn.Module) -> set[str]:
 def _find_units(rt: StaticRuntime, model: nn.Module, scheduler: GatherScheduler, gathered_modules: dict) -> None:
     """The ZeRO-3 units with members (modules below the unit's whose plan hooks only gather
     parameters, not buffers): their module's hooks run StaticRuntime.unit_in / unit_out."""
-    rt.scheduler = scheduler
+    units = rt.units
+    units.scheduler = scheduler
     modules = dict(model.named_modules())
     for path, (entries, ids) in gathered_modules.items():
         unit = unit_of(path)
         if unit and unit != path and unit in rt.own_hooks and all(e.tensor in modules[path]._parameters for e in entries):
-            rt.unit_members.setdefault(unit, {})[path] = (entries, ids)
-            rt.unit_of_member[path] = unit
-    for unit in rt.unit_members:
+            units.members.setdefault(unit, {})[path] = (entries, ids)
+            units.unit_of[path] = unit
+    for unit in units.members:
         rt.own_hooks[unit].unit = True
 
 

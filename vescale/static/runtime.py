@@ -45,20 +45,21 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 from vescale._torch import DTensorSpec
 from vescale._torch import TorchDispatchMode, enter_dispatch_mode_beneath, exit_dispatch_mode
-from vescale._torch import hooks_back, hooks_beyond, hooks_off
+from vescale._torch import hooks_beyond
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..dispatch.local import decisions_remembered
-from ..parallel.hooks import _register_once_on_grads, call_state, _tensors_in, release_gathered
+from ..parallel.hooks import _register_once_on_grads, call_state, _tensors_in
 from ..plan.ir import PlanError
 from ..parallel.placing import grad_layout
-from ..parallel.zero import GatherScheduler
 from ..placement.blocks import local_shape_and_offset
 from . import averaged, relabel, resize
 from .boundary import HandOvers, Move, ParamShadow, dtensor_of, grad_spec, local_of, settled_on_unit_dims
 from .random_gate import CallTracker, RandomGate
 from .record import Crossing, Record, _OpWatcher, input_keys, output_keys
 from .recompute import RegionState, in_backward, refuse_outside_region, unnoted_region
+from .quiet import QuietModules
+from .units import Units
 
 if TYPE_CHECKING:
     from ..plan.api import Statement
@@ -332,12 +333,8 @@ class StaticRuntime:
         self.refused: set = set()  # keys whose derived record failed its first step: they record
         # Parameter -> {id(gradient spec): ParamShadow}; weak, so a dropped parameter takes its shadows along.
         self.shadows = WeakIdKeyDictionary()
-        # Each module's Static Eager hooks (install.ModuleHooks); for quiet modules (see _find_quiet),
-        # the hook entries taken off the modules silenced now (None: a unit's, kept on, quiet), and
-        # the parameters swapped for their local tensors at the root for this forward.
-        self.own_hooks: dict[str, ModuleHooks] = {}
-        self.silenced: dict[str, tuple[nn.Module, list | None]] = {}
-        self.swapped_at_root: list = []
+        self.own_hooks: dict[str, ModuleHooks] = {}  # each module's Static Eager hooks (install.py)
+        self.hookless = QuietModules()  # what silencing this step's quiet modules changed (quiet.py)
         # A user option (docs/static.md): False gives every use of a parameter its own autograd node
         # (``local_of``), so that ``torch.autograd.grad(loss, params)`` reaches the parameters.
         self.param_leaves = True
@@ -346,18 +343,11 @@ class StaticRuntime:
         # ids of every hook parallelize put on the root (install_static sets them): a hook added
         # since may expect the plan's DTensors, so the moves run only while there is none.
         self.root_hooks: frozenset | None = None
-        # ZeRO-3 units (install_static sets them): the gather scheduler; unit -> {member path: (gather
-        # entries, ids of the plan's hooks)} for modules whose plan hooks only gather; member path ->
-        # unit; the quiet members of this step's units.
-        self.scheduler: GatherScheduler | None = None
-        self.unit_members: dict[str, dict] = {}
-        self.unit_of_member: dict[str, str] = {}
-        self.active_units: dict[str, list] = {}
+        self.units = Units()  # ZeRO-3 units that gather for their members (units.py; install_static finds them)
         # Batch-local modules (path -> vescale.parallel.batch_local.Scope), and the scope of every
         # module at or inside one; see relabel.py.
         self.scopes = dict(batch_local or {})
         self.scope_of = {inner: path for path, scope in self.scopes.items() for inner, _ in scope.module.named_modules(prefix=path)}
-        self.unit_state: dict[str, tuple] = {}  # unit -> (gathered parameters, swaps) while its body runs
         # Activation checkpointing (recompute.py): whether a root forward runs now, the checkpointed
         # regions whose forward runs now, the region being recomputed, and what its recomputation
         # put aside (restored at its end).
@@ -404,10 +394,10 @@ class StaticRuntime:
             scope.bypass = bool(relabelled) and path in relabelled
         # Hooks come off the modules with nothing to do in this step, back on every other module.
         quiet = self._quiet_now()
-        self._silence(quiet)
-        units = self.record.quiet_units if quiet else None
-        self.active_units = {u: [m for m in ms if m[0] in quiet] for u, ms in units.items()} if units else {}
-        self._swap_at_root(quiet)
+        self.hookless.silence(quiet, self.own_hooks)
+        self.units.begin(self.record, quiet)
+        self.hookless.swap_at_root(quiet, self.units.quiet_members(),  # their unit swaps theirs
+                                lambda mod, path: self._local_parameters(mod, path, self.record.steps[path]))
 
     def _begin(self, args, kwargs) -> None:
         # The modules' training flags are part of the key: a record made in evaluation mode saw no
@@ -419,7 +409,7 @@ class StaticRuntime:
             self._close_watcher()
         self._close_replay()
         self._close_calls()
-        self._restore_at_root()  # left over only if the last forward's cleanup did not run
+        self.hookless.restore_at_root(_put_back)  # left over only if the last forward's cleanup did not run
         if self.verifying is not None:  # the same: its first step did not run through
             self._verified(False)
         if not torch.is_grad_enabled():
@@ -576,7 +566,7 @@ class StaticRuntime:
         replay = self.replay
         self._close_replay()
         self._close_calls()
-        self._restore_at_root()
+        self.hookless.restore_at_root(_put_back)
         ok = error is None
         if isinstance(error, resize.ResizeMismatch) and self.record is not None and self.record.resized_from is not None:
             self._forget(self.record)  # a spot its first step did not reach (verifying is over)
@@ -720,8 +710,8 @@ class StaticRuntime:
             self.record.keys.setdefault((path, "in"), input_keys(mod, args, kwargs))
             if not self.regions and unnoted_region():
                 refuse_outside_region(path, recomputed=False)
-            if path in self.unit_of_member and self.recompute is None:
-                self._note_member_call(path)
+            if path in self.units.unit_of and self.recompute is None:
+                self.units.note_call(self.record, path, self.stack)
         return self._to_dtensors(path, "in", wraps, lambda fn: _map_io(fn, args, kwargs))
 
     def inside(self, mod: nn.Module, path: str, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -1049,20 +1039,13 @@ class StaticRuntime:
             _map_out(note, output)
             if is_root:  # the forward is over: find the nodes that hand the bodies their gradients
                 rec.shares.hook(_tensors_in(output))
-            unit = self.unit_of_member.get(path)
+            unit = self.units.unit_of.get(path)
             if unit is not None:
                 _register_once_on_grads(output, lambda: unit in rec.unit_reached or rec.units_off.setdefault(
                     unit, f"backward reached {path!r} before the unit's output"))
         return None
 
-    # -- quiet modules -------------------------------------------------------------------------
-    #
-    # In a static step most modules (every Linear, norm, activation of a TP block) neither wrap,
-    # move nor unwrap anything: their two hooks only swap the parameters for local tensors and
-    # back. Those hooks still cost nn.Module's slow call path and two Python calls per module and
-    # call. So from a record's second static step on (the first checks local shapes through the
-    # hooks), such modules lose their hooks for the step and the root swaps their parameters once
-    # for the whole forward; any other state puts every hook back first.
+    # -- quiet modules (quiet.py) ---------------------------------------------------------------
 
     def _find_quiet(self, rec: Record) -> dict:
         """The modules of ``rec`` whose hooks have nothing to do in its static steps: static with a
@@ -1092,7 +1075,7 @@ class StaticRuntime:
                 continue
             if hooks_beyond(mod, hooks.ids):
                 continue  # the user's hooks, added since, work here
-            member = self._unit_member(rec, path, inner) if inner else None
+            member = self.units.member(rec, path, inner) if inner else None
             if inner and member is None:
                 continue  # the plan's hooks work here
             if all(not isinstance(p, DTensor) or (isinstance(p, nn.Parameter) and p.grad_fn is None) for p in mod._parameters.values()):
@@ -1108,42 +1091,6 @@ class StaticRuntime:
             return {}
         return rec.quiet
 
-    def _silence(self, quiet: dict) -> None:
-        """Take the hooks off the modules in ``quiet``, put them back on every other one."""
-        # A module given a hook while silenced is not quiet any more.
-        for path in [p for p, (m, saved) in self.silenced.items() if hooks_beyond(m, self.own_hooks[p].ids if saved is None else frozenset())]:
-            quiet.pop(path, None)
-        for path in [p for p in self.silenced if p not in quiet]:
-            mod, saved = self.silenced.pop(path)
-            if saved is None:
-                self.own_hooks[path].quiet = False
-            else:
-                hooks_back(mod, saved)
-        for path, mod in quiet.items():
-            if path not in self.silenced:
-                hooks = self.own_hooks[path]
-                if hooks.unit:  # its hooks stay on and only gather for its quiet members (unit_in)
-                    hooks.quiet = True
-                    self.silenced[path] = (mod, None)
-                else:
-                    self.silenced[path] = (mod, hooks_off(mod))
-
-    def _swap_at_root(self, quiet: dict) -> None:
-        """A quiet module gets its local parameters for the whole forward (its inside() would have
-        swapped them at each call)."""
-        members = {m[0] for ms in self.active_units.values() for m in ms}  # their unit swaps theirs
-        for path, mod in quiet.items():
-            if path in members:
-                continue
-            swapped = self._local_parameters(mod, path, self.record.steps[path])
-            if swapped:
-                self.swapped_at_root.append((mod, swapped))
-
-    def _restore_at_root(self) -> None:
-        swaps, self.swapped_at_root = self.swapped_at_root, []
-        for mod, swapped in swaps:
-            _put_back(mod, swapped)
-
     # -- activation checkpointing (recompute.py) -----------------------------------------------
 
     def region_start(self) -> RegionState | None:
@@ -1155,8 +1102,7 @@ class StaticRuntime:
         # The local parameters of the bodies running now (a region inside a module's body, or inside a
         # ZeRO-3 unit whose module swapped its members'), put in place again for the recomputation.
         swaps = [(mod, [(name, local) for name, _, local in swapped]) for mod, swapped in self.live_swaps]
-        swaps += [(mod, [(name, local) for name, _, local in swapped])
-                  for _, restores in self.unit_state.values() for mod, _, swapped in restores]
+        swaps += [(mod, [(name, local) for name, _, local in swapped]) for mod, swapped in self.units.swaps()]
         region = RegionState(self, self.state, self.record, list(self.stack),
                              dict(replay.drawn) if replay is not None else {},
                              dict(calls.calls) if calls is not None else {}, swaps)
@@ -1221,7 +1167,8 @@ class StaticRuntime:
         called by a module whose hooks ran in the region's forward, or by the body that ran it; all
         of them if no hooked module ran in it (a region of quiet modules only)."""
         rec = region.record
-        if rec.quiet is None or not self.silenced:
+        silenced = self.hookless.silenced
+        if rec.quiet is None or not silenced:
             return []
         if region.entered:
             callers = rec.quiet_callers
@@ -1241,88 +1188,29 @@ class StaticRuntime:
             quiet = [q for body in bodies for q in callers.get(body, ())]
         else:
             quiet = list(rec.quiet.items())
-        members = {m[0] for ms in self.active_units.values() for m in ms}  # their unit swaps theirs
+        members = self.units.quiet_members()  # their unit swaps theirs
         swapped = []
         for path, mod in quiet:
-            if path in members or path not in self.silenced:
+            if path in members or path not in silenced:
                 continue
             for name, p, _ in self._local_parameters(mod, path, rec.steps[path]):
                 swapped.append((mod._parameters if name in mod._parameters else mod._buffers, name, p))
         return swapped
 
-    # -- ZeRO-3 units as one -------------------------------------------------------------------
-    #
-    # Under ZeRO-3 every Linear and norm of a decoder layer has the plan's gather hooks, so none of
-    # them is quiet, and each call pays its eight hooks on nn.Module's slow path, a scheduler take,
-    # a parameter swap and a gradient hook on its output, although the layer's parameters arrive in
-    # one collective for the whole unit. From a record's second static step on, members whose hooks
-    # only gather lose their hooks like quiet modules, and the unit's module does it for all of them
-    # at once: takes their gathered parameters before its body (as plain leaves), puts their own
-    # back after it, frees the gathered ones and gathers the unit again when backward reaches its
-    # output. The recording checks what that relies on: each member runs once, inside its unit's
-    # body, and backward reaches the unit's output before any member's.
-
-    def _note_member_call(self, path: str) -> None:
-        rec, unit = self.record, self.unit_of_member[path]
-        calls = rec.member_calls[path] = rec.member_calls.get(path, 0) + 1
-        if calls > 1:
-            rec.units_off.setdefault(unit, f"{path!r} runs more than once per step")
-        elif unit not in self.stack:
-            rec.units_off.setdefault(unit, f"{path!r} runs outside the unit's own forward")
+    # -- ZeRO-3 units as one (units.py) -------------------------------------------------------
 
     def unit_in(self, unit: str) -> None:
-        """The unit module's pre-hook: its quiet members get their gathered parameters."""
-        members = self.active_units.get(unit) if self.state is State.STATIC else None
-        if not members:
-            return
-        taken, restores = [], []
-        for path, mod, entries in members:
-            gathered = self.scheduler.take(mod, path, entries)
-            params = mod._parameters
-            own = [(e.tensor, params[e.tensor]) for e in entries]
-            for e, g in zip(entries, gathered):
-                params[e.tensor] = g.value
-            restores.append((mod, own, self._local_parameters(mod, path, self.record.steps[path])))
-            taken += gathered
-        self.unit_state[unit] = (taken, restores)
+        """The unit module's pre-hook: its quiet members get their gathered, local parameters."""
+        if self.state is State.STATIC:
+            self.units.enter(unit, lambda mod, path: self._local_parameters(mod, path, self.record.steps[path]))
 
     def unit_out(self, unit: str, output: Any, raised: bool = False) -> None:
-        """The unit module's forward hook (always called; ``raised``: forward raised): members get
-        their own parameters back; the gathered ones are freed, and gathered again when backward
-        reaches the unit's output."""
+        """The unit module's forward hook (always called; ``raised``: forward raised)."""
         if self.state is State.RECORD:
-            rec = self.record
             if self.recompute is None:
-                _register_once_on_grads(output, lambda: rec.unit_reached.add(unit))
+                Units.note_reached(self.record, unit, output)
             return
-        state = self.unit_state.pop(unit, None)
-        if state is None:
-            return
-        taken, restores = state
-        for mod, own, swapped in restores:
-            _put_back(mod, swapped)
-            mod._parameters.update(own)
-        if not raised:
-            release_gathered(taken, output, self.scheduler, unit)
-        elif self.recompute is None:
-            for g in taken:
-                g.free()
-        # (A recomputation stopped early, once it has saved what backward needs (checkpoint's
-        # early stop), keeps them: the region's backward uses them next, as eager mode's does.)
-
-    def _unit_member(self, rec: Record, path: str, inner: frozenset):
-        """(unit, gather entries) if ``path``, whose hooks run ``inner`` (ids of the hooks it had
-        before Static Eager's), can run as a quiet member of its unit, else None."""
-        unit = self.unit_of_member.get(path)
-        if unit is None or unit in rec.units_off:
-            return None
-        unit_steps = rec.steps.get(unit)
-        if unit_steps is None or not unit_steps.static:
-            return None
-        entries, plan_ids = self.unit_members[unit][path]
-        if inner != plan_ids:
-            return None  # other hooks than the plan's gathers
-        return unit, entries
+        self.units.exit(unit, output, raised, self.recompute is not None, _put_back)
 
     # -- reporting -------------------------------------------------------------------------------
 
