@@ -82,3 +82,15 @@ def test_imports_go_down_the_layers():
                            f"may import only lower layers, {dst} is layer {LAYERS[dst]}")
     assert not bad, "\n".join(bad)
     assert KNOWN <= seen, f"no longer imported, drop from KNOWN and docs/architecture.md: {KNOWN - seen}"
+
+
+def test_dispatch_coverage_imports_nothing_from_the_fast_path():
+    """``dispatch/coverage`` (what users' ops need) stands without ``dispatch/fast`` (caches, replays):
+    the fast path may use the coverage modules, never the other way round."""
+    bad = []
+    for path in sorted((PACKAGE / "dispatch" / "coverage").rglob("*.py")):
+        for line, parts in _imported(path):
+            if parts[:3] == ["vescale", "dispatch", "fast"]:
+                bad.append(f"{path.relative_to(ROOT)}:{line} imports {'.'.join(parts)}")
+    assert not bad, "\n".join(bad)
+    assert _imported(PACKAGE / "dispatch" / "fast" / "cache.py"), "the import walk found nothing: the check would pass vacuously"
