@@ -112,7 +112,7 @@ class ModuleHooks:
 
     The post-hook is always called, as nn.Module calls ``always_call`` hooks when forward raised:
     then only the module's always-called hooks and the runtime's clean-up run. A quiet module
-    (``StaticRuntime._silence``) loses both hooks for the step; a quiet ZeRO-3 unit keeps them, and
+    (``quiet.QuietModules.silence``) loses both hooks for the step; a quiet ZeRO-3 unit keeps them, and
     they do only the unit's gathers (``quiet``)."""
 
     def __init__(self, rt: StaticRuntime, mod: nn.Module, path: str):
