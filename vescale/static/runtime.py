@@ -76,9 +76,11 @@ class State(enum.Enum):
     STATIC = "static"  # this step runs on local tensors
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Steps:
-    """What one module's hooks do in the static steps of one record, decided once."""
+    """What one module's hooks do in the static steps of one record: its part of the record's
+    program, decided at its first static call (a record derived for new sizes settles them there,
+    resize.py) and never changed after; ``grad_specs`` and ``shadows`` are caches filled per parameter."""
 
     static: bool  # its body runs on local tensors
     parent_static: bool  # its caller's body does
