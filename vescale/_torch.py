@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -90,7 +91,7 @@ if TYPE_CHECKING:
 __all__ = [
     "register_fake_backend", "fake_mode_runs_meta_kernel", "TESTED_TORCH", "clear_sharding_prop_cache", "version_warning", "PATCHES",
     "PatchLayer", "root_mesh", "forward_hook_ids", "hooks_beyond", "hooks_off", "hooks_back", "TakenHooks",
-    "take_forward_hooks", "run_pre_hooks", "run_post_hooks", "enter_dispatch_mode_beneath",
+    "take_forward_hooks", "run_pre_hooks", "run_post_hooks", "ForwardErrors", "enter_dispatch_mode_beneath",
     "exit_dispatch_mode", "exit_function_mode",
     "AllToAllOptions", "AllgatherOptions", "AllreduceOptions", "BarrierOptions", "DTensorSpec",
     "InputDim", "OpInfo", "OpSchema", "OpSpec", "OpStrategy", "OutputSharding", "ReduceScatterOptions",
@@ -249,6 +250,25 @@ def run_post_hooks(mod: torch.nn.Module, hooks: tuple, args: tuple, kwargs: dict
         if result is not None:
             output = result
     return output
+
+
+class ForwardErrors:
+    """What a forward call raised, for a module's always-called forward hook (nn.Module calls it from
+    its ``except`` block when forward raised). ``sys.exc_info()`` alone cannot tell: it is also set
+    when the module is called inside an ``except`` block of the caller's (a retry loop), so the
+    pre-hook notes what was being handled when the call began (``begin``) and the forward hook
+    compares (``error``). A stack, for a module called inside its own forward."""
+
+    def __init__(self) -> None:
+        self._began_in: list = []
+
+    def begin(self) -> None:
+        self._began_in.append(sys.exc_info()[1])
+
+    def error(self) -> BaseException | None:
+        began_in = self._began_in.pop() if self._began_in else None
+        handled = sys.exc_info()[1]
+        return handled if handled is not began_in else None
 
 
 # Static Eager enters its recording mode beneath the user's dispatch modes (so it sees the ops after

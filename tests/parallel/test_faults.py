@@ -426,3 +426,44 @@ def test_an_uncaught_exception_outside_the_model_is_named_to_the_others():
     assert r1["error"] == "exited"
     note = " ".join(r0["notes"])
     assert "rank 1: KeyError: 'missing field in batch 2' (uncaught, after forward call 2; the process exited)" in note, r0
+
+
+def _train_in_except_block_on_rank_1() -> dict:
+    """TP=2, eager: rank 1 runs every step inside an ``except`` block of its own (a retry loop whose
+    first try failed before the model was called); rank 0 runs them plainly."""
+    torch.manual_seed(0)
+    model = tiny_llama()
+    vescale.manual_seed(0)
+    mesh = vescale.init_mesh((2,), ("TP",), timeout=TIMEOUT_S)
+    vescale.parallelize(model, llama_plan(mesh, model.config), mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+
+    def step(ids, labels):
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.full_tensor().item())
+
+    for ids, labels in synthetic_batches(4, 4, 16, 128, seed=1):
+        if dist.get_rank() == 1:
+            try:
+                raise ConnectionError("the first try to load this batch timed out")
+            except ConnectionError:
+                step(ids, labels)
+        else:
+            step(ids, labels)
+    q = dict(model.named_parameters())["model.layers.0.self_attn.q_proj.weight"]
+    return {"losses": losses, "local_q": tuple(q.to_local().shape)}
+
+
+@pytest.mark.multiproc
+def test_a_step_run_inside_the_callers_except_block_is_not_a_failed_forward():
+    """The root's always-called hook saw the exception the caller was handling and took the call for a
+    failed one: the next forward's step check stopped both ranks with an ``OutOfStepError`` about a
+    ConnectionError raised in no forward."""
+    r0, r1 = run_on_ranks(_train_in_except_block_on_rank_1, 2, timeout=120)
+    assert len(r0["losses"]) == len(r1["losses"]) == 4, (r0, r1)
+    assert r0["losses"] == r1["losses"], (r0, r1)
+    assert r0["local_q"] == r1["local_q"] == (32, 64)  # TP=2 split the 64 x 64 projection's rows

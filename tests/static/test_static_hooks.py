@@ -16,7 +16,6 @@ The hooks a module had before Static Eager was installed (the plan's) run inside
 from __future__ import annotations
 
 import logging
-import sys
 import warnings
 
 import pytest
@@ -25,7 +24,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 import vescale
-from vescale._torch import run_post_hooks, run_pre_hooks, take_forward_hooks
+from vescale._torch import ForwardErrors, run_post_hooks, run_pre_hooks, take_forward_hooks
 from vescale.model_state import state_of
 from vescale.plan.lower import runs_forward
 from vescale.testing import run_on_ranks
@@ -62,15 +61,14 @@ def _taken_over(mod: nn.Module) -> nn.Module:
     """``mod`` with its hooks run by one pre-hook and one always-called forward hook of its own."""
     taken = take_forward_hooks(mod)
     assert not mod._forward_pre_hooks and not mod._forward_hooks
-    began: list = []
+    errors = ForwardErrors()
 
     def pre(m, args, kwargs):
-        began.append(sys.exc_info()[1])
+        errors.begin()
         return run_pre_hooks(m, taken.pre, args, kwargs)
 
     def post(m, args, kwargs, output):
-        raised = sys.exc_info()[1] is not began.pop()
-        return run_post_hooks(m, taken.post, args, kwargs, output, raised)
+        return run_post_hooks(m, taken.post, args, kwargs, output, errors.error() is not None)
 
     mod.register_forward_pre_hook(pre, with_kwargs=True)
     mod.register_forward_hook(post, with_kwargs=True, always_call=True)
@@ -104,6 +102,22 @@ def test_taken_hooks_run_as_nn_module_runs_them(case):
     assert taken[1] == native[1]
     if case != "plain":  # the always-called hook ran after the error, its own error a warning
         assert native_log[-1] == "always" and any("cleanup failed" in w for w in native[1]), native
+
+
+def test_forward_errors_tell_forwards_error_from_the_callers():
+    errors = ForwardErrors()
+    errors.begin()
+    assert errors.error() is None  # a plain call
+    try:
+        raise KeyError("the caller's")
+    except KeyError:
+        errors.begin()  # a call made inside the caller's except block
+        assert errors.error() is None
+        errors.begin()
+        try:
+            raise ValueError("forward's")
+        except ValueError as raised:
+            assert errors.error() is raised  # as nn.Module's except block calls always-called hooks
 
 
 # -- on a parallelised model ----------------------------------------------------------------------

@@ -65,7 +65,7 @@ from torch.distributed.tensor import DTensor
 
 from ..data import shares_drawn
 from ..optim import given_params
-from .._torch import PATCHES
+from .._torch import PATCHES, ForwardErrors
 
 _OWNER = "parallel.faults"
 
@@ -462,9 +462,11 @@ class FaultReporter:
         self.paths = {id(m): p or "<root>" for p, m in root.named_modules(remove_duplicate=False)}
         self.calls, self.wait_s, self.check, self.reducer = 0, wait_s, check, reducer
         self.last_failed = False  # the previous forward call raised
+        self.errors = ForwardErrors()  # what the forward call running now raised (hook)
         PROGRESS.install()
 
     def pre_hook(self, mod: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.errors.begin()
         self.calls += 1
         PROGRESS.last_call = f"forward call {self.calls}"
         if self.reducer is not None and self.reducer.unfinished():
@@ -485,7 +487,7 @@ class FaultReporter:
         publish(f"rank {rank}: {why}")
 
     def hook(self, mod: nn.Module, args: tuple, output: Any) -> None:
-        e = sys.exc_info()[1]
+        e = self.errors.error()  # not one a caller's except block is handling
         self.last_failed = e is not None
         if e is None or getattr(e, "_vescale_fault_noted", False) or not dist.is_initialized():
             return

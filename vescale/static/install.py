@@ -11,7 +11,6 @@ forward raised.
 from __future__ import annotations
 
 import re
-import sys
 from typing import Any
 
 import torch.nn as nn
@@ -21,7 +20,7 @@ from ..parallel.zero import GatherScheduler, unit_of
 from ..plan.lower import runs_forward
 from ..random.checkpointing import listen_to_regions
 from .runtime import StaticRuntime, resolve_eager_paths
-from vescale._torch import run_post_hooks, run_pre_hooks, take_forward_hooks
+from vescale._torch import ForwardErrors, run_post_hooks, run_pre_hooks, take_forward_hooks
 from vescale.model_state import state_of
 
 __all__ = ["install_static", "static_runtime", "ModuleHooks"]
@@ -121,17 +120,14 @@ class ModuleHooks:
         self.is_root = path == ""
         self.unit = False  # a ZeRO-3 unit whose members it gathers for (install_static)
         self.quiet = False
-        # Per call in flight: the exception being handled when it began. The post-hook finds forward
-        # raised when another one is being handled (a call made inside a user's except block
-        # begins with one).
-        self._began_in: list = []
+        self.errors = ForwardErrors()  # what forward raised, for the always-called post-hook
         self.handles = [mod.register_forward_pre_hook(self.pre, with_kwargs=True),
                         mod.register_forward_hook(self.post, with_kwargs=True, always_call=True)]
         self.ids = frozenset(h.id for h in self.handles)
 
     def pre(self, mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         rt, path = self.rt, self.path
-        self._began_in.append(sys.exc_info()[1])
+        self.errors.begin()
         if not self.quiet:
             if self.is_root:
                 rt.begin_step(args, kwargs)
@@ -143,9 +139,7 @@ class ModuleHooks:
         return args, kwargs
 
     def post(self, mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        began_in = self._began_in.pop() if self._began_in else None
-        error = sys.exc_info()[1]
-        error = error if error is not began_in else None  # what forward raised
+        error = self.errors.error()
         try:
             if not self.quiet:
                 output = self._post(mod, args, kwargs, output, error is not None)
