@@ -399,7 +399,7 @@ class StaticRuntime:
         self.hookless.silence(quiet, self.own_hooks)
         self.units.begin(self.record, quiet)
         self.hookless.swap_at_root(quiet, self.units.quiet_members(),  # their unit swaps theirs
-                                lambda mod, path: self._local_parameters(mod, path, self.record.steps[path]))
+                                self._record_locals)
 
     def _begin(self, args, kwargs) -> None:
         # The modules' training flags are part of the key: a record made in evaluation mode saw no
@@ -799,6 +799,10 @@ class StaticRuntime:
                 mod._buffers[name] = b._local_tensor
                 swapped.append((name, b, b._local_tensor))
         return swapped
+
+    def _record_locals(self, mod: nn.Module, path: str) -> list:
+        """``_local_parameters`` with the steps this step's record decided for ``path``."""
+        return self._local_parameters(mod, path, self.record.steps[path])
 
     def _shadow(self, steps: "_Steps", name: str, p: DTensor, spec) -> torch.Tensor:
         """The plain leaf standing for the leaf parameter ``p`` (see ``ParamShadow``). One per
@@ -1204,7 +1208,7 @@ class StaticRuntime:
     def unit_in(self, unit: str) -> None:
         """The unit module's pre-hook: its quiet members get their gathered, local parameters."""
         if self.state is State.STATIC:
-            self.units.enter(unit, lambda mod, path: self._local_parameters(mod, path, self.record.steps[path]))
+            self.units.enter(unit, self._record_locals)
 
     def unit_out(self, unit: str, output: Any, raised: bool = False) -> None:
         """The unit module's forward hook (always called; ``raised``: forward raised)."""
