@@ -10,7 +10,10 @@ The hooks a module had before Static Eager was installed (the plan's) run inside
 * on 2 gloo ranks (zoo LLaMA, TP=2 + SP, dropout, Static Eager), that every module that runs
   forward carries exactly the runtime's two hooks, and that steps run inside a user's ``except``
   block (a retry loop) train as the same steps outside one, bit for bit, every static step
-  verified: the post-hook tells forward's own error from one the caller is handling.
+  verified: the post-hook tells forward's own error from one the caller is handling;
+* that a record's program (``Record.program``: every module's ``_Steps``) is decided once, for
+  every module, when the record's first static step begins, read-only and unchanged after, also
+  for a record derived for a new sequence length (its quiet modules' steps carried over).
 """
 
 from __future__ import annotations
@@ -156,13 +159,51 @@ def _train(in_except_block: bool) -> dict:
             "local_q": dict(model.named_parameters())["model.layers.0.self_attn.q_proj.weight"].to_local().shape}
 
 
-def _both() -> tuple[dict, dict]:
-    return _train(False), _train(True)
+def _programs() -> dict:
+    """Per step (sequence lengths 16, 16, 16, 8, 8, 8: the 8s run static at once on a record derived
+    from the 16s' one), the record's program
+    as ids of its ``_Steps``, and what the program held when ``_decide_program`` returned."""
+    mesh = vescale.init_mesh((2,), ("TP",))
+    torch.manual_seed(0)
+    model = tiny_llama(hidden_dropout=0.1)
+    vescale.parallelize(model, llama_plan(mesh, model.config, sequence_parallel=True), mesh, mode="static")
+    rt = state_of(model).static
+    decided, decide = [], rt._decide_program
+
+    def watched(rec):
+        program = decide(rec)
+        decided.append((id(rec), len(rt.stack), set(program)))  # stack: the modules entered so far
+        return program
+
+    rt._decide_program = watched
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    steps = []
+    for seq in (16, 16, 16, 8, 8, 8):
+        x, y = synthetic_batches(1, 4, seq, 128, seed=seq)[0]
+        model(input_ids=x, labels=y).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        rec = rt.record
+        steps.append((id(rec), {p: id(s) for p, s in (rec.program or {}).items()}))
+    rec = rt.record
+    try:
+        rec.program["model"] = None
+        writable = True
+    except TypeError:
+        writable = False
+    source = rec.resized_from
+    carried = sorted(p for p in rec.quiet or () if source is not None and rec.program[p] is source.program[p])
+    return {"steps": steps, "decided": decided, "modules": set(rt.modules), "writable": writable,
+            "derived": source is not None, "quiet": sorted(rec.quiet or ()), "carried": carried}
+
+
+def _both() -> tuple[dict, dict, dict]:
+    return _train(False), _train(True), _programs()
 
 
 @pytest.mark.multiproc
 def test_one_pre_and_one_post_hook_per_module_and_steps_inside_an_except_block():
-    plain, in_except = run_on_ranks(_both, 2)[0]
+    plain, in_except, _ = run_on_ranks(_both, 2)[0]
     for path, (pre, post) in plain["hooks"].items():
         assert len(pre) == 1 and len(post) == 1, (path, pre, post)
         assert pre | post == set(plain["own"][path]), path
@@ -171,3 +212,19 @@ def test_one_pre_and_one_post_hook_per_module_and_steps_inside_an_except_block()
     assert plain["static_steps"] == in_except["static_steps"] == STEPS - 1
     assert plain["verified"][1:] == in_except["verified"][1:] == [True] * (STEPS - 1), (plain["verified"], in_except["verified"])
     assert torch.equal(plain["losses"], in_except["losses"]), (plain["losses"], in_except["losses"])
+
+
+@pytest.mark.multiproc
+def test_a_records_program_is_decided_once_for_every_module_before_its_first_static_step():
+    programs = run_on_ranks(_both, 2)[0][2]
+    steps, modules = programs["steps"], programs["modules"]
+    assert [len(p) for _, p in steps] == [0] + [len(modules)] * 5, steps  # step 0 records
+    # Once per record (the recorded one, the derived one), before any module's hook ran, for all.
+    assert [(rec, stack) for rec, stack, _ in programs["decided"]] == [(steps[1][0], 0), (steps[3][0], 0)]
+    assert all(held == modules for _, _, held in programs["decided"])
+    assert steps[1] == steps[2] and steps[3] == steps[4] == steps[5]  # the same _Steps objects: never changed
+    assert steps[1][0] != steps[3][0] and programs["derived"]
+    assert not programs["writable"]
+    # The derived record's quiet modules run on their source's steps; the rest decided anew.
+    assert programs["quiet"] and programs["carried"] == programs["quiet"], programs
+    assert set(steps[3][1].items()) & set(steps[1][1].items()) == {(p, steps[1][1][p]) for p in programs["quiet"]}

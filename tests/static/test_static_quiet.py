@@ -85,7 +85,7 @@ def _train(quiet: bool) -> dict:
         "silenced": silenced_seen,
         "quiet": sorted(rec.quiet or {}),
         "random": sorted(rec.random),
-        "moves": sorted(p for p, s in rec.steps.items() if s.moves_in or s.moves_out or s.wrap_in or s.wrap_out),
+        "moves": sorted(p for p, s in rec.program.items() if s.moves_in or s.moves_out or s.wrap_in or s.wrap_out),
         "fired": fired,
     }
 

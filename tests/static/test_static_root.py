@@ -84,7 +84,7 @@ def _train(root_moves: bool, user_root_hook: bool = False) -> dict:
         out["collectives"].append(dict(counter.counts))
         opt.step()
         opt.zero_grad()
-    out["used"] = rt.latest().steps[""].root_in is not None and rt._root_hooks_ours(model)
+    out["used"] = rt.latest().program[""].root_in is not None and rt._root_hooks_ours(model)
     out["steps"] = (rt.recorded_steps, rt.static_steps)
     out["batch_rows"] = batch_rows[-1]
     out["seen_loss"] = seen_loss[-1] if seen_loss else None

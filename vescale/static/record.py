@@ -2,7 +2,8 @@
 
 ``Record`` holds it (per boundary spot, the ``Crossing``: the DTensor spec that crossed and its
 gradient's placements; parameters' gradient layouts; modules that must stay eager and why; sized
-ops' local shapes; random ops' specs) and grows the static steps' decisions later (``runtime.py``).
+ops' local shapes; random ops' specs) and, once its first static step begins, the program those
+steps run (``program``: every module's ``_Steps``, decided by ``runtime.py``).
 ``_OpWatcher`` is the ``TorchDispatchMode`` of the recording step: it asks DTensor's own decision
 (``vescale.dispatch.local``) whether a module's op would communicate or draw random numbers, and
 of the first static step, whose local shapes it checks against the recorded ones.
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.nn as nn
@@ -69,7 +70,9 @@ class Record:
     # (module, "in" | "out") -> the plan key of each tensor crossing there, in crossing order
     # (argument name or position, output index or field; None inside a nested container)
     keys: dict = field(default_factory=dict)
-    steps: dict = field(default_factory=dict)  # module path -> its _Steps in static steps
+    # Module path -> its _Steps: what its hooks do in static steps, for every module of the model,
+    # decided when the first static step begins (StaticRuntime._decide_program); None until then.
+    program: Mapping | None = None
     # Module path -> module, for the modules whose hooks have nothing to do in this record's static
     # steps (see StaticRuntime._find_quiet); None until the first static step has run.
     quiet: dict | None = None
@@ -259,7 +262,7 @@ class _OpWatcher(TorchDispatchMode):
         elif not self.checking and module not in self.record.unsafe and is_dtensor_op:
             judge = True  # after it ran: its sharding decision is remembered then (decisions_remembered)
         elif self.checking and self.record.lookups and not is_dtensor_op:  # a static body's op
-            check_lookup(self.record.lookups, self.record.steps, module, func)
+            check_lookup(self.record.lookups, self.record.program, module, func)
         try:
             out = func(*args, **kwargs)
         except RuntimeError as e:

@@ -420,12 +420,11 @@ def derive(
         for module, found in source.shapes.items()
     }
     # Quiet modules (runtime._find_quiet) are quiet whatever the sizes: nothing crosses their
-    # boundaries. Their decided steps carry over, so the first step runs them quiet already.
+    # boundaries. Their decided steps carry over (runtime._decide_program), so the first step runs
+    # them quiet already (and so are ZeRO-3 units run as one: their members are quiet modules).
     quiet = dict(source.quiet) if source.quiet is not None else None
-    # (and so are ZeRO-3 units run as one: their members are among the quiet modules).
-    steps = {path: source.steps[path] for path in quiet or ()}
     rec = record_cls(
-        crossings=crossings, quiet=quiet, steps=steps, param_grads=dict(source.param_grads), unsafe=dict(source.unsafe), shapes=shapes,
+        crossings=crossings, quiet=quiet, param_grads=dict(source.param_grads), unsafe=dict(source.unsafe), shapes=shapes,
         random=random, assumed_eager=source.assumed_eager, complete=True, checked=False,
         param_grad_specs=dict(source.param_grad_specs), keys=dict(source.keys), lookups=source.lookups,
         masked=set(source.masked), random_funcs=source.random_funcs, losses=source.losses, sizes=source.sizes,

@@ -38,7 +38,8 @@ import dataclasses
 import enum
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 import torch.nn as nn
@@ -79,8 +80,9 @@ class State(enum.Enum):
 @dataclass(frozen=True)
 class _Steps:
     """What one module's hooks do in the static steps of one record: its part of the record's
-    program, decided at its first static call (a record derived for new sizes settles them there,
-    resize.py) and never changed after; ``grad_specs`` and ``shadows`` are caches filled per parameter."""
+    program (``Record.program``, decided for every module when the record's first static step
+    begins, never changed after; a derived record's moves settle their sizes at their first call,
+    resize.LazyMove); ``grad_specs`` and ``shadows`` are caches filled per parameter."""
 
     static: bool  # its body runs on local tensors
     parent_static: bool  # its caller's body does
@@ -435,6 +437,8 @@ class StaticRuntime:
                 # (A derived record finds its source's: the same recorded specs and eager modules,
                 # so the quiet modules it took over stay quiet.)
                 rec.relabelled = self._find_relabelled(rec)
+            if rec.program is None:  # after the relabels: their moves are the modules' moves
+                rec.program = self._decide_program(rec)
             if rec.random:
                 # Entered only while the body of a module that draws runs (see _follow_body).
                 self.replay = _RandomReplay(rec, self.stack)
@@ -677,10 +681,10 @@ class StaticRuntime:
 
     # -- per-module hooks ----------------------------------------------------------------------
     #
-    # In a static step every hook first takes the module's ``_Steps`` (decided once per record, at
-    # the module's first static call) and returns at once where it has nothing to do: most modules
-    # of a static step neither wrap, move nor unwrap anything, and their hooks should cost a dict
-    # lookup, not a walk over their inputs and outputs.
+    # In a static step every hook first takes the module's ``_Steps`` (the record's program,
+    # decided once, when its first static step begins) and returns at once where it has nothing to
+    # do: most modules of a static step neither wrap, move nor unwrap anything, and their hooks
+    # should cost a dict lookup, not a walk over their inputs and outputs.
 
     def enter(self, mod: nn.Module, path: str, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         """Before the plan's pre-hook: local inputs become the DTensors they stand for, if the plan
@@ -723,7 +727,7 @@ class StaticRuntime:
         if self.state is not State.STATIC or not self._steps(path).static:
             self._body_starts(path)
             return None
-        steps = self.record.steps[path]
+        steps = self.record.program[path]
         moved = None
         # Unless enter() handed over local tensors already, unwrap whatever arrives as a DTensor
         # (from an eager caller, or placed by the plan's hook).
@@ -802,7 +806,7 @@ class StaticRuntime:
 
     def _record_locals(self, mod: nn.Module, path: str) -> list:
         """``_local_parameters`` with the steps this step's record decided for ``path``."""
-        return self._local_parameters(mod, path, self.record.steps[path])
+        return self._local_parameters(mod, path, self.record.program[path])
 
     def _shadow(self, steps: "_Steps", name: str, p: DTensor, spec) -> torch.Tensor:
         """The plain leaf standing for the leaf parameter ``p`` (see ``ParamShadow``). One per
@@ -875,7 +879,7 @@ class StaticRuntime:
                     del live[i]
                     break
         if self.state is State.STATIC:
-            steps = self.record.steps.get(path)
+            steps = self.record.program.get(path)
             if steps is not None and steps.lookups is not None and steps.lookups.module is mod:
                 steps.lookups.exit()
         if self._tracking() and self.stack:
@@ -910,10 +914,16 @@ class StaticRuntime:
         return not hooks_beyond(root, self.root_hooks)
 
     def _steps(self, path: str) -> "_Steps":
-        steps = self.record.steps.get(path)
-        if steps is None:
-            steps = self.record.steps[path] = self._decide_steps(path)
-        return steps
+        return self.record.program[path]
+
+    def _decide_program(self, rec: Record) -> Mapping[str, "_Steps"]:
+        """Every module's ``_Steps`` in ``rec``'s static steps, decided once, before the first one
+        runs. A derived record keeps its source's for the quiet modules it took over (resize.py):
+        nothing crosses their boundaries, and their parameter caches stay valid."""
+        carried = rec.resized_from.program if rec.resized_from is not None else None
+        quiet = rec.quiet or {}
+        return MappingProxyType({path: carried[path] if carried is not None and path in quiet else self._decide_steps(path)
+                                 for path in self.modules})
 
     def _decide_steps(self, path: str) -> "_Steps":
         """What ``path``'s hooks do in this record's static steps (the same facts the recording
@@ -1068,8 +1078,8 @@ class StaticRuntime:
             scope = self.scope_of.get(path)
             if scope in (rec.relabelled or ()):  # its parameter views are bypassed in these steps
                 inner = inner - self.scopes[scope].param_hooks.get(path, frozenset())
-            steps = rec.steps.get(path)
-            if not path or steps is None or not steps.static or not steps.parent_static or path in rec.random:
+            steps = rec.program[path]
+            if not path or (path, "in") not in rec.keys or not steps.static or not steps.parent_static or path in rec.random:
                 continue
             if steps.lookups is not None:
                 continue  # its hooks open the masked lookups' mode around its body (local_ops.py)
@@ -1199,7 +1209,7 @@ class StaticRuntime:
         for path, mod in quiet:
             if path in members or path not in silenced:
                 continue
-            for name, p, _ in self._local_parameters(mod, path, rec.steps[path]):
+            for name, p, _ in self._local_parameters(mod, path, rec.program[path]):
                 swapped.append((mod._parameters if name in mod._parameters else mod._buffers, name, p))
         return swapped
 

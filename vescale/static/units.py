@@ -56,8 +56,7 @@ class Units:
         unit = self.unit_of.get(path)
         if unit is None or unit in rec.units_off:
             return None
-        unit_steps = rec.steps.get(unit)
-        if unit_steps is None or not unit_steps.static:
+        if not rec.program[unit].static:
             return None
         entries, plan_ids = self.members[unit][path]
         if inner != plan_ids:
