@@ -11,7 +11,7 @@ The hooks a module had before Static Eager was installed (the plan's) run inside
   forward carries exactly the runtime's two hooks, and that steps run inside a user's ``except``
   block (a retry loop) train as the same steps outside one, bit for bit, every static step
   verified: the post-hook tells forward's own error from one the caller is handling;
-* that a record's program (``Record.program``: every module's ``_Steps``) is decided once, for
+* that a record's program (``Record.program``: every module's ``Steps``) is decided once, for
   every module, when the record's first static step begins, read-only and unchanged after, also
   for a record derived for a new sequence length (its quiet modules' steps carried over).
 """
@@ -162,7 +162,7 @@ def _train(in_except_block: bool) -> dict:
 def _programs() -> dict:
     """Per step (sequence lengths 16, 16, 16, 8, 8, 8: the 8s run static at once on a record derived
     from the 16s' one), the record's program
-    as ids of its ``_Steps``, and what the program held when ``_decide_program`` returned."""
+    as ids of its ``Steps``, and what the program held when ``_decide_program`` returned."""
     mesh = vescale.init_mesh((2,), ("TP",))
     torch.manual_seed(0)
     model = tiny_llama(hidden_dropout=0.1)
@@ -222,7 +222,7 @@ def test_a_records_program_is_decided_once_for_every_module_before_its_first_sta
     # Once per record (the recorded one, the derived one), before any module's hook ran, for all.
     assert [(rec, stack) for rec, stack, _ in programs["decided"]] == [(steps[1][0], 0), (steps[3][0], 0)]
     assert all(held == modules for _, _, held in programs["decided"])
-    assert steps[1] == steps[2] and steps[3] == steps[4] == steps[5]  # the same _Steps objects: never changed
+    assert steps[1] == steps[2] and steps[3] == steps[4] == steps[5]  # the same Steps objects: never changed
     assert steps[1][0] != steps[3][0] and programs["derived"]
     assert not programs["writable"]
     # The derived record's quiet modules run on their source's steps; the rest decided anew.

@@ -3,7 +3,7 @@
 In eager mode a plain root input becomes a Replicate DTensor that the plan's hook redistributes
 (the batch split over DP), and the root's hook redistributes a Partial loss to Replicate, all through
 DTensor's planner. Static steps run both as precompiled moves between the recorded layouts
-(``StaticRuntime._root_moves``). On gloo ranks (zoo LLaMA with dropout, DP=2 x TP=2 + SP + ZeRO-3)
+(``vescale.static.program._root_moves``). On gloo ranks (zoo LLaMA with dropout, DP=2 x TP=2 + SP + ZeRO-3)
 these tests check that
 
 * static steps with the root's moves give the losses and gradients of the general path (the root's

@@ -17,8 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemReader
-from vescale._torch import _EmptyStateDictLoadPlanner
-from vescale._torch import _load_state_dict
+from vescale._torch import _EmptyStateDictLoadPlanner, _load_state_dict
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from . import integrity, layout

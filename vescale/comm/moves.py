@@ -28,9 +28,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
-from vescale._torch import DTensorSpec
-from vescale._torch import redistribute_local_tensor
-from vescale._torch import _is_shard_like, _StridedShard
+from vescale._torch import DTensorSpec, redistribute_local_tensor, _is_shard_like, _StridedShard
 
 from ..dispatch.metas import spec_of
 from ..placement.blocks import dim_ranges, is_blockwise, representative_coords

@@ -19,8 +19,7 @@ import collections
 
 import torch
 from torch.distributed.tensor import DTensor
-from vescale._torch import TorchDispatchMode, _get_current_dispatch_mode_stack
-from vescale._torch import tree_leaves
+from vescale._torch import TorchDispatchMode, _get_current_dispatch_mode_stack, tree_leaves
 
 from ..comm import direct
 

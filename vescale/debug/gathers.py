@@ -38,9 +38,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
-from vescale._torch import _is_shard_like
+from vescale._torch import _is_shard_like, TorchDispatchMode
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-from vescale._torch import TorchDispatchMode
 
 __all__ = ["gathers", "GatherReport", "Gather"]
 

@@ -33,10 +33,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vescale._torch import fake_mode_runs_meta_kernel, local_tensor_mode
+from vescale._torch import fake_mode_runs_meta_kernel, local_tensor_mode, DTensorSpec, TensorMeta, OpSchema
 from torch.distributed.tensor import Partial, Replicate, Shard
-from vescale._torch import DTensorSpec, TensorMeta
-from vescale._torch import OpSchema
 
 
 if TYPE_CHECKING:

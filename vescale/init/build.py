@@ -34,8 +34,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
-from vescale._torch import _device_constructors
-from vescale._torch import TorchDispatchMode
+from vescale._torch import _device_constructors, TorchDispatchMode
 
 from ..random import generator
 from ..random.ops import SUPPORTED, read_call

@@ -37,8 +37,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from vescale._torch import DTensorSpec, TensorMeta
-from vescale._torch import TorchDispatchMode
+from vescale._torch import DTensorSpec, TensorMeta, TorchDispatchMode
 
 from ..dispatch.metas import contiguous_strides
 from ..plan.api import Statement

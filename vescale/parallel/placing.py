@@ -13,9 +13,8 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
-from vescale._torch import DTensorSpec
+from vescale._torch import DTensorSpec, _is_shard_like
 
-from vescale._torch import _is_shard_like
 
 from ..comm import moves
 from ..placement import InterleavedShard, interleave_of, is_interleaved

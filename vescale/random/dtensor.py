@@ -27,9 +27,8 @@ import warnings
 from typing import Any, Sequence
 
 import torch
-from vescale._torch import dtensor_random
+from vescale._torch import dtensor_random, DTensorSpec, TensorMeta, PATCHES
 from torch.distributed.tensor import DTensor, Replicate
-from vescale._torch import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Partial
 
 from vescale.dispatch import install_semantic_handlers
@@ -39,7 +38,6 @@ from vescale.mesh import is_vescale_mesh
 from vescale.dispatch.metas import contiguous_strides
 from vescale.placement.blocks import dim_ranges
 from vescale.random import kernel, ops
-from vescale._torch import PATCHES
 
 __all__ = ["VescaleRNGTracker", "install", "uninstall", "is_installed", "local_indices", "handle_random_op", "draw_shard"]
 

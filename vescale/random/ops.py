@@ -19,9 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
-from vescale._torch import _len_torch_dispatch_stack_pre_dispatch
-from vescale._torch import TorchDispatchMode, _disable_current_modes
-from vescale._torch import tree_leaves
+from vescale._torch import _len_torch_dispatch_stack_pre_dispatch, TorchDispatchMode, _disable_current_modes, tree_leaves
 
 from vescale.memo import Memo
 from vescale.random import generator, kernel

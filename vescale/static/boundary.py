@@ -22,8 +22,7 @@ from typing import Any, Callable
 
 import torch
 from torch.distributed.tensor import DTensor
-from vescale._torch import DTensorSpec, TensorMeta
-from vescale._torch import redistribute_local_tensor
+from vescale._torch import DTensorSpec, TensorMeta, redistribute_local_tensor
 
 from ..comm.grad import accumulate_grad, grad_hook_role
 from ..comm.moves import compile_move

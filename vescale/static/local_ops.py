@@ -43,14 +43,12 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from vescale._torch import DTensorSpec
-from vescale._torch import _MaskPartial
+from vescale._torch import DTensorSpec, _MaskPartial, exit_function_mode
 from torch.overrides import TorchFunctionMode
 
 from ..dispatch.local import moves_data
 from ..plan.ir import PlanError
 from ..placement.blocks import local_shape_and_offset
-from vescale._torch import exit_function_mode
 
 __all__ = ["MaskedLookup", "LocalLookups", "masked_lookup", "grad_placements", "is_masked", "unmasked", "unmasked_inputs", "check_lookup"]
 
@@ -233,7 +231,7 @@ def _functional_args(args, kwargs) -> tuple:
 
 def check_lookup(lookups: dict, steps: dict, module: str, func: Callable[..., Any]) -> None:
     """First static step: an ``aten.embedding`` in a module with recorded tables must come from
-    the kernel (``steps``: module path -> its ``_Steps``, whose ``lookups`` is its LocalLookups)."""
+    the kernel (``steps``: module path -> its ``program.Steps``, whose ``lookups`` is its LocalLookups)."""
     if func is not aten.embedding.default or module not in lookups:
         return
     mode = getattr(steps.get(module), "lookups", None)

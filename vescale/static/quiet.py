@@ -5,7 +5,7 @@ unwrap anything: their two hooks (``install.ModuleHooks``) only swap the paramet
 tensors and back, and still cost nn.Module's slow call path and two Python calls per call. So from
 a record's second static step on (the first checks local shapes through the hooks), such modules
 lose their hooks for the step and the root swaps their parameters once for the whole forward; any
-other state puts every hook back first. ``StaticRuntime._find_quiet`` decides which modules are
+other state puts every hook back first. ``program.find_quiet`` decides which modules are
 quiet; this module holds what silencing them changed.
 """
 

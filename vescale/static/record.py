@@ -3,7 +3,7 @@
 ``Record`` holds it (per boundary spot, the ``Crossing``: the DTensor spec that crossed and its
 gradient's placements; parameters' gradient layouts; modules that must stay eager and why; sized
 ops' local shapes; random ops' specs) and, once its first static step begins, the program those
-steps run (``program``: every module's ``_Steps``, decided by ``runtime.py``).
+steps run (``program``: every module's ``Steps``, decided by ``program.py``).
 ``_OpWatcher`` is the ``TorchDispatchMode`` of the recording step: it asks DTensor's own decision
 (``vescale.dispatch.local``) whether a module's op would communicate or draw random numbers, and
 of the first static step, whose local shapes it checks against the recorded ones.
@@ -70,11 +70,11 @@ class Record:
     # (module, "in" | "out") -> the plan key of each tensor crossing there, in crossing order
     # (argument name or position, output index or field; None inside a nested container)
     keys: dict = field(default_factory=dict)
-    # Module path -> its _Steps: what its hooks do in static steps, for every module of the model,
-    # decided when the first static step begins (StaticRuntime._decide_program); None until then.
+    # Module path -> its program.Steps: what its hooks do in static steps, for every module of the model,
+    # decided when the first static step begins (program.decide); None until then.
     program: Mapping | None = None
     # Module path -> module, for the modules whose hooks have nothing to do in this record's static
-    # steps (see StaticRuntime._find_quiet); None until the first static step has run.
+    # steps (see program.find_quiet); None until the first static step has run.
     quiet: dict | None = None
     # module path -> {parameter name: MaskedLookup}: vocabulary-parallel lookups its body runs
     # masked on local tensors in static steps (local_ops.py)

@@ -419,8 +419,8 @@ def derive(
         module: [None if s is None else ShapeCandidates(tuple(_local_candidates(v, factors) for v in s)) for s in found]
         for module, found in source.shapes.items()
     }
-    # Quiet modules (runtime._find_quiet) are quiet whatever the sizes: nothing crosses their
-    # boundaries. Their decided steps carry over (runtime._decide_program), so the first step runs
+    # Quiet modules (program.find_quiet) are quiet whatever the sizes: nothing crosses their
+    # boundaries. Their decided steps carry over (program.decide), so the first step runs
     # them quiet already (and so are ZeRO-3 units run as one: their members are quiet modules).
     quiet = dict(source.quiet) if source.quiet is not None else None
     rec = record_cls(

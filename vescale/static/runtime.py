@@ -29,6 +29,10 @@ shapes, and those it refuses, record again.
 
 Every static step computes what the eager step computes: the same local ops on the same local
 values, and the same DTensor operations at the same boundaries.
+
+Record -> program -> executor: ``record.py`` notes the recording step, ``program.py`` decides from a
+complete record what each module's hooks do in its static steps (once, before the first), and this
+module runs the steps: which state a step is in, and the hooks' work on each module call.
 """
 
 from __future__ import annotations
@@ -37,16 +41,12 @@ import contextlib
 import dataclasses
 import enum
 import re
-from dataclasses import dataclass, field
-from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate
-from vescale._torch import DTensorSpec
-from vescale._torch import TorchDispatchMode, enter_dispatch_mode_beneath, exit_dispatch_mode
-from vescale._torch import hooks_beyond
+from torch.distributed.tensor import DTensor
+from vescale._torch import TorchDispatchMode, enter_dispatch_mode_beneath, exit_dispatch_mode, hooks_beyond
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..dispatch.local import decisions_remembered
@@ -55,19 +55,21 @@ from ..plan.ir import PlanError
 from ..parallel.placing import grad_layout
 from ..placement.blocks import local_shape_and_offset
 from . import averaged, relabel, resize
-from .boundary import HandOvers, Move, ParamShadow, dtensor_of, grad_spec, local_of, settled_on_unit_dims
+from .boundary import HandOvers, ParamShadow, dtensor_of, grad_spec, local_of, settled_on_unit_dims
 from .random_gate import CallTracker, RandomGate
 from .record import Crossing, Record, _OpWatcher, input_keys, output_keys
 from .recompute import RegionState, in_backward, refuse_outside_region, unnoted_region
 from .quiet import QuietModules
 from .units import Units
+from . import program
+from .program import Steps
 
 if TYPE_CHECKING:
     from ..plan.api import Statement
     from .install import ModuleHooks
 from .shares import GradientShares
 from .local_calls import CallWatch, LocalCalls, drop_plain_sizes, local_call_paths
-from .local_ops import LocalLookups, grad_placements, unmasked_inputs
+from .local_ops import grad_placements, unmasked_inputs
 
 __all__ = ["StaticRuntime", "State"]
 
@@ -75,37 +77,6 @@ __all__ = ["StaticRuntime", "State"]
 class State(enum.Enum):
     RECORD = "record"  # this step runs eagerly and records
     STATIC = "static"  # this step runs on local tensors
-
-
-@dataclass(frozen=True)
-class _Steps:
-    """What one module's hooks do in the static steps of one record: its part of the record's
-    program (``Record.program``, decided for every module when the record's first static step
-    begins, never changed after; a derived record's moves settle their sizes at their first call,
-    resize.LazyMove); ``grad_specs`` and ``shadows`` are caches filled per parameter."""
-
-    static: bool  # its body runs on local tensors
-    parent_static: bool  # its caller's body does
-    wrap_in: bool  # enter: local inputs become the recorded DTensors
-    wrap_out: bool  # leave: local outputs do
-    moves_in: Callable | None  # enter: ``fn(index, tensor)`` running the precompiled moves, if any
-    moves_out: Callable | None  # leave: the same for outputs
-    placed_in: bool = False  # enter: local inputs are as a plan.annotate states: the plan's hook leaves them be
-    placed_out: bool = False  # leave: the same for outputs
-    grad_specs: dict = field(default_factory=dict)  # parameter name -> spec of its gradient
-    shadows: dict = field(default_factory=dict)  # parameter name -> its last ParamShadow
-    lookups: LocalLookups | None = None  # entered while its body runs: its masked lookups (local_ops.py)
-    # The root only (see StaticRuntime._root_moves): the user's plain inputs straight to the local
-    # tensors the plan places them as, and the body's local outputs to the DTensors the user gets.
-    root_in: Callable | None = None
-    root_out: Callable | None = None
-
-
-def _mover(moves: list | None):
-    """``fn(index, tensor)`` applying the i-th precompiled move (None: a tensor passing through)."""
-    if moves is None:
-        return None
-    return lambda i, t: moves[i](t) if i < len(moves) and moves[i] is not None else t
 
 
 # ---------------------------------------------------------------------------------------------
@@ -238,20 +209,6 @@ def _name(func) -> str:
     return getattr(func, "__qualname__", None) or str(func)
 
 
-def _wrap(t: torch.Tensor, c: Crossing | None):
-    """A local tensor standing for the DTensor recorded at this spot, as that DTensor."""
-    if c is None or c.spec is None or isinstance(t, DTensor):
-        return t
-    if c.pending is not None:  # a derived record's first step: the sizes follow this tensor
-        resize.settle(c, t)
-    if c.wrap_grad is None:
-        c.wrap_grad = grad_spec(c.spec, c.leave_grad)
-        c.wrap_divisor = averaged.wrap_divisor(c.spec)
-    if c.wrap_divisor != 1:  # an averaged Partial: each rank's local value has 1/n of the gradient
-        t = averaged.divide_grad(t, c.wrap_divisor)
-    return dtensor_of(t, c.spec, c.wrap_grad)
-
-
 def _mirror(t, leave_grad: tuple | None = None):
     """While recording: what static mode's wrap does to the gradient at this spot, applied to an
     eager DTensor: the gradient leaves in ``leave_grad`` (a plan.redistribute's grad_dst), or by
@@ -271,19 +228,6 @@ def _to_local_node(node):
             return node
         node = next((n for n, _ in node.next_functions if n is not None), None)
     return None
-
-
-def _unwrap(t: torch.Tensor, c: Crossing | None):
-    """A DTensor's local tensor; its gradient leaves here in the placements recorded for this spot."""
-    if not isinstance(t, DTensor):
-        return t
-    if c is None:
-        return t.to_local()
-    if c.pending is not None:  # a derived record's first step: this DTensor must be as derived
-        resize.settle(c, t)
-    if c.unwrap_grad is None:
-        c.unwrap_grad = grad_spec(t._spec, c.grad_placements)
-    return local_of(t, c.unwrap_grad)
 
 
 class StaticRuntime:
@@ -343,7 +287,7 @@ class StaticRuntime:
         # (``local_of``), so that ``torch.autograd.grad(loss, params)`` reaches the parameters.
         self.param_leaves = True
         self.hand_overs = HandOvers()  # shadows' hand-overs that wait for the end of backward
-        # The root's inputs and outputs as precompiled moves (see _root_moves); None: never. The
+        # The root's inputs and outputs as precompiled moves (see program._root_moves); None: never. The
         # ids of every hook parallelize put on the root (install_static sets them): a hook added
         # since may expect the plan's DTensors, so the moves run only while there is none.
         self.root_hooks: frozenset | None = None
@@ -454,31 +398,12 @@ class StaticRuntime:
                 if not resize.checked_before(rec):  # see resize.py: a derived record checks at its crossings
                     self._open_watcher(checking=True)
             elif rec.quiet is None:
-                rec.quiet = self._find_quiet(rec)
+                rec.quiet = program.find_quiet(self, rec)
             return
         # A new set of shapes: start from the modules the last recording found eager (the same
         # model code decides them, whatever the sizes), so one recording step usually suffices.
         last = self.latest()
         self._new_record(key, frozenset(last.assumed_eager | set(last.unsafe)) if last is not None else frozenset())
-
-    def _find_relabelled(self, rec: Record) -> frozenset:
-        """The batch-local modules whose hooks ``rec``'s static steps replace by precompiled relabels
-        (relabel.py): static, with a static caller and everything inside static, every tensor at
-        their boundary relabelled. Their moves go into ``rec.moves`` now (in a derived record, moves
-        compiled at their first call, once the sizes settle)."""
-        found = set()
-        for path, scope in self.scopes.items():
-            inside = [p for p, s in self.scope_of.items() if s == path]
-            if not self.parent_static(path) or not all(self.is_static(p) and p not in rec.lookups for p in inside):
-                continue
-            if any(spot[0] in inside for spot in self.grad_dst_spots):
-                continue
-            moves = [_compile_moves(rec.crossings, path, src, dst, (scope, side))
-                     for src, dst, side in (("in", "body", "in"), ("out", "result", "out"))]
-            if None not in moves:
-                rec.moves[(path, "in")], rec.moves[(path, "out")] = moves
-                found.add(path)
-        return frozenset(found)
 
     def _derive(self, key) -> Record | None:
         """A record for ``key`` derived from the latest complete recorded one that differs from it in
@@ -681,7 +606,7 @@ class StaticRuntime:
 
     # -- per-module hooks ----------------------------------------------------------------------
     #
-    # In a static step every hook first takes the module's ``_Steps`` (the record's program,
+    # In a static step every hook first takes the module's ``Steps`` (the record's program,
     # decided once, when its first static step begins) and returns at once where it has nothing to
     # do: most modules of a static step neither wrap, move nor unwrap anything, and their hooks
     # should cost a dict lookup, not a walk over their inputs and outputs.
@@ -707,7 +632,7 @@ class StaticRuntime:
                 call_state(mod).io_placed = True  # the plan's hook leaves the placed tensors alone
                 return _map_io(steps.moves_in, args, kwargs)
             if steps.wrap_in:
-                return _map_io(self._wrapper(path, "in"), args, kwargs)
+                return _map_io(program.wrapper(self.record.crossings, path, "in"), args, kwargs)
             if steps.placed_in:
                 call_state(mod).io_placed = True
             return None
@@ -735,7 +660,7 @@ class StaticRuntime:
         if placed and steps.root_in is not None:  # the root's plain inputs, left alone by the plan's hook
             moved = _map_io(steps.root_in, args, kwargs)
         elif not placed and (_any_dtensor(args) or _any_dtensor(kwargs)):
-            moved = _map_io(self._unwrapper(path, "body"), args, kwargs)
+            moved = _map_io(program.unwrapper(self.record.crossings, path, "body"), args, kwargs)
         swapped = self._local_parameters(mod, path, steps)
         if swapped:
             call_state(mod).swapped = swapped
@@ -781,7 +706,7 @@ class StaticRuntime:
         self._body_starts(path)
         return args, kwargs
 
-    def _local_parameters(self, mod, path: str, steps: "_Steps") -> list:
+    def _local_parameters(self, mod, path: str, steps: Steps) -> list:
         """Swap a static module's DTensor parameters (and planned buffers) for their local tensors,
         for this call; returns what ``restore`` puts back."""
         swapped = []
@@ -808,7 +733,7 @@ class StaticRuntime:
         """``_local_parameters`` with the steps this step's record decided for ``path``."""
         return self._local_parameters(mod, path, self.record.program[path])
 
-    def _shadow(self, steps: "_Steps", name: str, p: DTensor, spec) -> torch.Tensor:
+    def _shadow(self, steps: Steps, name: str, p: DTensor, spec) -> torch.Tensor:
         """The plain leaf standing for the leaf parameter ``p`` (see ``ParamShadow``). One per
         parameter and gradient layout, shared by every module that uses it (autograd sums their
         gradients before the parameter's hooks run, as it does for the parameter: a tied ZeRO-3
@@ -901,7 +826,7 @@ class StaticRuntime:
                 call_state(mod).io_placed = True
                 return _map_out(steps.moves_out, output)
             if steps.wrap_out:
-                return _map_out(self._wrapper(path, "out"), output)
+                return _map_out(program.wrapper(self.record.crossings, path, "out"), output)
             if steps.placed_out:
                 call_state(mod).io_placed = True
             return None
@@ -913,77 +838,16 @@ class StaticRuntime:
     def _root_hooks_ours(self, root: nn.Module) -> bool:
         return not hooks_beyond(root, self.root_hooks)
 
-    def _steps(self, path: str) -> "_Steps":
+    def _steps(self, path: str) -> Steps:
         return self.record.program[path]
 
-    def _decide_program(self, rec: Record) -> Mapping[str, "_Steps"]:
-        """Every module's ``_Steps`` in ``rec``'s static steps, decided once, before the first one
-        runs. A derived record keeps its source's for the quiet modules it took over (resize.py):
-        nothing crosses their boundaries, and their parameter caches stay valid."""
-        carried = rec.resized_from.program if rec.resized_from is not None else None
-        quiet = rec.quiet or {}
-        return MappingProxyType({path: carried[path] if carried is not None and path in quiet else self._decide_steps(path)
-                                 for path in self.modules})
+    # The program's decisions (program.py), as methods a test may replace with a reference path.
 
-    def _decide_steps(self, path: str) -> "_Steps":
-        """What ``path``'s hooks do in this record's static steps (the same facts the recording
-        mirrored: which modules run static, and where the plan places tensors)."""
-        static, parent_static = self.is_static(path), self.parent_static(path)
-        wrap_in = parent_static and (path in self.planned_pre or not static)
-        wrap_out = static and (path in self.planned_post or not parent_static)
-        # Between two static modules a planned redistribution runs as precompiled moves where
-        # every tensor there has one; otherwise the local tensors are wrapped and DTensor moves them.
-        moves_in = self._moves(path, "in", "body") if wrap_in and static else None
-        moves_out = self._moves(path, "out", "result") if wrap_out and parent_static else None
-        placed_in = static and parent_static and not wrap_in and path in self.annotated_pre
-        placed_out = static and parent_static and not wrap_out and path in self.annotated_post
-        lookups = self.record.lookups.get(path) if static else None
-        root_in, root_out = self._root_moves() if path == "" and static else (None, None)
-        return _Steps(static, parent_static, wrap_in, wrap_out, _mover(moves_in), _mover(moves_out), placed_in, placed_out,
-                      lookups=LocalLookups(lookups) if lookups else None, root_in=root_in, root_out=root_out)
+    def _decide_program(self, rec: Record) -> Mapping[str, Steps]:
+        return program.decide(self, rec)
 
-    def _root_moves(self) -> tuple:
-        """The root's boundary as precompiled moves, where the plan's root statements only move data.
-
-        In eager mode the user's plain inputs become Replicate DTensors that the plan's hook
-        redistributes (a batch split over DP), and the root's hooks redistribute a Partial loss to
-        Replicate, all through DTensor's planner: ~0.15 ms a tensor and step. Recorded, each is a
-        move between two known layouts: the inputs' from Replicate (what a plain tensor is) to the
-        body's, the outputs' from the body's to what the user got (then wrapped as that DTensor).
-        Not for a root whose inputs a plan.annotate describes (already local shards), whose
-        statements state gradient layouts, or that runs batch-local; (None, None) then."""
-        if self.root_hooks is None or "" in self.annotated_pre or "" in self.annotated_post:
-            return None, None
-        if any(spot[0] == "" for spot in self.grad_dst_spots):
-            return None, None
-        crossings = self.record.crossings
-        root_in: list = []
-        while ("", "in", len(root_in)) in crossings:
-            i = len(root_in)
-            src, dst = crossings["", "in", i], crossings.get(("", "body", i))
-            if dst is None or src.spec is not None:  # a DTensor input: the general path
-                return None, None
-            root_in.append(None if dst.spec is None else _FromGlobal(dst))
-        out_moves = _compile_moves(crossings, "", "out", "result")
-        if out_moves is None:
-            return None, None
-        wrap = self._wrapper("", "result")
-        return _mover(root_in), lambda i, t: wrap(i, out_moves[i](t) if out_moves[i] is not None else t)
-
-    def _wrapper(self, path: str, where: str):
-        crossings = self.record.crossings
-        return lambda i, t: _wrap(t, crossings.get((path, where, i)))
-
-    def _unwrapper(self, path: str, where: str):
-        crossings = self.record.crossings
-        return lambda i, t: _unwrap(t, crossings.get((path, where, i)))
-
-    def _moves(self, path: str, src: str, dst: str) -> list | None:
-        rec = self.record
-        key = (path, src)
-        if key not in rec.moves:
-            rec.moves[key] = _compile_moves(rec.crossings, path, src, dst)
-        return rec.moves[key]
+    def _find_relabelled(self, rec: Record) -> frozenset:
+        return program.find_relabelled(self, rec)
 
     def _to_dtensors(self, path: str, where: str, wraps: bool, walk):
         """While recording, where a local tensor will become a DTensor in static steps (``wraps``):
@@ -1030,7 +894,7 @@ class StaticRuntime:
                 return None
             if not _any_dtensor(output):
                 return None
-            return _map_out(self._unwrapper(path, "result"), output)
+            return _map_out(program.unwrapper(self.record.crossings, path, "result"), output)
         if self.state is State.RECORD and self.recompute is None:
             rec = self.record
             is_root = path == ""
@@ -1062,44 +926,6 @@ class StaticRuntime:
         return None
 
     # -- quiet modules (quiet.py) ---------------------------------------------------------------
-
-    def _find_quiet(self, rec: Record) -> dict:
-        """The modules of ``rec`` whose hooks have nothing to do in its static steps: static with a
-        static caller, no tensor wrapped, moved or placed at their boundary, no random op to replay,
-        no hooks but the runtime's (the plan's run inside them), and leaf parameters (ZeRO-3's gathered ones come from hooks).
-        Also the members of ZeRO-3 units whose only other hooks are the plan's gathers: their unit's
-        module gathers for them (``rec.quiet_units``, see unit_in)."""
-        quiet: dict = {}
-        units: dict = {}
-        local_calls = {p for p in local_call_paths(rec.losses, rec.sizes) if self.is_static(p)}  # the mode runs only there
-        for path, hooks in self.own_hooks.items():
-            mod = hooks.module
-            inner = hooks.inner.ids  # the hooks that ran before Static Eager's came (the plan's)
-            scope = self.scope_of.get(path)
-            if scope in (rec.relabelled or ()):  # its parameter views are bypassed in these steps
-                inner = inner - self.scopes[scope].param_hooks.get(path, frozenset())
-            steps = rec.program[path]
-            if not path or (path, "in") not in rec.keys or not steps.static or not steps.parent_static or path in rec.random:
-                continue
-            if steps.lookups is not None:
-                continue  # its hooks open the masked lookups' mode around its body (local_ops.py)
-            if path in local_calls or self.parent.get(path) in local_calls:
-                # Its hooks (or its callees' hooks) turn the local calls' mode on and off around its
-                # body: without them the mode would stay on through everything the body calls.
-                continue
-            if steps.wrap_in or steps.wrap_out or steps.placed_in or steps.placed_out:
-                continue
-            if hooks_beyond(mod, hooks.ids):
-                continue  # the user's hooks, added since, work here
-            member = self.units.member(rec, path, inner) if inner else None
-            if inner and member is None:
-                continue  # the plan's hooks work here
-            if all(not isinstance(p, DTensor) or (isinstance(p, nn.Parameter) and p.grad_fn is None) for p in mod._parameters.values()):
-                quiet[path] = mod
-                if member is not None:
-                    units.setdefault(member[0], []).append((path, mod, member[1]))
-        rec.quiet_units = units
-        return quiet
 
     def _quiet_now(self) -> dict:
         rec = self.record
@@ -1271,54 +1097,6 @@ def _laid(c: Crossing) -> bool:
     local = local_shape_and_offset(spec.shape, spec.mesh, spec.placements, skip_offset=True)[0]
     laid = local_shape_and_offset(spec.shape, spec.mesh, tuple(c.grad_placements), skip_offset=True)[0]
     return tuple(local) == tuple(laid)
-
-
-def _compile_moves(crossings: dict, path: str, src: str, dst: str, relabelled: tuple | None = None) -> list | None:
-    """One ``Move`` (or None: a plain tensor passing through) per tensor recorded at ``(path, src)``,
-    or None if some tensor there cannot move as local tensors (a plain tensor the plan places).
-    ``relabelled``: ``(scope, side)`` of a batch-local module's boundary (relabel.py)."""
-    moves: list = []
-    while (path, src, len(moves)) in crossings:
-        i = len(moves)
-        a, b = crossings[(path, src, i)], crossings.get((path, dst, i))
-        if b is None:
-            return None
-        if relabelled is not None:
-            move = relabel.relabelled_move(a, b, *relabelled, lambda a, b: Move(a.spec, b.spec, b.grad_placements, a.leave_grad))
-            if move is False:
-                return None
-            moves.append(move)
-            continue
-        if a.spec is None and b.spec is None:
-            moves.append(None)
-        elif a.spec is None or b.spec is None or a.spec.mesh != b.spec.mesh or a.spec.shape != b.spec.shape:
-            return None
-        elif averaged.averaged_dims(a.spec) or averaged.averaged_dims(b.spec):
-            return None  # wrapped instead: the wrap divides its gradient (vescale.static.averaged)
-        elif a.pending is not None or b.pending is not None:  # sizes settle at the first call
-            moves.append(resize.LazyMove(a, b, lambda a, b: Move(a.spec, b.spec, b.grad_placements, a.leave_grad)))
-        else:
-            moves.append(Move(a.spec, b.spec, b.grad_placements, a.leave_grad))
-    return moves
-
-
-class _FromGlobal:
-    """A plain root input (the global tensor, the same on every rank) to this rank's local tensor
-    laid out as recorded at ``dst``: the move from Replicate, compiled at the first call (a derived
-    record's sizes settle from the tensor's global shape)."""
-
-    def __init__(self, dst: Crossing):
-        self.dst = dst
-        self.move: Move | None = None
-
-    def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        if self.move is None:
-            dst = self.dst
-            if dst.pending is not None:
-                dst.spec, dst.pending = dst.pending.settle_global(tuple(t.shape)), None
-            whole = DTensorSpec(dst.spec.mesh, (Replicate(),) * dst.spec.mesh.ndim, tensor_meta=dst.spec.tensor_meta)
-            self.move = Move(whole, dst.spec, dst.grad_placements)
-        return self.move(t)
 
 
 def _on_grad(t, fn) -> None:

@@ -1,7 +1,7 @@
 """ZeRO-3 units run as one in Static Eager steps.
 
 Under ZeRO-3 every Linear and norm of a decoder layer has the plan's gather hooks, so none of them
-is quiet (``StaticRuntime._find_quiet``), and each call pays its hooks on nn.Module's slow path, a
+is quiet (``program.find_quiet``), and each call pays its hooks on nn.Module's slow path, a
 scheduler take, a parameter swap and a gradient hook on its output, although the layer's parameters
 arrive in one collective for the whole unit. From a record's second static step on, members whose
 hooks only gather lose their hooks like quiet modules, and the unit's module does it for all of

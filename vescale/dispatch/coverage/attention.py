@@ -46,11 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from vescale._torch import DTensorSpec, TensorMeta
-from vescale._torch import OpSchema, OpStrategy, RuntimeSchemaInfo
-from vescale._torch import _matrix_ops
-from vescale._torch import expand_to_full_mesh_op_strategy
-from vescale._torch import PATCHES
+from vescale._torch import DTensorSpec, TensorMeta, OpSchema, OpStrategy, RuntimeSchemaInfo, _matrix_ops, expand_to_full_mesh_op_strategy, PATCHES
 from ..local import runs_locally_when
 from ..scope import for_vescale_meshes
 from vescale.memo import Memo

@@ -33,12 +33,11 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from vescale._torch import DTensorSpec, TensorMeta
+from vescale._torch import DTensorSpec, TensorMeta, PATCHES
 
 from .errors import MissingShardingRule, running_module
 from .attention import _stride_like
 from ..scope import for_vescale_meshes
-from vescale._torch import PATCHES
 
 __all__ = ["install_conv_handlers"]
 

@@ -36,14 +36,11 @@ import threading
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from vescale._torch import DTensorSpec, TensorMeta
-from vescale._torch import redistribute_local_tensor
-from vescale._torch import compute_local_shape_and_global_offset
+from vescale._torch import DTensorSpec, TensorMeta, redistribute_local_tensor, compute_local_shape_and_global_offset, PATCHES
 
 from ..local import runs_locally_when, why_rule_not_local
 from ..metas import contiguous_strides, grouped_mm_shape
 from ..scope import DTensorRule, for_vescale_meshes, mesh_of_call
-from vescale._torch import PATCHES
 
 __all__ = ["install_datadep_handlers", "uninstall_datadep_handlers", "DATADEP_OPS"]
 

@@ -19,8 +19,7 @@ import re
 import sys
 
 import torch.nn as nn
-from vescale._torch import DTensorSpec
-from vescale._torch import OpSchema
+from vescale._torch import DTensorSpec, OpSchema
 
 __all__ = ["MissingShardingRule", "missing_rule_error", "running_module"]
 

@@ -59,14 +59,11 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
-from vescale._torch import DTensorSpec, TensorMeta
-from vescale._torch import OpSchema, OutputSharding
-from vescale._torch import _math_ops, _tensor_ops
-from vescale._torch import _skip_dim, replicate_reduction_dims
-from vescale._torch import split_strategy
-from vescale._torch import is_tensor_evenly_shardable
+from vescale._torch import (
+    DTensorSpec, TensorMeta, OpSchema, OutputSharding, _math_ops, _tensor_ops, _skip_dim,
+    replicate_reduction_dims, split_strategy, is_tensor_evenly_shardable, _StridedShard, PATCHES,
+)
 from torch.distributed.tensor.placement_types import Shard
-from vescale._torch import _StridedShard
 
 from ..coverage.errors import is_missing_rule, missing_rule_error
 from ..local import remember_decision
@@ -78,7 +75,6 @@ from ..metas import fast_outputs, kernel_outputs, local_shape, mesh_shape, meta_
 from .unitdims import lift, reduce_schema, reducible_mesh, unit_placements
 from .viewkey import decision as view_decision
 from .zerocost import SameRoom, embedding_key, free_move, scatter_axes
-from vescale._torch import PATCHES
 from vescale.memo import Memo
 
 aten = torch.ops.aten

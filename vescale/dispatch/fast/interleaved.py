@@ -38,14 +38,13 @@ from collections.abc import Sequence
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from vescale._torch import DTensorSpec
-from vescale._torch import OpSchema, OpSpec, OpStrategy, TupleStrategy
-from vescale._torch import compute_local_shape_and_global_offset, compute_local_stride
-from vescale._torch import _is_shard_like
+from vescale._torch import (
+    DTensorSpec, OpSchema, OpSpec, OpStrategy, TupleStrategy, compute_local_shape_and_global_offset,
+    compute_local_stride, _is_shard_like, PATCHES,
+)
 
 from ...placement import InterleavedShard, interleave_of, is_interleaved
 from ..metas import local_shape
-from vescale._torch import PATCHES
 from vescale.memo import Memo
 
 __all__ = ["install_interleaved_rules", "uninstall_interleaved_rules", "SIZE_DEPENDENT_OPS", "grouped_mm_layout_key",

@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from vescale._torch import OpSchema, OpStrategy
-from vescale._torch import expand_to_full_mesh_op_strategy
-from vescale._torch import PATCHES
+from vescale._torch import OpSchema, OpStrategy, expand_to_full_mesh_op_strategy, PATCHES
 
 __all__ = ["install_partial_rules", "uninstall_partial_rules"]
 

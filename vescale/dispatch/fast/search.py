@@ -27,11 +27,11 @@ from __future__ import annotations
 from typing import Any
 
 from torch.distributed.tensor import DTensor
-from vescale._torch import OpSchema, OpStrategy, TupleStrategy
-from vescale._torch import _is_shard_like
+from vescale._torch import (
+    OpSchema, OpStrategy, TupleStrategy, _is_shard_like, _dijkstra_expand_single_dim_strategy_to_mesh,
+    _expand_single_dim_strategy_to_mesh, _PreparedSingleDimStrategy, PATCHES,
+)
 from ..metas import meta_outputs, miss_outputs
-from vescale._torch import _dijkstra_expand_single_dim_strategy_to_mesh, _expand_single_dim_strategy_to_mesh, _PreparedSingleDimStrategy
-from vescale._torch import PATCHES
 
 __all__ = ["install_fast_search", "uninstall_fast_search"]
 

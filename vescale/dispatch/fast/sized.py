@@ -31,12 +31,9 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
-from vescale._torch import DTensorSpec
-from vescale._torch import OutputSharding
-from vescale._torch import return_and_correct_aliasing
+from vescale._torch import DTensorSpec, OutputSharding, return_and_correct_aliasing, PATCHES
 
 from ..local import runs_locally_when, why_rule_not_local
-from vescale._torch import PATCHES
 from vescale.memo import Memo
 
 __all__ = ["sized_op_handler", "install_sized_ops", "uninstall_sized_ops", "clear_sized_ops_table"]

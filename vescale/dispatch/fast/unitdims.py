@@ -23,8 +23,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from vescale._torch import DTensorSpec
-from vescale._torch import OpSchema, OutputSharding
+from vescale._torch import DTensorSpec, OpSchema, OutputSharding
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

@@ -16,8 +16,7 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
-from vescale._torch import OpInfo, OpSchema
-from vescale._torch import PATCHES
+from vescale._torch import OpInfo, OpSchema, PATCHES
 
 __all__ = ["unwrap_to_op_info", "install_unwrap", "uninstall_unwrap"]
 

@@ -42,13 +42,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.tensor import DTensor
-from vescale._torch import DTensorSpec
-from vescale._torch import OpSchema, OpSpec, OpStrategy
-from vescale._torch import _ViewShardingPropagator, dim_maps, propagate_shape_and_sharding
-from vescale._torch import generate_redistribute_costs
+from vescale._torch import (
+    DTensorSpec, OpSchema, OpSpec, OpStrategy, _ViewShardingPropagator, dim_maps,
+    propagate_shape_and_sharding, generate_redistribute_costs, _StridedShard, PATCHES,
+)
 from torch.distributed.tensor.placement_types import Replicate, Shard
-from vescale._torch import _StridedShard
-from vescale._torch import PATCHES
 
 if TYPE_CHECKING:
     from torch.distributed.tensor.placement_types import Placement

@@ -36,10 +36,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from vescale._torch import DTensorSpec
-from vescale._torch import OpSchema, OutputSharding
-from vescale._torch import _tensor_ops
-from vescale._torch import _StridedShard
+from vescale._torch import DTensorSpec, OpSchema, OutputSharding, _tensor_ops, _StridedShard
 
 from ..metas import _is_elementwise, mesh_shape
 
