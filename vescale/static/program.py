@@ -199,12 +199,12 @@ def _mover(moves: list | None):
     return lambda i, t: moves[i](t) if i < len(moves) and moves[i] is not None else t
 
 
-def wrapper(crossings: dict, path: str, where: str):
+def wrapper(crossings: dict, path: str, where: str) -> Callable[[int, torch.Tensor], torch.Tensor]:
     """``fn(index, tensor)``: a local tensor crossing ``(path, where)`` as the DTensor recorded there."""
     return lambda i, t: _wrap(t, crossings.get((path, where, i)))
 
 
-def unwrapper(crossings: dict, path: str, where: str):
+def unwrapper(crossings: dict, path: str, where: str) -> Callable[[int, torch.Tensor], torch.Tensor]:
     """``fn(index, tensor)``: a DTensor crossing ``(path, where)`` as its local tensor."""
     return lambda i, t: _unwrap(t, crossings.get((path, where, i)))
 
