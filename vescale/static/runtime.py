@@ -54,14 +54,13 @@ from ..parallel.hooks import _register_once_on_grads, call_state, _tensors_in
 from ..plan.ir import PlanError
 from ..parallel.placing import grad_layout
 from ..placement.blocks import local_shape_and_offset
-from . import averaged, relabel, resize
+from . import averaged, program, relabel, resize
 from .boundary import HandOvers, ParamShadow, dtensor_of, grad_spec, local_of, settled_on_unit_dims
 from .random_gate import CallTracker, RandomGate
 from .record import Crossing, Record, _OpWatcher, input_keys, output_keys
 from .recompute import RegionState, in_backward, refuse_outside_region, unnoted_region
 from .quiet import QuietModules
 from .units import Units
-from . import program
 from .program import Steps
 
 if TYPE_CHECKING:
