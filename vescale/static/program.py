@@ -35,7 +35,7 @@ from .record import Crossing, Record
 if TYPE_CHECKING:
     from .runtime import StaticRuntime
 
-__all__ = ["Steps", "decide", "find_relabelled", "find_quiet", "wrapper", "unwrapper", "compile_moves"]
+__all__ = ["Steps", "runs_static", "decide", "find_relabelled", "find_quiet", "wrapper", "unwrapper", "compile_moves"]
 
 
 @dataclass(frozen=True)
@@ -61,13 +61,14 @@ class Steps:
     root_out: Callable | None = None
 
 
-def _static(rt: StaticRuntime, rec: Record, path: str | None) -> bool:
-    """Whether ``path`` runs on local tensors in ``rec``'s static steps (``StaticRuntime.is_static``)."""
+def runs_static(rt: StaticRuntime, rec: Record, path: str | None) -> bool:
+    """Whether ``path``'s body runs on local tensors in ``rec``'s static steps (what
+    ``StaticRuntime.is_static`` answers in them): not kept eager by the plan nor by the recording."""
     return path is not None and path not in rt.forced_eager and path not in rec.unsafe
 
 
 def _parent_static(rt: StaticRuntime, rec: Record, path: str) -> bool:
-    return _static(rt, rec, rt.parent.get(path))
+    return runs_static(rt, rec, rt.parent.get(path))
 
 
 def decide(rt: StaticRuntime, rec: Record) -> Mapping[str, Steps]:
@@ -83,7 +84,7 @@ def decide(rt: StaticRuntime, rec: Record) -> Mapping[str, Steps]:
 def _decide_steps(rt: StaticRuntime, rec: Record, path: str) -> Steps:
     """What ``path``'s hooks do in ``rec``'s static steps (the same facts the recording mirrored:
     which modules run static, and where the plan places tensors)."""
-    static, parent_static = _static(rt, rec, path), _parent_static(rt, rec, path)
+    static, parent_static = runs_static(rt, rec, path), _parent_static(rt, rec, path)
     wrap_in = parent_static and (path in rt.planned_pre or not static)
     wrap_out = static and (path in rt.planned_post or not parent_static)
     # Between two static modules a planned redistribution runs as precompiled moves where every
@@ -135,7 +136,7 @@ def find_relabelled(rt: StaticRuntime, rec: Record) -> frozenset:
     found = set()
     for path, scope in rt.scopes.items():
         inside = [p for p, s in rt.scope_of.items() if s == path]
-        if not _parent_static(rt, rec, path) or not all(_static(rt, rec, p) and p not in rec.lookups for p in inside):
+        if not _parent_static(rt, rec, path) or not all(runs_static(rt, rec, p) and p not in rec.lookups for p in inside):
             continue
         if any(spot[0] in inside for spot in rt.grad_dst_spots):
             continue
@@ -156,7 +157,7 @@ def find_quiet(rt: StaticRuntime, rec: Record) -> dict:
     see ``StaticRuntime.unit_in``)."""
     quiet: dict = {}
     units: dict = {}
-    local_calls = {p for p in local_call_paths(rec.losses, rec.sizes) if _static(rt, rec, p)}  # the mode runs only there
+    local_calls = {p for p in local_call_paths(rec.losses, rec.sizes) if runs_static(rt, rec, p)}  # the mode runs only there
     for path, hooks in rt.own_hooks.items():
         mod = hooks.module
         inner = hooks.inner.ids  # the hooks that ran before Static Eager's came (the plan's)

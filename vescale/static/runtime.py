@@ -312,11 +312,11 @@ class StaticRuntime:
         """Whether ``path`` runs static in this step; while recording, whether the recording runs it
         as if it will (the boundaries static mode converts at are mirrored, so that eager's backward
         sees gradients laid out as static mode will hand them over)."""
-        if path in self.forced_eager or self.record is None:
+        if self.record is None:
             return False
         if self.state is State.RECORD:
-            return path not in self.record.assumed_eager
-        return path not in self.record.unsafe
+            return path not in self.forced_eager and path not in self.record.assumed_eager
+        return program.runs_static(self, self.record, path)
 
     def parent_static(self, path: str) -> bool:
         parent = self.parent.get(path)

@@ -157,18 +157,24 @@ def local_bounds(spec: DTensorSpec, mesh_dim: int, dim: int, first: int, count: 
     return first * piece, (first + count) * piece
 
 
+def _sliced_sections(spec: DTensorSpec, schema: OpSchema) -> tuple | None:
+    """``(mesh dim, first section, section count, dim)`` of a slice call that takes whole sections
+    of ``spec``'s ``InterleavedShard`` dim, else None."""
+    dim, start, end, step = _slice_args(schema.args_schema)
+    found = slice_sections(spec, dim, start, end, step)
+    return None if found is None else (*found, _normalize(dim, len(spec.shape)))
+
+
 def _local_slice(schema: OpSchema) -> OpStrategy | None:
     """``slice`` of whole sections of an ``InterleavedShard`` dim (see the module doc)."""
     strategy = schema.args_schema[0]
     if not isinstance(strategy, OpStrategy) or len(strategy.strategies) != 1:
         return None
     spec = strategy.strategies[0].output_spec
-    dim, start, end, step = _slice_args(schema.args_schema)
-    found = slice_sections(spec, dim, start, end, step)
+    found = _sliced_sections(spec, schema)
     if found is None:
         return None
-    m, _, count = found
-    dim = _normalize(dim, len(spec.shape))
+    m, _, count, dim = found
     out = tuple(_sectioned(p, dim, count) if i == m else p for i, p in enumerate(spec.placements))
     return OpStrategy([OpSpec(output_specs=DTensorSpec(spec.mesh, out), input_specs=(spec,), redistribute_cost=[[0.0]])])
 
@@ -176,12 +182,10 @@ def _local_slice(schema: OpSchema) -> OpStrategy | None:
 def _local_slice_args(specs: list[DTensorSpec], schema: OpSchema) -> OpSchema:
     """The slice's bounds made local where the chosen strategy keeps the interleaved input."""
     spec = specs[0]
-    dim, start, end, step = _slice_args(schema.args_schema)
-    found = slice_sections(spec, dim, start, end, step)
+    found = _sliced_sections(spec, schema)
     if found is None:
         return schema
-    m, first, count = found
-    dim = _normalize(dim, len(spec.shape))
+    m, first, count, dim = found
     section = spec.shape[dim] // interleave_of(spec.placements[m])
     start, end = local_bounds(spec, m, dim, first, count, section)
     args = (schema.args_schema[0], dim, start, end, 1)
